@@ -1,0 +1,214 @@
+"""The envelope every IPC backend shares: the wire form of a region and the import/close contract.
+
+Design (as LMCache's DeviceIPCWrapper): the base owns the fields that travel (kind, handle bytes,
+byte offset from the allocation base, nbytes, dtype, shape, strides, device UUID), their checks,
+and the dtype round trip; a sibling backend implements only `export` (exporter side), `open`
+(importer side), `to_tensor` and `_close`. Bytes travel as uint8 and the dtype is restored with
+`view(dtype)`, so fp32/fp16/bf16/fp8 pools share one path.
+
+Contract:
+- `export(tensor)` is called once per pool per link by the owner of the memory; the returned region
+  keeps whatever it needs (an fd, a handle) alive until `close()`.
+- `open(desc, fds)` is called once per pool per link by the peer; `to_tensor()` returns a tensor of
+  exactly `desc.shape`/`desc.dtype` over the shared memory.
+- `close()` is idempotent and never raises: it logs, because raising would abort the cleanup of
+  everything after it. Tensors returned by `to_tensor()` must not be used after `close()`.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import msgspec
+import structlog
+import torch
+
+from common.errors import IpcError
+
+log = structlog.get_logger(__name__)
+
+# dtype names on the wire; fp8 kinds only where this torch has them.
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[_name] = getattr(torch, _name)
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Wire name of a torch dtype ("bfloat16"); IpcError for one pdkv does not carry."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise IpcError(f"dtype {dtype} cannot be shared; supported: {sorted(_DTYPES)}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """torch dtype of a wire name; IpcError naming the supported ones otherwise."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise IpcError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
+
+
+class RegionDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Wire form of one shared region. Exporter → importer, inside REGISTER.
+
+    `handle` is the backend's opaque handle (empty for shm, whose fd travels with SCM_RIGHTS);
+    `offset` is the byte offset of the tensor's first byte from the start of the shared allocation;
+    `strides` are in elements, as torch reports them; `device_uuid` is "" for CPU memory.
+    """
+
+    kind: str
+    handle: bytes
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    device_uuid: str = ""
+
+    def check(self) -> None:
+        """Raise IpcError if the fields contradict each other (checked before any import)."""
+        dtype = dtype_from_name(self.dtype)
+        if self.offset < 0 or self.nbytes < 0:
+            raise IpcError(f"negative offset {self.offset} or nbytes {self.nbytes} in descriptor")
+        if len(self.shape) != len(self.strides) or any(d < 0 for d in self.shape):
+            raise IpcError(f"bad shape {self.shape} / strides {self.strides} in descriptor")
+        if self.strides != contiguous_strides(self.shape):
+            raise IpcError(
+                f"descriptor strides {self.strides} are not contiguous for shape {self.shape}"
+            )
+        expected = math.prod(self.shape) * dtype.itemsize
+        if expected != self.nbytes:
+            raise IpcError(
+                f"descriptor nbytes {self.nbytes} does not match shape {self.shape} x "
+                f"{self.dtype} = {expected} bytes"
+            )
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a contiguous tensor of `shape`."""
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def as_contiguous_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself if contiguous, or a metadata-only permutation of it that is contiguous.
+
+    A permutation is found by sorting dimensions by stride; if the permuted view is still not
+    contiguous (a slice with gaps, an expanded dim) the tensor is refused: sharing it would need a
+    copy, and a copy is not the memory the peer expects to see.
+    """
+    if tensor.is_contiguous():
+        return tensor
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.size(d)))
+    permuted = tensor.permute(*order)
+    if permuted.is_contiguous():
+        return permuted
+    raise IpcError(
+        f"cannot share a non-contiguous tensor of shape {tuple(tensor.shape)} and strides "
+        f"{tuple(tensor.stride())}: no permutation of it is contiguous; share the base tensor "
+        "or make it contiguous first"
+    )
+
+
+def bytes_as(raw: torch.Tensor, desc: RegionDescriptor) -> torch.Tensor:
+    """View a flat uint8 tensor of desc.nbytes bytes as desc's dtype and shape (no copy)."""
+    if raw.dtype != torch.uint8 or raw.dim() != 1:
+        raise IpcError(f"expected a flat uint8 tensor, got {raw.dtype} of shape {tuple(raw.shape)}")
+    if raw.numel() != desc.nbytes:
+        raise IpcError(f"shared region holds {raw.numel()} bytes, descriptor says {desc.nbytes}")
+    return raw.view(dtype_from_name(desc.dtype)).view(desc.shape)
+
+
+class SharedRegion(ABC):
+    """One shared memory region, exporting or importing side. See the module docstring."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, desc: RegionDescriptor) -> None:
+        self.desc = desc
+        self._closed = False
+
+    @classmethod
+    @abstractmethod
+    def export(cls, tensor: torch.Tensor) -> SharedRegion:
+        """Exporter side: share `tensor`'s memory. The region keeps it alive until close()."""
+
+    @classmethod
+    @abstractmethod
+    def open(cls, desc: RegionDescriptor, fds: list[int]) -> SharedRegion:
+        """Importer side: map the region `desc` names (fds as received with SCM_RIGHTS)."""
+
+    @abstractmethod
+    def to_tensor(self) -> torch.Tensor:
+        """The region as a tensor of desc.dtype and desc.shape."""
+
+    @abstractmethod
+    def _close(self) -> None:
+        """Release what this side holds; may raise, close() logs it."""
+
+    def fds(self) -> list[int]:
+        """File descriptors that must travel with the descriptor (SCM_RIGHTS); none by default."""
+        return []
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Idempotent; logs instead of raising."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._close()
+        except Exception as exc:
+            log.warning("ipc_close_failed", kind=self.kind, error=str(exc))
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_BACKENDS: dict[str, type[SharedRegion]] = {}
+
+
+def register_backend(cls: type[SharedRegion]) -> type[SharedRegion]:
+    """Class decorator: make `cls` the backend for descriptors of kind `cls.kind`."""
+    _BACKENDS[cls.kind] = cls
+    return cls
+
+
+def backend_for(kind: str) -> type[SharedRegion]:
+    """The backend class for `kind`; IpcError naming the available kinds otherwise."""
+    if kind not in _BACKENDS:
+        # Import lazily so the CUDA backends are only loaded when asked for.
+        import common.ipc.shm
+
+        if kind.startswith("cuda"):
+            try:
+                import common.ipc.cuda_raw
+                import common.ipc.cuda_torch  # noqa: F401
+            except ImportError as exc:
+                raise IpcError(f"IPC backend {kind!r} unavailable here: {exc}") from exc
+    try:
+        return _BACKENDS[kind]
+    except KeyError:
+        raise IpcError(f"unknown IPC backend {kind!r}; available: {sorted(_BACKENDS)}") from None
