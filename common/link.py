@@ -1,0 +1,188 @@
+"""Framed, full-duplex I/O on a connected Unix socket, with file descriptors (SCM_RIGHTS).
+
+asyncio's streams cannot carry ancillary data, and the shm backend passes its memfd with the REGISTER
+frame, so the link uses this small channel instead: a reader callback drains the socket with
+recvmsg into a buffer (fds queued in arrival order), `readexactly` serves the frame decoder, and
+`send` writes whole frames under a lock so concurrent senders never interleave. Reading pauses when
+the buffer holds more than `max_buffer` bytes (backpressure), and every fd received beyond what the
+protocol expects is closed.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import socket
+from collections import deque
+
+from common.errors import ProtocolError
+from common.protocol import Message, encode, read_frame
+
+#: At most this many fds are accepted per recvmsg; more is a protocol error.
+MAX_FDS_PER_MSG = 16
+_RECV_SIZE = 256 * 1024
+_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
+
+
+class FrameChannel:
+    """One connected SOCK_STREAM Unix socket, framed. Not thread-safe; one event loop."""
+
+    def __init__(self, sock: socket.socket, *, max_buffer: int = 8 * 1024 * 1024) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self._loop = asyncio.get_running_loop()
+        self._fileno = sock.fileno()
+        self._buf = bytearray()
+        self._fds: deque[int] = deque()
+        self._eof = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._max_buffer = max_buffer
+        self._reading = True
+        self._send_lock = asyncio.Lock()
+        self._closed = False
+        self._loop.add_reader(self._fileno, self._on_readable)
+
+    # ---- reading -------------------------------------------------------------------------------
+    def _on_readable(self) -> None:
+        try:
+            data, ancdata, flags, _ = self.sock.recvmsg(_RECV_SIZE, _CMSG_SPACE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._error = exc
+            self._stop_reading()
+            self._wake()
+            return
+        for level, kind, payload in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self._error = ProtocolError(f"more than {MAX_FDS_PER_MSG} fds in one message")
+        if not data:
+            self._eof = True
+            self._stop_reading()
+        else:
+            self._buf += data
+            if len(self._buf) > self._max_buffer:
+                self._stop_reading()
+        self._wake()
+
+    def _stop_reading(self) -> None:
+        if self._reading:
+            self._reading = False
+            self._loop.remove_reader(self._fileno)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def readexactly(self, n: int) -> bytes:
+        """Exactly n bytes; asyncio.IncompleteReadError at EOF, as StreamReader does."""
+        while len(self._buf) < n:
+            if self._error is not None:
+                raise self._error
+            if self._eof:
+                partial = bytes(self._buf)
+                self._buf.clear()
+                raise asyncio.IncompleteReadError(partial, n)
+            if not self._reading and not self._closed:
+                self._reading = True
+                self._loop.add_reader(self._fileno, self._on_readable)
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        data = bytes(self._buf[:n])
+        del self._buf[:n]
+        if not self._reading and not self._eof and not self._closed:
+            self._reading = True
+            self._loop.add_reader(self._fileno, self._on_readable)
+        return data
+
+    async def recv(self) -> Message:
+        """The next message (ConnectionClosed at a clean EOF, ProtocolError on bad bytes)."""
+        return await read_frame(self)
+
+    def take_fds(self, n: int) -> list[int]:
+        """The next n fds received, in order; ProtocolError if fewer arrived."""
+        if len(self._fds) < n:
+            raise ProtocolError(
+                f"expected {n} file descriptors with the frame, got {len(self._fds)}"
+            )
+        return [self._fds.popleft() for _ in range(n)]
+
+    # ---- writing -------------------------------------------------------------------------------
+    async def send(self, msg: Message, fds: list[int] | None = None) -> None:
+        """Write one whole frame (with fds attached to its first byte)."""
+        await self.send_bytes(encode(msg), fds)
+
+    async def send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
+        async with self._send_lock:
+            view = memoryview(data)
+            if fds:
+                anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+                sent = await self._retry(lambda: self.sock.sendmsg([view], anc))
+                view = view[sent:]
+            while view:
+                sent = await self._retry(lambda v=view: self.sock.send(v))
+                view = view[sent:]
+
+    async def _retry(self, op) -> int:  # type: ignore[no-untyped-def]
+        while True:
+            try:
+                return op()
+            except (BlockingIOError, InterruptedError):
+                fut = self._loop.create_future()
+                self._loop.add_writer(self._fileno, fut.set_result, None)
+                try:
+                    await fut
+                finally:
+                    self._loop.remove_writer(self._fileno)
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Idempotent: stop reading, close unclaimed fds and the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_reading()
+        self._eof = True
+        self._wake()
+        while self._fds:
+            os.close(self._fds.popleft())
+        self.sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def peer_credentials(self) -> tuple[int, int, int]:
+        """(pid, uid, gid) of the peer process, from SO_PEERCRED."""
+        return peer_credentials(self.sock)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(
+        socket.SOL_SOCKET, socket.SO_PEERCRED, array.array("i", [0, 0, 0]).itemsize * 3
+    )
+    creds = array.array("i")
+    creds.frombytes(raw)
+    return creds[0], creds[1], creds[2]
+
+
+async def connect(path: str) -> FrameChannel:
+    """Connect to a Unix socket at `path` and wrap it in a FrameChannel."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, path)
+    except BaseException:
+        sock.close()
+        raise
+    return FrameChannel(sock)

@@ -1,0 +1,72 @@
+"""The wire protocol: frame codec, typed messages, version history and fingerprint.
+
+The one place the protocol lives; docs/protocol.md describes it byte by byte.
+"""
+
+from common.protocol.frame import (
+    HEADER_SIZE,
+    MAX_EVENT_BYTES,
+    MAX_MEM_BYTES,
+    MAX_META_BYTES,
+    ConnectionClosed,
+    decode,
+    encode,
+    read_frame,
+)
+from common.protocol.messages import (
+    Abort,
+    Error,
+    ErrorCode,
+    Finish,
+    Generate,
+    Handoff,
+    Hello,
+    HelloOk,
+    Message,
+    MsgType,
+    Ping,
+    Pong,
+    RegionInfo,
+    Register,
+    Registered,
+    Release,
+    Status,
+    StatusReply,
+    Tokens,
+    Usage,
+)
+from common.protocol.version import HISTORY, PROTOCOL_VERSION, fingerprint
+
+__all__ = [
+    "HEADER_SIZE",
+    "HISTORY",
+    "MAX_EVENT_BYTES",
+    "MAX_MEM_BYTES",
+    "MAX_META_BYTES",
+    "PROTOCOL_VERSION",
+    "Abort",
+    "ConnectionClosed",
+    "Error",
+    "ErrorCode",
+    "Finish",
+    "Generate",
+    "Handoff",
+    "Hello",
+    "HelloOk",
+    "Message",
+    "MsgType",
+    "Ping",
+    "Pong",
+    "RegionInfo",
+    "Register",
+    "Registered",
+    "Release",
+    "Status",
+    "StatusReply",
+    "Tokens",
+    "Usage",
+    "decode",
+    "encode",
+    "fingerprint",
+    "read_frame",
+]

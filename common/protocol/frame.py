@@ -1,0 +1,140 @@
+"""The frame: fixed header, JSON metadata, memory-handle bytes, event-handle bytes.
+
+Header (20 bytes, network byte order): magic b"PDKV", u16 protocol version, u16 message type,
+u32 metadata length, u32 memory-handle length, u32 event-handle length. Every length is checked
+against its documented maximum before a byte of the body is read or allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Protocol
+
+import msgspec
+
+from common.errors import PdkvError, ProtocolError
+from common.protocol.messages import BY_TYPE, Message, MsgType
+from common.protocol.version import MAGIC, PROTOCOL_VERSION, SUPPORTED_VERSIONS
+
+HEADER = struct.Struct("!4sHHIII")
+HEADER_SIZE = HEADER.size  # 20
+
+#: Maximum metadata length: a HANDOFF of a 64k-token prompt is about 450 KiB of JSON.
+MAX_META_BYTES = 4 * 1024 * 1024
+#: Maximum memory-handle segment: CUDA IPC handles are 64 bytes, a pool has a few regions.
+MAX_MEM_BYTES = 64 * 1024
+#: Maximum event-handle segment: 64-byte handles, up to 1024 ring slots.
+MAX_EVENT_BYTES = 64 * 1024
+
+_SEGMENT_FIELDS = ("mem_handles", "event_handles")
+_ENCODER = msgspec.json.Encoder()
+_DECODERS = {t: msgspec.json.Decoder(cls) for t, cls in BY_TYPE.items()}
+
+
+class ConnectionClosed(PdkvError):
+    """The peer closed the connection cleanly, between two frames."""
+
+
+class ExactReader(Protocol):
+    """What the decoder reads from: asyncio.StreamReader, or common.link.FrameChannel."""
+
+    async def readexactly(self, n: int) -> bytes: ...
+
+
+def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> bytes:
+    """The whole frame of `msg`, ready to write."""
+    mem = getattr(msg, "mem_handles", b"")
+    ev = getattr(msg, "event_handles", b"")
+    if mem or ev:
+        msg = msgspec.structs.replace(msg, mem_handles=b"", event_handles=b"")
+    meta = _ENCODER.encode(msg)
+    if len(meta) > MAX_META_BYTES:
+        raise ProtocolError(
+            f"{msg.TYPE.name} metadata of {len(meta)} bytes exceeds {MAX_META_BYTES}"
+        )
+    if len(mem) > MAX_MEM_BYTES or len(ev) > MAX_EVENT_BYTES:
+        raise ProtocolError(
+            f"{msg.TYPE.name} handle segments of {len(mem)}/{len(ev)} bytes too large"
+        )
+    header = HEADER.pack(MAGIC, version, int(msg.TYPE), len(meta), len(mem), len(ev))
+    return b"".join((header, meta, mem, ev))
+
+
+def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
+    """Validate a header; returns (type, meta_len, mem_len, event_len). ProtocolError otherwise."""
+    if len(header) != HEADER_SIZE:
+        raise ProtocolError(f"truncated header: {len(header)} of {HEADER_SIZE} bytes")
+    magic, version, mtype, meta_len, mem_len, ev_len = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"wrong magic {magic!r}, expected {MAGIC!r}: not a pdkv peer")
+    if version not in SUPPORTED_VERSIONS:
+        raise ProtocolError(
+            f"unsupported protocol version {version}; this build speaks {PROTOCOL_VERSION} "
+            "(run the same pdkv version on both daemons)"
+        )
+    if mtype not in BY_TYPE:
+        raise ProtocolError(f"unknown message type {mtype}")
+    for name, value, limit in (
+        ("metadata", meta_len, MAX_META_BYTES),
+        ("memory-handle", mem_len, MAX_MEM_BYTES),
+        ("event-handle", ev_len, MAX_EVENT_BYTES),
+    ):
+        if value > limit:
+            raise ProtocolError(f"{name} segment of {value} bytes exceeds the maximum {limit}")
+    msg_type = MsgType(mtype)
+    if (mem_len or ev_len) and not hasattr(BY_TYPE[mtype], "mem_handles"):
+        raise ProtocolError(
+            f"{msg_type.name} carries no handle segments, header says {mem_len}/{ev_len}"
+        )
+    return msg_type, meta_len, mem_len, ev_len
+
+
+def decode_body(msg_type: MsgType, meta: bytes, mem: bytes = b"", ev: bytes = b"") -> Message:
+    """The message of one frame's body; ProtocolError naming what was wrong otherwise."""
+    try:
+        msg = _DECODERS[msg_type].decode(meta)
+    except msgspec.ValidationError as exc:
+        raise ProtocolError(f"invalid {msg_type.name} metadata: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"{msg_type.name} metadata is not valid UTF-8 JSON: {exc}") from None
+    if hasattr(msg, "mem_handles"):
+        if msg.mem_handles or msg.event_handles:
+            raise ProtocolError(
+                f"{msg_type.name} handle bytes belong in the segments, not the JSON"
+            )
+        msg = msgspec.structs.replace(msg, mem_handles=mem, event_handles=ev)
+    return msg
+
+
+def decode(frame: bytes) -> Message:
+    """Decode one whole frame held in memory (tests, vectors); trailing bytes are an error."""
+    msg_type, meta_len, mem_len, ev_len = parse_header(frame[:HEADER_SIZE])
+    end = HEADER_SIZE + meta_len + mem_len + ev_len
+    if len(frame) != end:
+        raise ProtocolError(f"frame of {len(frame)} bytes, header announces {end}")
+    a = HEADER_SIZE + meta_len
+    b = a + mem_len
+    return decode_body(msg_type, frame[HEADER_SIZE:a], frame[a:b], frame[b:end])
+
+
+async def read_frame(reader: ExactReader) -> Message:
+    """Read exactly one frame. ConnectionClosed on EOF between frames, ProtocolError otherwise."""
+    try:
+        header = await reader.readexactly(HEADER_SIZE)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            raise ConnectionClosed("peer closed the connection") from None
+        raise ProtocolError(
+            f"truncated header: {len(exc.partial)} of {HEADER_SIZE} bytes"
+        ) from None
+    msg_type, meta_len, mem_len, ev_len = parse_header(header)
+    try:
+        body = await reader.readexactly(meta_len + mem_len + ev_len)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(
+            f"truncated {msg_type.name} frame: {len(exc.partial)} of "
+            f"{meta_len + mem_len + ev_len} body bytes before EOF"
+        ) from None
+    a, b = meta_len, meta_len + mem_len
+    return decode_body(msg_type, body[:a], body[a:b], body[b:])
