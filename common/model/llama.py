@@ -1,0 +1,208 @@
+"""A Llama-family decoder in plain torch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model reads and writes K/V only through `common.model.paged` on the pool tensor the caller
+passes in, so prefill and decode can run in different processes over shared memory. Weights are
+held fused (q/k/v in one matrix, gate/up in another) so each layer is four matmuls.
+
+Batch invariance: every operation in `decode_step` is row-wise (per-token matmuls, per-row
+attention), so a sequence decoded alone and inside a batch sees the same arithmetic up to the
+kernels' own blocking; the tiny model's wide logits keep greedy argmax stable under that rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model.config import LlamaConfig
+from common.model.paged import paged_attention, scatter_kv
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer; `qkv` rows are [q heads | k heads | v heads], `gate_up` is [gate | up]."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, hidden]
+    o: torch.Tensor  # [hidden, Hq * D]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass
+class LlamaWeights:
+    """All weights; `lm_head` may be the very tensor `embed` (tied embeddings)."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as Llama defines it: normalize in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in fp32, with linear or llama3 scaling when configured."""
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    if config.rope_type == "linear":
+        return inv / config.rope_factor
+    if config.rope_type == "llama3":
+        factor, old_len = config.rope_factor, config.rope_original_max_position
+        low, high = config.rope_low_freq_factor, config.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    """Inference-only Llama decoder over an external paged KV pool.
+
+    Attributes: `config`, `device`, `dtype`, `fingerprint` (model identity for the handshake).
+    Inputs may live on any device; they are moved to `device`. Logits are returned in fp32.
+    """
+
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, *, fingerprint: str) -> None:
+        self.config = config
+        self.weights = weights
+        self.fingerprint = fingerprint
+        self.device = weights.embed.device
+        self.dtype = weights.embed.dtype
+        self._inv_freq = rope_inv_freq(config).to(self.device)
+        c = config
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+
+    def kv_layout_args(self) -> tuple[int, int, int]:
+        """(num_layers, num_kv_heads, head_dim): the model's part of the pool shape."""
+        return self.config.num_layers, self.config.num_kv_heads, self.config.head_dim
+
+    def new_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
+        """A zeroed pool tensor of this model's layout, dtype and device (for tests, references)."""
+        n_layers, heads, dim = self.kv_layout_args()
+        shape = (num_blocks, n_layers, 2, block_size, heads, dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(
+        self, tokens: torch.Tensor, slot_mapping: torch.Tensor, kv: torch.Tensor
+    ) -> torch.Tensor:
+        """Run a prompt at positions 0..T-1 and return the last position's logits [vocab] (fp32).
+
+        Writes every layer's K/V of all T tokens into `kv` at `slot_mapping` [T]; attention is
+        causal over the prompt itself (dense, not read back from the pool).
+        """
+        tokens, slots = self._on_device(tokens, slot_mapping)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            scatter_kv(kv, layer, slots, k, v)
+            return self._causal_attention(q, k, v)
+
+        h = self._run_layers(tokens, torch.arange(tokens.numel(), device=self.device), attend)
+        return self._logits(h[-1:])[0]
+
+    @torch.inference_mode()
+    def decode_step(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """One new token per sequence for a batch of sequences of different lengths -> [B, vocab].
+
+        Row b's token sits at `positions[b]`; its K/V is written to `slot_mapping[b]` and then it
+        attends over `block_tables[b]` up to `seq_lens[b]` (which counts the new token, so
+        seq_lens == positions + 1 for a sequence without gaps). Rows never influence each other.
+        """
+        tokens, positions, slots, tables, lens = self._on_device(
+            tokens, positions, slot_mapping, block_tables, seq_lens
+        )
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            scatter_kv(kv, layer, slots, k, v)
+            return paged_attention(q, kv, layer, tables, lens)
+
+        return self._logits(self._run_layers(tokens, positions, attend))
+
+    @torch.inference_mode()
+    def forward_dense(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] (fp32) of every position of one sequence, no cache: the test oracle."""
+        (tokens,) = self._on_device(tokens)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            return self._causal_attention(q, k, v)
+
+        return self._logits(
+            self._run_layers(tokens, torch.arange(tokens.numel(), device=self.device), attend)
+        )
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _on_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.as_tensor(t).to(self.device, dtype=torch.long, non_blocking=True) for t in tensors
+        )
+
+    def _run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Embed `tokens` [N] and run every layer; `attend(q, k, v, layer)` supplies attention."""
+        c = self.config
+        cos, sin = self._rope(positions)
+        h = F.embedding(tokens, self.weights.embed)
+        n = tokens.numel()
+        for index, lw in enumerate(self.weights.layers):
+            x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
+            q, k, v = F.linear(x, lw.qkv).split([self._q_size, self._kv_size, self._kv_size], -1)
+            q = self._apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
+            k = self._apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+            v = v.reshape(n, c.num_kv_heads, c.head_dim)
+            h = h + F.linear(attend(q, k, v, index).reshape(n, self._q_size), lw.o)
+            x = rms_norm(h, lw.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        return h
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self._inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [N, 1, D]: broadcast over heads
+        return emb.cos(), emb.sin()
+
+    @staticmethod
+    def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dense causal attention of one sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            is_causal=True,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(h, self.weights.norm, self.config.rms_norm_eps)
+        return F.linear(x, self.weights.lm_head).float()

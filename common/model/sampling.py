@@ -1,0 +1,159 @@
+"""Sampling parameters and the sampler shared by the reference, the prefill and the decode daemon.
+
+Seeded sampling is stateless across processes: the token at generation step i (0 = the token sampled
+from prefill's logits) is drawn with a fresh CPU generator seeded from (seed, i). A request that moves
+from the prefill daemon to the decode daemon therefore needs no generator state on the wire, only its
+seed and its step count, and the single-process reference draws exactly the same numbers. A request
+without a seed gets one from `with_seed()` before its first token (the prefill daemon does this and
+forwards the resolved parameters in HANDOFF).
+
+Sampling runs on the CPU in fp32 (one [vocab] copy per sampled row), so the draw does not depend on
+the device; greedy rows never leave the device until their argmax.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from common.errors import PdkvError
+
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingParamsError(PdkvError, ValueError):
+    """Sampling parameters outside their domain; the message names the field and its range."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to pick tokens. Client → prefill daemon → decode daemon (inside HANDOFF).
+
+    temperature 0 is greedy (top_k, top_p and seed are then ignored); top_k 0 and top_p 1.0 are
+    off. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    def validate(self) -> SamplingParams:
+        """Return self when every field is in range; SamplingParamsError naming the first that is not."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError(
+                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+            )
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise SamplingParamsError(
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingParamsError(
+                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
+            )
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise SamplingParamsError(f"seed must be an integer or null, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise SamplingParamsError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        return self
+
+    def with_seed(self) -> SamplingParams:
+        """These parameters with a random seed filled in when sampling is random and none was given."""
+        if self.seed is not None or self.greedy:
+            return self
+        return msgspec.structs.replace(self, seed=secrets.randbits(63))
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """64-bit seed of generation step `step` of a request seeded with `seed` (splitmix64 mixing)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (step + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def make_generator(params: SamplingParams, step: int) -> torch.Generator | None:
+    """The CPU generator for generation step `step` (0 = first token), or None when greedy.
+
+    A random request without a seed gets entropy from the OS (not reproducible); call
+    `params.with_seed()` first when the draw must be repeatable or cross processes.
+    """
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbits(63)
+    return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token id from `logits` [vocab]: argmax when greedy, else temperature → top-k → top-p.
+
+    Ties in greedy mode go to the lowest id. Random sampling draws from `generator` (required).
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    if generator is None:
+        raise SamplingParamsError("random sampling needs a generator (see make_generator)")
+    scaled = logits.detach().to("cpu", torch.float32) / params.temperature
+    ordered, ids = torch.sort(scaled, descending=True, stable=True)
+    if 0 < params.top_k < ordered.numel():
+        ordered[params.top_k :] = -math.inf
+    if params.top_p < 1.0:
+        probs = torch.softmax(ordered, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        ordered = ordered.masked_fill(mass_before >= params.top_p, -math.inf)
+    choice = torch.multinomial(torch.softmax(ordered, dim=-1), 1, generator=generator)
+    return int(ids[choice])
+
+
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of `logits` [B, vocab]; row b uses params[b] and generators[b].
+
+    Greedy rows share one argmax and one device-to-host copy; each random row is drawn as `sample`
+    would, so a row's token does not depend on the other rows.
+    """
+    out = torch.argmax(logits, dim=-1).tolist()
+    for row, (p, g) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            out[row] = sample(logits[row], p, g)
+    return out
+
+
+def finish_reason(
+    generated: Sequence[int], params: SamplingParams, stop_ids: frozenset[int] | set[int]
+) -> str | None:
+    """Why a sequence that has produced `generated` must stop, or None to keep going.
+
+    "stop" when the last token is a stop id (and ignore_eos is off; the stop token stays in the
+    output), "length" when max_tokens are out. The reference and the decode daemon both ask this,
+    so they stop at the same token.
+    """
+    if generated and not params.ignore_eos and generated[-1] in stop_ids:
+        return "stop"
+    if len(generated) >= params.max_tokens:
+        return "length"
+    return None
