@@ -1,0 +1,266 @@
+"""What the CLI's commands do, as keyword-only functions returning exit codes (tests call them too)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+import msgspec
+
+from common import client, logs
+from common.config import DecodeConfig, PrefillConfig
+from common.errors import PdkvError
+from common.model.sampling import SamplingParams
+from common.runtime import StartupError, ensure_runtime_dir, read_pid, remove_file
+
+EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
+_RENAMED = {
+    "drain_timeout": "drain_timeout_s",
+    "heartbeat_timeout": "heartbeat_timeout_s",
+    "lease_timeout": "lease_timeout_s",
+    "handoff_timeout": "handoff_timeout_s",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Globals:
+    runtime_dir: Path
+    log_format: str = "auto"
+    log_level: str = "INFO"
+
+
+def make_config(g: Globals, *, role: str, **opts: Any) -> DecodeConfig | PrefillConfig:
+    """The daemon config of `role` from CLI-style options (names as the click parameters)."""
+    kw = {_RENAMED.get(k, k): v for k, v in opts.items()}
+    uids = kw.pop("allowed_uids", "") or ""
+    if isinstance(uids, str):
+        try:
+            uids = tuple(int(u) for u in uids.split(",") if u.strip())
+        except ValueError:
+            raise click.BadParameter(
+                f"--allowed-uids wants comma-separated integers, got {uids!r}"
+            ) from None
+    cls = DecodeConfig if role == "decode" else PrefillConfig
+    return cls(runtime_dir=g.runtime_dir, allowed_uids=tuple(uids), **kw)
+
+
+def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any) -> int:
+    """Run a daemon in the foreground, or detach it and return once it answers STATUS."""
+    try:
+        cfg = make_config(g, role=role, **opts)
+        ensure_runtime_dir(cfg.runtime_dir)
+    except (PdkvError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_STARTUP
+    if background:
+        return _start_background(g, cfg, role, opts)
+    logs.configure(g.log_format, g.log_level)  # type: ignore[arg-type]
+    from common import daemon
+
+    try:
+        if role == "decode":
+            from decode_server.server import serve
+        else:
+            from prefill_server.server import serve
+        return daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
+    except StartupError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_STARTUP
+    except PdkvError as exc:
+        click.echo(f"error: {role} daemon failed: {exc}", err=True)
+        return EXIT_STARTUP
+
+
+def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
+    return cfg.client_path if isinstance(cfg, PrefillConfig) else cfg.link_path
+
+
+def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, opts: dict) -> int:
+    pid = read_pid(cfg.pidfile)
+    if pid is not None:
+        click.echo(
+            f"error: {role} daemon already running (pid {pid}); `pdkv stop {role}` first", err=True
+        )
+        return EXIT_STARTUP
+    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(g.runtime_dir)]
+    argv += [
+        "--log-format",
+        "json" if g.log_format == "auto" else g.log_format,
+        "--log-level",
+        g.log_level,
+    ]
+    argv += [role, "start"]
+    for key, value in opts.items():
+        if value is None or value is False or value == "":
+            continue
+        argv.append("--" + key.replace("_", "-"))
+        if value is not True:
+            argv.append(str(value))
+    log_path = cfg.runtime_dir / f"{role}.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True
+        )
+    sock = _socket_of(cfg)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            click.echo(
+                f"error: {role} daemon exited with {proc.returncode}; log {log_path}:", err=True
+            )
+            click.echo(_tail(log_path), err=True)
+            return EXIT_STARTUP
+        try:
+            asyncio.run(client.status(str(sock), timeout=1.0))
+        except (OSError, TimeoutError, PdkvError):
+            time.sleep(0.1)
+            continue
+        click.echo(f"{role} daemon started (pid {proc.pid}), socket {sock}, log {log_path}")
+        return EXIT_OK
+    click.echo(f"error: {role} daemon did not become ready in 180 s; log {log_path}", err=True)
+    return EXIT_STARTUP
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
+    """SIGTERM each daemon named by its pidfile and wait for it to exit."""
+    code = EXIT_OK
+    for role in ("prefill", "decode") if which == "all" else (which,):
+        pidfile = g.runtime_dir / f"{role}.pid"
+        pid = read_pid(pidfile)
+        if pid is None:
+            remove_file(pidfile)  # stale or absent
+            click.echo(f"{role}: not running")
+            continue
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and read_pid(pidfile) == pid and _alive(pid):
+            time.sleep(0.05)
+        if _alive(pid):
+            click.echo(f"error: {role} (pid {pid}) still running after {timeout}s", err=True)
+            code = EXIT_FAIL
+        else:
+            click.echo(f"{role}: stopped (pid {pid})")
+    return code
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def status(
+    g: Globals,
+    *,
+    client_socket: Path | None = None,
+    link_socket: Path | None = None,
+    as_json: bool = False,
+) -> int:
+    """Print each daemon's state; exit 0 only when both are up."""
+    targets = {
+        "prefill": client_socket or g.runtime_dir / "prefill.sock",
+        "decode": link_socket or g.runtime_dir / "decode.sock",
+    }
+    out: dict[str, Any] = {}
+    for role, path in targets.items():
+        try:
+            out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
+        except (OSError, TimeoutError, PdkvError) as exc:
+            out[role] = {"role": role, "down": f"{type(exc).__name__}: {exc}", "socket": str(path)}
+    if as_json:
+        click.echo(json.dumps(out, indent=2))
+    else:
+        for role, st in out.items():
+            click.echo(_status_line(role, st))
+    return EXIT_OK if all("down" not in st for st in out.values()) else EXIT_FAIL
+
+
+def _status_line(role: str, st: dict[str, Any]) -> str:
+    if "down" in st:
+        return f"{role:8} down  ({st['socket']}: {st['down']})"
+    pool = st["pool"]
+    line = (
+        f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  uptime {st['uptime_s']:.0f}s  "
+        f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
+        f"in-flight {st['inflight']}"
+    )
+    if role == "prefill" and st["links"]:
+        link = st["links"][0]
+        line += f"  link {link['state']} (connects {link['connects']}, rtt {link['rtt_us']} us)"
+    elif role == "decode":
+        line += f"  links {len(st['links'])}"
+    return line
+
+
+def generate(
+    g: Globals,
+    *,
+    prompt: str,
+    client_socket: Path | None = None,
+    stream: bool = True,
+    timeout: float = 120.0,
+    **sampling: Any,
+) -> int:
+    """Run one request through the daemons and print its text."""
+    path = str(client_socket or g.runtime_dir / "prefill.sock")
+    try:
+        params = SamplingParams(**sampling).validate()
+    except (PdkvError, TypeError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 2
+
+    async def run() -> client.Result:
+        result = client.Result(request_id="")
+        async for msg in client.stream(path, prompt=prompt, sampling=params, timeout=timeout):
+            result.request_id = msg.request_id
+            result.text += msg.text
+            if stream and msg.text:
+                click.echo(msg.text, nl=False)
+            if isinstance(msg, client.Finish):
+                result.finish = msg
+        return result
+
+    try:
+        result = asyncio.run(run())
+    except client.RequestFailed as exc:
+        click.echo(f"\nerror: {exc}", err=True)
+        return EXIT_FAIL
+    except (OSError, TimeoutError) as exc:
+        click.echo(
+            f"error: cannot reach the prefill daemon at {path} ({exc}); is it running? "
+            "(pdkv prefill start)",
+            err=True,
+        )
+        return EXIT_FAIL
+    click.echo("" if stream else result.text)
+    return EXIT_OK
+
+
+def demo(g: Globals, **opts: Any) -> int:
+    from common.demo import run_demo
+
+    return run_demo(log_level=g.log_level, **opts)

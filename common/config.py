@@ -1,0 +1,67 @@
+"""Settings of the two daemons: one keyword-only dataclass each, shared by CLI, API and tests."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from common.runtime import default_runtime_dir
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """What both daemons share. Paths default to files in the runtime dir."""
+
+    runtime_dir: Path = field(default_factory=default_runtime_dir)
+    model: str | None = None  # None: the built-in tiny model
+    device: str = "auto"  # auto | cpu | cuda:N
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
+    ipc_backend: str = "auto"  # auto | shm | cuda-raw | cuda-torch
+    block_size: int = 16
+    num_blocks: int = 1024
+    torch_threads: int = 0  # 0: 1 for the tiny model, torch's default otherwise
+    link_socket: Path | None = None
+    socket_group: str | None = None  # sockets 0660 with this group instead of 0600
+    allowed_uids: tuple[int, ...] = ()  # () : our own uid only
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0
+    drain_timeout_s: float = 10.0
+    max_prompt_tokens: int = 8192
+
+    @property
+    def link_path(self) -> Path:
+        return self.link_socket or self.runtime_dir / "decode.sock"
+
+    def uids(self) -> frozenset[int]:
+        return frozenset(self.allowed_uids) | {os.getuid()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig(DaemonConfig):
+    """The decode daemon: accepts links, pulls KV, runs the continuous-batching loop."""
+
+    max_batch: int = 64
+
+    @property
+    def pidfile(self) -> Path:
+        return self.runtime_dir / "decode.pid"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefillConfig(DaemonConfig):
+    """The prefill daemon: client front door, forward + scatter, handoff, leases."""
+
+    client_socket: Path | None = None
+    event_slots: int = 64
+    lease_timeout_s: float = 30.0
+    handoff_timeout_s: float = 30.0  # how long a request may wait for the link / decode capacity
+    max_pending: int = 1024  # requests admitted but not yet handed off
+
+    @property
+    def client_path(self) -> Path:
+        return self.client_socket or self.runtime_dir / "prefill.sock"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.runtime_dir / "prefill.pid"

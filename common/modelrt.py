@@ -1,0 +1,130 @@
+"""The model side of a daemon: device, model, tokenizer, KV pool, allocator and the torch thread.
+
+Torch work runs on one dedicated thread (`ModelRuntime.run`), never on the event loop, so a long
+forward pass does not freeze link traffic or other clients; one thread keeps every kernel launch in
+order on the daemon's stream and needs no locking around the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from common.allocator import BlockAllocator
+from common.config import DaemonConfig
+from common.errors import PdkvError
+from common.kvpool import KVPool, PoolLayout
+from common.model.loader import load_model
+from common.protocol import fingerprint
+
+log = structlog.get_logger(__name__)
+T = TypeVar("T")
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto` → cuda:0 when CUDA works, else cpu; an unusable cuda:N is a clear error."""
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PdkvError(f"--device {name}: CUDA is not available here; use --device cpu")
+        if (dev.index or 0) >= torch.cuda.device_count():
+            raise PdkvError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) visible")
+    elif dev.type != "cpu":
+        raise PdkvError(f"--device {name}: expected auto, cpu or cuda:N")
+    return dev
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if device.type == "cpu":
+        if name not in ("auto", "shm"):
+            raise PdkvError(f"--ipc-backend {name} needs a CUDA device; the CPU pool uses shm")
+        return "shm"
+    if name == "auto":
+        try:
+            from common import _cuda  # noqa: F401
+        except ImportError:
+            return "cuda-torch"
+        return "cuda-raw"
+    if name not in ("cuda-raw", "cuda-torch"):
+        raise PdkvError(f"--ipc-backend {name}: a CUDA pool uses cuda-raw or cuda-torch")
+    return name
+
+
+@dataclass
+class ModelRuntime:
+    model: Any
+    tokenizer: Any
+    device: torch.device
+    layout: PoolLayout
+    pool: KVPool
+    allocator: BlockAllocator
+    backend: str
+    fingerprint: str
+    executor: ThreadPoolExecutor
+
+    @classmethod
+    def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
+        device = resolve_device(cfg.device)
+        backend = resolve_backend(cfg.ipc_backend, device)
+        dtype_name = cfg.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+        dtype = getattr(torch, dtype_name)
+        threads = cfg.torch_threads or (1 if cfg.model is None else 0)
+        if threads:
+            torch.set_num_threads(threads)
+        model, tokenizer = load_model(cfg.model, device=device, dtype=dtype)
+        layers, kv_heads, head_dim = model.kv_layout_args()
+        layout = PoolLayout(
+            num_blocks=cfg.num_blocks,
+            num_layers=layers,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            block_size=cfg.block_size,
+            dtype=dtype_name,
+        )
+        pool = KVPool.create(layout, device=device)
+        fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdkv-{role}-torch")
+        if device.type == "cuda":
+            executor.submit(torch.cuda.set_device, device).result()
+        log.info(
+            "model_loaded",
+            role=role,
+            model=model.fingerprint,
+            device=str(device),
+            dtype=dtype_name,
+            backend=backend,
+            num_blocks=cfg.num_blocks,
+            pool_mib=round(layout.nbytes / 2**20, 1),
+        )
+        return cls(
+            model,
+            tokenizer,
+            device,
+            layout,
+            pool,
+            BlockAllocator(cfg.num_blocks),
+            backend,
+            fp,
+            executor,
+        )
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run `fn` on the torch thread without blocking the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
+    def pool_stats(self) -> dict[str, int]:
+        a = self.allocator
+        return {"total": a.total, "free": a.num_free, "owned": a.num_owned, "leased": a.num_leased}
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,169 @@
+"""The prefill daemon's link to its decode daemon: connect with backoff, handshake, route answers.
+
+Once per connection: HELLO (fingerprint) and REGISTER (the pool's descriptor, its fd for shm, the
+event ring's handles for CUDA). The pool is exported once per process and re-sent per connection.
+While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
+timeout ends the link. On loss every request handed to this link gets LINK_LOST through `on_lost`
+and the link reconnects with capped exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import time
+from collections.abc import Callable
+
+import structlog
+
+from common.config import PrefillConfig
+from common.errors import PdkvError, ProtocolError
+from common.ipc.base import SharedRegion
+from common.link import FrameChannel, connect
+from common.protocol import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    Error,
+    Hello,
+    HelloOk,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class LinkRefused(PdkvError):
+    """The decode daemon refused our HELLO or REGISTER (e.g. INCOMPATIBLE)."""
+
+
+class DecodeLink:
+    def __init__(
+        self,
+        cfg: PrefillConfig,
+        *,
+        fingerprint: str,
+        backend: str,
+        layout_wire: dict,
+        region: SharedRegion,
+        event_handles: list[bytes],
+        on_message: Callable[[Message], None],
+        on_lost: Callable[[str, str], None],
+    ) -> None:
+        self.cfg = cfg
+        self.fingerprint = fingerprint
+        self.backend = backend
+        self.layout_wire = layout_wire
+        self.region = region
+        self.event_handles = event_handles
+        self.on_message = on_message
+        self.on_lost = on_lost
+        self.channel: FrameChannel | None = None
+        self.link_id = ""
+        self.ready = asyncio.Event()
+        self.connects = 0
+        self.last_error = ""
+        self.rtt_us = 0.0
+        self._ping = itertools.count()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def state(self) -> str:
+        return "up" if self.ready.is_set() else "down"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="decode-link")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._drop("prefill daemon is shutting down")
+
+    async def send(self, msg: Message) -> None:
+        """Send on the live link; ConnectionError if there is none."""
+        if self.channel is None or not self.ready.is_set():
+            raise ConnectionError("no link to the decode daemon")
+        await self.channel.send(msg)
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                await self._connect_once()
+                backoff = 0.05
+                await self._serve()
+            except (OSError, ConnectionClosed, ProtocolError, LinkRefused, TimeoutError) as exc:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                level = "warning" if self.connects else "info"
+                getattr(log, level)("decode_link_down", error=self.last_error, retry_s=backoff)
+            self._drop(self.last_error or "link closed")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _connect_once(self) -> None:
+        timeout = self.cfg.heartbeat_timeout_s
+        channel = await asyncio.wait_for(connect(str(self.cfg.link_path)), timeout)
+        self.channel = channel
+        await channel.send(
+            Hello(
+                protocol_version=PROTOCOL_VERSION,
+                fingerprint=self.fingerprint,
+                backend=self.backend,
+                pid=os.getpid(),
+                name="prefill",
+            )
+        )
+        ok = await asyncio.wait_for(channel.recv(), timeout)
+        if isinstance(ok, Error):
+            raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
+        if not isinstance(ok, HelloOk):
+            raise ProtocolError(f"expected HELLO_OK, got {ok.TYPE.name}")
+        fds = self.region.fds()
+        reg = Register.build(self.layout_wire, [self.region.desc], [len(fds)], self.event_handles)
+        await channel.send(reg, fds)
+        done = await asyncio.wait_for(channel.recv(), timeout)
+        if isinstance(done, Error):
+            raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
+        if not isinstance(done, Registered):
+            raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
+        self.link_id = ok.link_id
+        self.connects += 1
+        self.ready.set()
+        log.info("decode_link_up", link=self.link_id, decode_pid=ok.pid, connects=self.connects)
+
+    async def _serve(self) -> None:
+        assert self.channel is not None
+        beat = asyncio.create_task(self._heartbeat(self.channel))
+        try:
+            while True:
+                msg = await asyncio.wait_for(self.channel.recv(), self.cfg.heartbeat_timeout_s)
+                if isinstance(msg, Pong):
+                    self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
+                elif isinstance(msg, Error) and msg.request_id is None:
+                    raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
+                else:
+                    self.on_message(msg)
+        finally:
+            beat.cancel()
+
+    async def _heartbeat(self, channel: FrameChannel) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.heartbeat_interval_s)
+            await channel.send(Ping(seq=next(self._ping), sent_ns=time.monotonic_ns()))
+
+    def _drop(self, reason: str) -> None:
+        was_up = self.ready.is_set()
+        self.ready.clear()
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if was_up:
+            self.on_lost(self.link_id, reason)
+
+
+__all__ = ["DecodeLink", "LinkRefused"]

@@ -1,0 +1,254 @@
+"""The life of one request in the prefill daemon, as an async generator of client frames.
+
+admit (validate, wait for blocks) → prefill (torch thread) → first token to the client → lease the
+blocks to the link and HANDOFF (retried while the decode answers NO_CAPACITY, until the handoff
+deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
+and an unfinished handoff is aborted on the decode side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import structlog
+
+from common.errors import PdkvError
+from common.protocol import (
+    Abort,
+    Error,
+    ErrorCode,
+    Finish,
+    Generate,
+    Handoff,
+    Release,
+    Tokens,
+    Usage,
+)
+from prefill_server.engine import run_prefill
+from prefill_server.request import PrefillRequest
+
+if TYPE_CHECKING:
+    from prefill_server.server import PrefillServer
+
+log = structlog.get_logger(__name__)
+
+
+class RequestFailed(PdkvError):
+    """A request ends with an ERROR frame of `code` to its client."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RequestPipeline:
+    def __init__(self, server: PrefillServer) -> None:
+        self.s = server
+        self._freed = asyncio.Event()
+
+    def capacity_changed(self) -> None:
+        """Wake every request waiting for blocks."""
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    def on_release(self, req: PrefillRequest, msg: Release) -> None:
+        """RELEASE from the decode: the KV is copied; free the blocks (and, on CUDA, the slot)."""
+        alloc = self.s.rt.allocator
+        if req.released or req.request_id not in alloc:
+            return
+        alloc.release(req.request_id)
+        req.released = True
+        req.handoff_us = (time.monotonic_ns() - req.handoff_sent_ns) / 1000
+        if self.s.events is not None and msg.event_slot >= 0:
+            self.s.events.release(msg.event_slot)
+        self.capacity_changed()
+
+    async def run(self, rid: str, msg: Generate) -> AsyncIterator[Tokens | Finish]:
+        s = self.s
+        if s.stopping:
+            raise RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
+        if rid in s.requests:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
+        prompt = self._prompt(msg)
+        sampling = msg.sampling.validate().with_seed()
+        req = PrefillRequest(rid, prompt, sampling, stream=msg.stream)
+        s.requests[rid] = req
+        try:
+            blocks = await self._allocate(req)
+            first = await s.rt.run(run_prefill, s.rt, prompt, blocks, sampling)
+            req.generated.append(first)
+            req.ttft_ms = (time.monotonic() - req.arrived) * 1000
+            yield self._tokens(req, [first])
+            reason = self._finished_early(req)
+            if reason:
+                yield self._finish(req, reason, {})
+                return
+            await self._handoff(req, blocks)
+            async for out in self._relay(req):
+                yield out
+        finally:
+            self._cleanup(req)
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def _prompt(self, msg: Generate) -> list[int]:
+        rt = self.s.rt
+        if (msg.prompt is None) == (msg.prompt_tokens is None):
+            raise RequestFailed(
+                ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens"
+            )
+        tokens = rt.tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
+        assert tokens is not None
+        limit = self.s.cfg.max_prompt_tokens
+        if not 0 < len(tokens) <= limit:
+            raise RequestFailed(
+                ErrorCode.BAD_REQUEST, f"prompt has {len(tokens)} tokens; allowed 1..{limit}"
+            )
+        vocab = rt.model.config.vocab_size
+        if max(tokens) >= vocab:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab}")
+        return list(tokens)
+
+    async def _allocate(self, req: PrefillRequest) -> list[int]:
+        alloc, bs = self.s.rt.allocator, self.s.rt.layout.block_size
+        need = -(-len(req.prompt_tokens) // bs)
+        if need > alloc.total:
+            raise RequestFailed(
+                ErrorCode.BAD_REQUEST,
+                f"prompt needs {need} blocks, the pool has {alloc.total} (raise --num-blocks)",
+            )
+        deadline = time.monotonic() + self.s.cfg.handoff_timeout_s
+        while not alloc.can_allocate(need):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY,
+                    f"no {need} free KV blocks within {self.s.cfg.handoff_timeout_s}s "
+                    f"({alloc.num_free} free of {alloc.total})",
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
+        return alloc.allocate(req.request_id, need)
+
+    def _finished_early(self, req: PrefillRequest) -> str | None:
+        p = req.sampling
+        if not p.ignore_eos and req.generated[-1] in self.s.rt.model.config.stop_token_ids:
+            return "stop"
+        return "length" if p.max_tokens <= 1 else None
+
+    async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> None:
+        s = self.s
+        deadline = time.monotonic() + s.cfg.handoff_timeout_s
+        backoff = 0.005
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(s.link.ready.wait(), max(left, 0))
+            except TimeoutError:
+                raise RequestFailed(
+                    ErrorCode.LINK_LOST,
+                    f"no link to the decode daemon within {s.cfg.handoff_timeout_s}s "
+                    f"({s.link.last_error or 'never connected'})",
+                ) from None
+            if not req.handed_off:
+                s.rt.allocator.lease(
+                    req.request_id, s.link.link_id, time.monotonic() + s.cfg.lease_timeout_s
+                )
+                req.handed_off, req.link_id = True, s.link.link_id
+            req.handoff_sent_ns = time.monotonic_ns()
+            await s.link.send(
+                Handoff(
+                    request_id=req.request_id,
+                    block_ids=blocks,
+                    num_tokens=len(req.prompt_tokens),
+                    prompt_tokens=req.prompt_tokens,
+                    first_token=req.generated[0],
+                    sampling=req.sampling,
+                    sent_ns=req.handoff_sent_ns,
+                )
+            )
+            first = await req.inbox.get()
+            if isinstance(first, Error) and first.code == ErrorCode.NO_CAPACITY:
+                if time.monotonic() + backoff > deadline:
+                    raise RequestFailed(
+                        ErrorCode.NO_CAPACITY, f"decode has no capacity: {first.message}"
+                    )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.2)
+                continue
+            req.inbox.put_nowait(first)  # hand it to the relay, in order
+            return
+
+    async def _relay(self, req: PrefillRequest) -> AsyncIterator[Tokens | Finish]:
+        while True:
+            msg = await req.inbox.get()
+            if isinstance(msg, Tokens):
+                req.generated.extend(msg.tokens)
+                yield self._tokens(req, msg.tokens)
+            elif isinstance(msg, Finish):
+                req.done = True
+                yield self._finish(req, msg.reason, msg.timings)
+                return
+            elif isinstance(msg, Error):
+                req.done = True
+                raise RequestFailed(msg.code, msg.message)
+
+    # ---- output --------------------------------------------------------------------------------
+    def _tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
+        text = self.s.rt.tokenizer.decode(req.generated)
+        delta = ""
+        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 sequence
+            delta, req.text_sent = text[req.text_sent :], len(text)
+        return Tokens(request_id=req.request_id, tokens=new, text=delta)
+
+    def _finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
+        text = self.s.rt.tokenizer.decode(req.generated)
+        total_ms = (time.monotonic() - req.arrived) * 1000
+        timings = {
+            **decode_timings,
+            "ttft_ms": round(req.ttft_ms, 3),
+            "handoff_us": round(req.handoff_us, 1),
+            "total_ms": round(total_ms, 3),
+        }
+        log.info(
+            "request_finished",
+            request_id=req.request_id,
+            reason=reason,
+            prompt_tokens=len(req.prompt_tokens),
+            completion_tokens=len(req.generated),
+            **timings,
+        )
+        self.s.served += 1
+        return Finish(
+            request_id=req.request_id,
+            reason=reason,
+            usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=len(req.generated)),
+            timings=timings,
+            text=text[req.text_sent :],
+        )
+
+    def _cleanup(self, req: PrefillRequest) -> None:
+        s = self.s
+        rid = req.request_id
+        if rid in s.rt.allocator:
+            s.rt.allocator.free(rid)
+        if (
+            req.handed_off
+            and not req.done
+            and s.link.ready.is_set()
+            and s.link.link_id == req.link_id
+        ):
+            # the client went away (or the prefill failed) while the decode still works on it
+            task = asyncio.get_running_loop().create_task(_abort(s, rid))
+            task.add_done_callback(lambda t: t.exception())
+        if s.requests.get(rid) is req:
+            del s.requests[rid]
+        self.capacity_changed()
+
+
+async def _abort(server: PrefillServer, rid: str) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        await server.link.send(Abort(request_id=rid))

@@ -1,0 +1,32 @@
+"""One client request inside the prefill daemon: its blocks, its inbox from the link, its timings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from common.model.sampling import SamplingParams
+from common.protocol import Message
+
+
+@dataclass(eq=False)
+class PrefillRequest:
+    """Created by the front door; the link routes the decode's answers into `inbox`."""
+
+    request_id: str
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    stream: bool = True
+    inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.monotonic)
+    first_token: int = -1
+    generated: list[int] = field(default_factory=list)
+    text_sent: int = 0  # characters of the decoded text already sent to the client
+    ttft_ms: float = 0.0
+    handoff_sent_ns: int = 0
+    handoff_us: float = 0.0  # HANDOFF sent → RELEASE received
+    handed_off: bool = False
+    released: bool = False
+    done: bool = False  # the decode finished or failed it: nothing to abort
+    link_id: str = ""

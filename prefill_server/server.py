@@ -1,0 +1,251 @@
+"""The prefill daemon: client front door, prefill + scatter, handoff, leases, relay of answers.
+
+Per request: validate, wait for pool capacity (bounded), allocate, prefill on the torch thread,
+send the first token to the client, lease the blocks to the link and send HANDOFF; RELEASE frees the
+blocks; TOKENS/FINISH are relayed to the client. A lease that outlives `lease_timeout_s`, a lost
+link and a client that goes away each end the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+
+import structlog
+
+from common import daemon
+from common.config import PrefillConfig
+from common.errors import PdkvError, ProtocolError
+from common.ipc.base import backend_for
+from common.link import FrameChannel
+from common.model.sampling import SamplingParamsError
+from common.modelrt import ModelRuntime
+from common.protocol import (
+    Abort,
+    ConnectionClosed,
+    Error,
+    ErrorCode,
+    Finish,
+    Generate,
+    Message,
+    Release,
+    Status,
+    StatusReply,
+    Tokens,
+)
+from common.runtime import remove_file, write_pidfile
+from prefill_server.link import DecodeLink
+from prefill_server.pipeline import RequestFailed, RequestPipeline
+from prefill_server.request import PrefillRequest
+
+log = structlog.get_logger(__name__)
+
+
+class PrefillServer:
+    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime) -> None:
+        self.cfg = cfg
+        self.rt = rt
+        self.requests: dict[str, PrefillRequest] = {}
+        self.started = time.monotonic()
+        self.region = backend_for(rt.backend).export(rt.pool.tensor)  # once per process
+        self.events = None  # EventRing on CUDA
+        self.link = DecodeLink(
+            cfg,
+            fingerprint=rt.fingerprint,
+            backend=rt.backend,
+            layout_wire=rt.layout.to_wire(),
+            region=self.region,
+            event_handles=[],
+            on_message=self._on_link_message,
+            on_lost=self._on_link_lost,
+        )
+        self.pipeline = RequestPipeline(self)
+        self._listen: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.stopping = False
+        self.served = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._listen = daemon.bind_unix_socket(self.cfg.client_path, group=self.cfg.socket_group)
+        write_pidfile(self.cfg.pidfile)
+        self.link.start()
+        self._spawn(self._accept_loop(), "prefill-accept")
+        self._spawn(self._lease_reaper(), "lease-reaper")
+        log.info("prefill_ready", socket=str(self.cfg.client_path), pid=os.getpid())
+
+    async def serve(self) -> int:
+        stop = daemon.StopFlag()
+        stop.install()
+        await self.start()
+        await stop.event.wait()
+        await self.shutdown()
+        stop.uninstall()
+        return 0
+
+    async def shutdown(self) -> None:
+        """Stop accepting, drain in-flight requests under the timeout, fail the rest, close."""
+        self.stopping = True
+        log.info("prefill_draining", requests=len(self.requests))
+        if self._listen is not None:
+            self._listen.close()
+            remove_file(self.cfg.client_path)
+        deadline = time.monotonic() + self.cfg.drain_timeout_s
+        while self.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for req in list(self.requests.values()):
+            req.inbox.put_nowait(
+                Error(code=ErrorCode.SHUTTING_DOWN, message="prefill daemon is shutting down")
+            )
+        await asyncio.sleep(0.05)
+        await self.link.stop()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.rt.close()
+        self.region.close()
+        remove_file(self.cfg.pidfile)
+        log.info("prefill_stopped", served=self.served)
+
+    def _spawn(self, coro, name: str) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- client connections --------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listen is not None
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._listen)
+            except OSError:
+                return
+            if not daemon.peer_allowed(conn, self.cfg.uids(), socket="client"):
+                conn.close()
+                continue
+            self._spawn(self._serve_client(FrameChannel(conn)), "client")
+
+    async def _serve_client(self, channel: FrameChannel) -> None:
+        mine: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                msg = await channel.recv()
+                if isinstance(msg, Generate):
+                    rid = msg.request_id or uuid.uuid4().hex[:16]
+                    mine[rid] = self._spawn(self._run_request(channel, rid, msg), f"req-{rid}")
+                elif isinstance(msg, Abort):
+                    task = mine.pop(msg.request_id, None)
+                    if task is None:
+                        await channel.send(
+                            _error(ErrorCode.CACHE_NOT_EXIST, "no such request", msg.request_id)
+                        )
+                    else:
+                        task.cancel()
+                elif isinstance(msg, Status):
+                    await channel.send(self.status())
+                else:
+                    raise ProtocolError(f"unexpected {msg.TYPE.name} on the client socket")
+        except ProtocolError as exc:
+            log.warning("client_protocol_error", error=str(exc))
+            with contextlib.suppress(OSError):
+                await channel.send(_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
+        except (ConnectionClosed, OSError):
+            pass
+        finally:
+            for task in mine.values():
+                task.cancel()  # the client went away: abort what it still waits for
+            channel.close()
+
+    async def _run_request(self, channel: FrameChannel, rid: str, msg: Generate) -> None:
+        rlog = log.bind(request_id=rid)
+        try:
+            async for out in self.pipeline.run(rid, msg):
+                await channel.send(out)
+        except RequestFailed as exc:
+            rlog.warning("request_failed", code=exc.code, error=str(exc))
+            await _send_quietly(channel, _error(exc.code, str(exc), rid))
+        except (SamplingParamsError, PdkvError) as exc:
+            rlog.warning("request_rejected", error=str(exc))
+            await _send_quietly(channel, _error(ErrorCode.BAD_REQUEST, str(exc), rid))
+        except asyncio.CancelledError:
+            rlog.info("request_cancelled")
+        except OSError:
+            rlog.info("client_gone")
+
+    # ---- link ----------------------------------------------------------------------------------
+    def _on_link_message(self, msg: Message) -> None:
+        rid = getattr(msg, "request_id", None)
+        req = self.requests.get(rid) if rid else None
+        if req is None:
+            if not isinstance(msg, Finish | Tokens):
+                log.warning("link_message_for_unknown_request", type=msg.TYPE.name, request_id=rid)
+            return
+        if isinstance(msg, Release):
+            self.pipeline.on_release(req, msg)
+        else:
+            req.inbox.put_nowait(msg)
+
+    def _on_link_lost(self, link_id: str, reason: str) -> None:
+        freed = self.rt.allocator.release_holder(link_id) if link_id else []
+        for req in self.requests.values():
+            if req.handed_off:
+                req.inbox.put_nowait(
+                    Error(code=ErrorCode.LINK_LOST, message=f"link to decode lost: {reason}")
+                )
+        if freed:
+            log.warning("leases_reclaimed", link=link_id, requests=len(freed))
+        self.pipeline.capacity_changed()
+
+    async def _lease_reaper(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.cfg.lease_timeout_s / 4))
+            for rid in self.rt.allocator.expired(time.monotonic()):
+                self.rt.allocator.free(rid)
+                req = self.requests.get(rid)
+                log.warning("lease_expired", request_id=rid)
+                if req is not None:
+                    req.inbox.put_nowait(
+                        Error(code=ErrorCode.WAIT_TIMEOUT, message="decode did not release in time")
+                    )
+                self.pipeline.capacity_changed()
+
+    def status(self) -> StatusReply:
+        return StatusReply(
+            role="prefill",
+            pid=os.getpid(),
+            uptime_s=round(time.monotonic() - self.started, 3),
+            pool=self.rt.pool_stats(),
+            inflight=len(self.requests),
+            links=[
+                {
+                    "link": self.link.link_id,
+                    "state": self.link.state,
+                    "connects": self.link.connects,
+                    "rtt_us": round(self.link.rtt_us, 1),
+                    "last_error": self.link.last_error,
+                }
+            ],
+            device=str(self.rt.device),
+            backend=self.rt.backend,
+        )
+
+
+def _error(code: ErrorCode, message: str, request_id: str | None = None) -> Error:
+    return Error(code=code, message=message, request_id=request_id)
+
+
+async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
+    with contextlib.suppress(OSError):
+        await channel.send(msg)
+
+
+async def serve(cfg: PrefillConfig) -> int:
+    """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
+    rt = await asyncio.to_thread(ModelRuntime.load, cfg, "prefill")
+    return await PrefillServer(cfg, rt).serve()
