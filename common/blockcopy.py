@@ -1,0 +1,106 @@
+"""Block copy between KV pools: the CUDA kernel when the extension is built, torch otherwise.
+
+`copy_blocks(dst, src, dst_ids, src_ids)` copies block src_ids[i] of `src` into block dst_ids[i]
+of `dst`. Pools are block-major and contiguous, shape (num_blocks, ...), so one block is one
+contiguous byte range. On CUDA the copy is one kernel launch on `stream` (the dst device's current
+stream by default), 16-byte vector loads; `src` may live on a peer GPU (an imported pool), in which
+case peer access is enabled once. Otherwise (CPU, or no extension) it is one torch index_copy_.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from common.cuda import cuda_errors, ext, has_extension, stream_ptr
+from common.errors import IpcError
+
+_PEERS: set[tuple[int, int]] = set()
+
+
+def _check(dst: torch.Tensor, src: torch.Tensor, n_dst: int, n_src: int) -> None:
+    if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise IpcError(
+            f"pools differ: dst {dst.dtype} {tuple(dst.shape)} vs src {src.dtype} "
+            f"{tuple(src.shape)}; block shape and dtype must match"
+        )
+    if not (dst.is_contiguous() and src.is_contiguous()):
+        raise IpcError(
+            f"pools must be block-major contiguous: dst strides {dst.stride()}, "
+            f"src strides {src.stride()}"
+        )
+    if n_dst != n_src:
+        raise IpcError(f"{n_dst} dst ids for {n_src} src ids; pass one dst block per src block")
+
+
+def _ids(ids: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
+    t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu()
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
+        raise IpcError(f"{what} block ids out of range [0, {limit}): {t.tolist()[:16]}")
+    return t
+
+
+def copy_blocks(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    dst_ids: Sequence[int] | torch.Tensor,
+    src_ids: Sequence[int] | torch.Tensor,
+    stream: torch.cuda.Stream | int | None = None,
+) -> None:
+    """Copy src[src_ids[i]] into dst[dst_ids[i]] for every i.
+
+    Asynchronous on CUDA (ordered on `stream`, default the dst device's current stream); the
+    caller synchronizes or records an event. IpcError for mismatched pools or ids out of range.
+    """
+    d_ids = _ids(dst_ids, dst.shape[0], "dst")
+    s_ids = _ids(src_ids, src.shape[0], "src")
+    _check(dst, src, d_ids.numel(), s_ids.numel())
+    if d_ids.numel() == 0:
+        return
+    if dst.is_cuda and src.is_cuda and has_extension():
+        _copy_cuda(dst, src, d_ids, s_ids, stream)
+        return
+    if dst.is_cuda and stream is not None and not isinstance(stream, int):
+        with torch.cuda.stream(stream):
+            dst.index_copy_(0, d_ids.to(dst.device), src.index_select(0, s_ids.to(src.device)))
+        return
+    picked = src.index_select(0, s_ids.to(src.device)).to(dst.device)
+    dst.index_copy_(0, d_ids.to(dst.device), picked)
+
+
+def _copy_cuda(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    d_ids: torch.Tensor,
+    s_ids: torch.Tensor,
+    stream: torch.cuda.Stream | int | None,
+) -> None:
+    device = dst.device.index
+    peer = src.device.index
+    if peer != device and (device, peer) not in _PEERS:
+        with cuda_errors():
+            ext().enable_peer_access(device, peer)
+        _PEERS.add((device, peer))
+    sptr = stream_ptr(stream, device)
+    ids = torch.cat([s_ids, d_ids]).pin_memory()
+    ids_dev = torch.empty(ids.numel(), dtype=torch.int64, device=dst.device)
+    torch_stream = torch.cuda.ExternalStream(sptr, device=dst.device)
+    with torch.cuda.stream(torch_stream):
+        ids_dev.copy_(ids, non_blocking=True)
+        # The caching allocator must not hand ids_dev's or the pinned buffer's memory to someone
+        # else before the kernel on this stream has read it.
+        ids_dev.record_stream(torch_stream)
+    n = d_ids.numel()
+    block_nbytes = dst[0].numel() * dst.element_size()
+    with cuda_errors():
+        ext().copy_blocks(
+            dst.data_ptr(),
+            src.data_ptr(),
+            ids_dev.data_ptr(),
+            ids_dev.data_ptr() + 8 * n,
+            n,
+            block_nbytes,
+            sptr,
+            device,
+        )

@@ -1,0 +1,95 @@
+"""`cuda-raw` backend: CUDA IPC of device memory through the csrc extension.
+
+Exporter: the tensor's allocation base comes from cuMemGetAddressRange, its handle from
+cudaIpcGetMemHandle; the descriptor carries the byte offset of the tensor from that base (with the
+caching allocator the base often holds a different tensor, so the offset is mandatory).
+Importer: the extension's registry opens each allocation once per process (cudaIpcOpenMemHandle
+with lazy peer access, on the local ordinal of the exporter's GPU UUID), counts references, and
+hands the mapping over as a DLPack capsule; the mapping is closed when the last tensor over it is
+freed. Bytes travel as uint8 and `bytes_as` restores dtype and shape, so fp16/bf16/fp8 share one
+path. Nothing from torch's C++ ABI is used.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from common.cuda import cuda_errors, device_uuid, ext, has_extension, ordinal_for_uuid
+from common.errors import IpcError
+from common.ipc.base import (
+    RegionDescriptor,
+    SharedRegion,
+    as_contiguous_view,
+    bytes_as,
+    contiguous_strides,
+    dtype_name,
+    register_backend,
+)
+
+log = structlog.get_logger(__name__)
+
+
+@register_backend
+class CudaRawRegion(SharedRegion):
+    """A CUDA region shared with cudaIpc*Handle through common._cuda."""
+
+    kind = "cuda-raw"
+
+    def __init__(self, desc: RegionDescriptor, tensor: torch.Tensor) -> None:
+        super().__init__(desc)
+        self._tensor: torch.Tensor | None = tensor
+
+    @classmethod
+    def export(cls, tensor: torch.Tensor) -> CudaRawRegion:
+        """Share `tensor` (CUDA, contiguous or a permutation of contiguous, not empty).
+
+        The region holds a reference to the tensor, so its memory outlives every export.
+        """
+        if not tensor.is_cuda:
+            raise IpcError(
+                f"cuda-raw exports CUDA tensors only, got one on {tensor.device}; "
+                "use the shm backend for CPU pools"
+            )
+        view = as_contiguous_view(tensor)
+        if view.numel() == 0:
+            raise IpcError(f"cannot share an empty tensor of shape {tuple(view.shape)}")
+        with cuda_errors():
+            handle, offset, _size, device = ext().export_mem(view.data_ptr())
+        desc = RegionDescriptor(
+            kind=cls.kind,
+            handle=bytes(handle),
+            offset=int(offset),
+            nbytes=view.numel() * view.element_size(),
+            dtype=dtype_name(view.dtype),
+            shape=tuple(view.shape),
+            strides=contiguous_strides(tuple(view.shape)),
+            device_uuid=device_uuid(int(device)),
+        )
+        return cls(desc, view)
+
+    @classmethod
+    def open(cls, desc: RegionDescriptor, fds: list[int]) -> CudaRawRegion:
+        """Map `desc` on the local GPU with its UUID; one cudaIpcOpenMemHandle per allocation."""
+        if desc.kind != cls.kind:
+            raise IpcError(f"descriptor of kind {desc.kind!r} given to the {cls.kind} backend")
+        desc.check()
+        device = ordinal_for_uuid(desc.device_uuid)
+        with cuda_errors():
+            capsule = ext().import_mem(desc.handle, desc.offset, desc.nbytes, device)
+        raw = torch.from_dlpack(capsule)
+        return cls(desc, bytes_as(raw, desc))
+
+    def to_tensor(self) -> torch.Tensor:
+        """The shared tensor; IpcError after close()."""
+        if self._tensor is None:
+            raise IpcError(f"{self.kind} region is closed")
+        return self._tensor
+
+    def _close(self) -> None:
+        # Dropping our reference lets the capsule deleter close the mapping once no other tensor
+        # over it is alive; deleters cannot raise, so collect what they saw.
+        self._tensor = None
+        if has_extension():
+            for error in ext().take_close_errors():
+                log.warning("ipc_close_failed", kind=self.kind, error=error)
