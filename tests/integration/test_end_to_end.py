@@ -1,0 +1,116 @@
+"""The correctness anchor on real processes: disaggregated greedy output equals the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from common import client
+from common.model import reference
+from common.model.loader import load_model
+from common.model.sampling import SamplingParams
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.set_num_threads(1)
+    return load_model(None)
+
+
+def _prompts(n: int, seed: int = 7) -> list[list[int]]:
+    rng = random.Random(seed)
+    # mixed lengths, many crossing block boundaries (15, 16, 17, 31, 33, ...)
+    lengths = [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 90, 5]
+    return [[rng.randrange(256) for _ in range(lengths[i % len(lengths)] + i // 12)] for i in range(n)]
+
+
+def test_64_concurrent_requests_equal_reference(pair, tiny):
+    model, _ = tiny
+    prompts = _prompts(64)
+    params = [SamplingParams(max_tokens=8 + i % 13, ignore_eos=True) for i in range(64)]
+
+    async def run_all():
+        return await asyncio.gather(
+            *(
+                client.generate(pair.client_socket, prompt_tokens=p, sampling=s, request_id=f"r{i}")
+                for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+
+    results = asyncio.run(run_all())
+    for i, (res, p, s) in enumerate(zip(results, prompts, params, strict=True)):
+        expected = reference.generate(model, p, s, block_size=BLOCK)
+        assert res.tokens == expected, f"request {i} (prompt {len(p)} tokens) differs"
+        assert res.finish is not None and res.finish.reason == "length"
+        assert res.finish.usage.completion_tokens == s.max_tokens
+    st = asyncio.run(client.status(pair.client_socket))
+    assert st.pool["free"] == st.pool["total"], "prefill leaked blocks"
+    st = asyncio.run(client.status(pair.link_socket))
+    assert st.pool["free"] == st.pool["total"], "decode leaked blocks"
+    assert pair.stop_all() == {"prefill": 0, "decode": 0}
+
+
+def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
+    model, tok = tiny
+    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=1234, ignore_eos=True)
+    res = asyncio.run(client.generate(pair.client_socket, prompt="Hello, paged world", sampling=params))
+    expected = reference.generate(model, tok.encode("Hello, paged world"), params, block_size=BLOCK)
+    assert res.tokens == expected
+    assert res.text == tok.decode(expected)
+    t = res.finish.timings
+    assert t["ttft_ms"] > 0 and t["handoff_us"] > 0 and t["total_ms"] >= t["ttft_ms"]
+
+
+def test_max_tokens_one_finishes_without_handoff(pair, tiny):
+    model, _ = tiny
+    res = asyncio.run(
+        client.generate(pair.client_socket, prompt_tokens=[1, 2, 3], sampling=SamplingParams(max_tokens=1))
+    )
+    assert res.tokens == reference.generate(model, [1, 2, 3], SamplingParams(max_tokens=1))
+    assert res.finish.reason == "length"
+    st = asyncio.run(client.status(pair.link_socket))
+    assert st.links[0]["handoffs"] == 0
+
+
+def test_bad_requests_get_clear_errors(pair):
+    async def expect(code: str, **kw):
+        with pytest.raises(client.RequestFailed) as info:
+            await client.generate(pair.client_socket, **kw)
+        assert info.value.code == code, str(info.value)
+        return str(info.value)
+
+    async def run():
+        msg = await expect("BAD_REQUEST", prompt_tokens=[], sampling=SamplingParams())
+        assert "1.." in msg
+        await expect("BAD_REQUEST", prompt_tokens=[999999], sampling=SamplingParams())
+        await expect("BAD_REQUEST", prompt="x", prompt_tokens=[1], sampling=SamplingParams())
+        msg = await expect("BAD_REQUEST", prompt="x", sampling=SamplingParams(max_tokens=0))
+        assert "max_tokens" in msg
+        # the daemon still serves afterwards
+        ok = await client.generate(pair.client_socket, prompt="ok", sampling=SamplingParams(max_tokens=3))
+        assert len(ok.tokens) >= 1
+
+    asyncio.run(run())
+
+
+def test_decode_without_capacity_is_a_clear_error(pair_factory, tiny):
+    # decode pool of 4 blocks: a request needing more can never fit -> NO_CAPACITY after the timeout
+    pair_factory.start("decode", "--num-blocks", "4")
+    pair_factory.start("prefill", "--handoff-timeout", "1")
+    with pytest.raises(client.RequestFailed) as info:
+        asyncio.run(
+            client.generate(
+                pair_factory.client_socket,
+                prompt_tokens=list(range(40)),
+                sampling=SamplingParams(max_tokens=60, ignore_eos=True),
+            )
+        )
+    assert info.value.code == "NO_CAPACITY"
+    assert "free" in str(info.value)
+    st = asyncio.run(client.status(pair_factory.client_socket))
+    assert st.pool["free"] == st.pool["total"]
