@@ -106,7 +106,7 @@ log "generated: $(printf '%q' "$out")"
 step="status"
 status_out=$(pdkv status) || fail "'pdkv status' exited $? with both daemons up: $status_out"
 for role in decode prefill; do
-    grep -Eiq "$role.*\bup\b" <<<"$status_out" ||
+    grep -Eq "^$role +up\b" <<<"$status_out" ||
         fail "'pdkv status' does not report $role up: $status_out"
 done
 log "status ok"
