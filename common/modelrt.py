@@ -8,6 +8,7 @@ order on the daemon's stream and needs no locking around the model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -70,6 +71,7 @@ class ModelRuntime:
     backend: str
     fingerprint: str
     executor: ThreadPoolExecutor
+    stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
@@ -93,8 +95,10 @@ class ModelRuntime:
         pool = KVPool.create(layout, device=device)
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdkv-{role}-torch")
+        stream = None
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
+            stream = executor.submit(torch.cuda.Stream, device).result()
         log.info(
             "model_loaded",
             role=role,
@@ -115,7 +119,14 @@ class ModelRuntime:
             backend,
             fp,
             executor,
+            stream,
         )
+
+    def on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """Context for torch work on the daemon's own stream (a no-op on CPU)."""
+        if self.stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self.stream)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the torch thread without blocking the loop."""

@@ -103,16 +103,17 @@ class DecodeEngine:
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
         slots = torch.tensor([s.slot() for s in batch], dtype=torch.long)
         seq_lens = positions + 1
-        logits = self.rt.model.decode_step(
-            tokens.to(dev),
-            positions.to(dev),
-            slots.to(dev),
-            tables.to(dev),
-            seq_lens.to(dev),
-            self.rt.pool.tensor,
-        )
-        generators = [make_generator(s.sampling, s.generated) for s in batch]
-        return sample_batch(logits, [s.sampling for s in batch], generators)
+        with self.rt.on_stream():
+            logits = self.rt.model.decode_step(
+                tokens.to(dev),
+                positions.to(dev),
+                slots.to(dev),
+                tables.to(dev),
+                seq_lens.to(dev),
+                self.rt.pool.tensor,
+            )
+            generators = [make_generator(s.sampling, s.generated) for s in batch]
+            return sample_batch(logits, [s.sampling for s in batch], generators)
 
 
 def monotonic_us() -> float:

@@ -54,6 +54,7 @@ class Peer:
         self.events = None  # ImportedEventRing on CUDA, None on CPU
         self.connected_at = time.monotonic()
         self.handoffs = 0
+        self.pulls: set[asyncio.Task[None]] = set()  # in-flight CUDA pulls from this peer's pool
         self._out: list[bytes] = []
         self._out_ready = asyncio.Event()
         self._writer = asyncio.create_task(self._write_loop(), name=f"{self.link_id}-writer")
@@ -145,6 +146,10 @@ class Peer:
         deadline = time.monotonic() + timeout
         while (self._out or self._out_ready.is_set()) and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     # ---- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

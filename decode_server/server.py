@@ -38,6 +38,7 @@ from common.protocol import (
 from common.runtime import remove_file, write_pidfile
 from decode_server.engine import DecodeEngine
 from decode_server.peer import HandshakeError, Peer
+from decode_server.puller import Puller
 from decode_server.sequence import Sequence, blocks_needed
 
 log = structlog.get_logger(__name__)
@@ -55,6 +56,8 @@ class DecodeServer:
         self._tasks: set[asyncio.Task[None]] = set()
         self.stop_flag: daemon.StopFlag | None = None
         self.handoffs = 0
+        self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
+        self.puller = Puller(rt)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,6 +147,8 @@ class DecodeServer:
         except (ConnectionClosed, OSError) as exc:
             peer.log.info("link_closed", reason=str(exc) or type(exc).__name__)
         finally:
+            if peer.pulls:  # never unmap the peer's pool under a copy that still reads it
+                await asyncio.gather(*peer.pulls, return_exceptions=True)
             peer.close()
 
     def _dispatch(self, peer: Peer, msg) -> None:  # type: ignore[no-untyped-def]
@@ -152,7 +157,11 @@ class DecodeServer:
         elif isinstance(msg, Ping):
             peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Abort):
-            seq = self.engine.remove(_key(peer, msg.request_id))
+            key = _key(peer, msg.request_id)
+            if key in self._pulling:
+                self._pulling[key] = True  # freed once the in-flight pull completes
+                return
+            seq = self.engine.remove(key)
             if seq is None:
                 peer.post_error(
                     ErrorCode.CACHE_NOT_EXIST, "ABORT names no request of this link", msg.request_id
@@ -187,12 +196,43 @@ class DecodeServer:
             rlog.info("handoff_no_capacity", need=need, free=exc.free)
             peer.post_error(ErrorCode.NO_CAPACITY, str(exc), h.request_id)
             return
-        assert peer.pool is not None
-        self.rt.pool.copy_blocks_from(peer.pool, h.block_ids, blocks[: len(h.block_ids)])
+        self.seq_peer[key] = peer
+        self._pulling[key] = False
+        if self.puller.cuda:
+            task = asyncio.create_task(self._pull_async(peer, h, key, blocks, recv_ns))
+            peer.pulls.add(task)
+            task.add_done_callback(peer.pulls.discard)
+        else:
+            assert peer.pool is not None
+            self.rt.pool.copy_blocks_from(peer.pool, h.block_ids, blocks[: len(h.block_ids)])
+            self._pulled(peer, h, key, blocks, recv_ns)
+
+    async def _pull_async(
+        self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int
+    ) -> None:
+        try:
+            await self.puller.pull(peer, h.block_ids, blocks[: len(h.block_ids)], h.event_slot)
+        except Exception as exc:
+            log.exception("pull_failed", request_id=h.request_id, link=peer.link_id)
+            self._pulling.pop(key, None)
+            self.seq_peer.pop(key, None)
+            self.rt.allocator.free(key)
+            peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", h.request_id)
+            return
+        self._pulled(peer, h, key, blocks, recv_ns)
+
+    def _pulled(self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int) -> None:
+        """The copy is complete: RELEASE, then join the batch (unless aborted meanwhile)."""
         done_ns = time.monotonic_ns()
+        aborted = self._pulling.pop(key, True)
         peer.post(Release(request_id=h.request_id, event_slot=h.event_slot))
         peer.handoffs += 1
         self.handoffs += 1
+        if aborted or peer.closed:
+            self.seq_peer.pop(key, None)
+            if key in self.rt.allocator:
+                self.rt.allocator.free(key)
+            return
         seq = Sequence(
             request_id=h.request_id,
             peer=peer.link_id,
@@ -201,13 +241,18 @@ class DecodeServer:
             blocks=blocks,
             sampling=h.sampling,
             stop_ids=self.rt.model.config.stop_token_ids,
-            block_size=bs,
+            block_size=self.rt.layout.block_size,
             handoff_us=(done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0,
             pull_us=(done_ns - recv_ns) / 1000,
         )
-        self.seq_peer[key] = peer
         self.engine.add(seq)
-        rlog.debug("handoff_accepted", blocks=len(h.block_ids), pull_us=round(seq.pull_us, 1))
+        log.debug(
+            "handoff_accepted",
+            request_id=h.request_id,
+            link=peer.link_id,
+            blocks=len(h.block_ids),
+            pull_us=round(seq.pull_us, 1),
+        )
 
     def _on_step(self, results: list[tuple[Sequence, int]]) -> None:
         for seq, tok in results:

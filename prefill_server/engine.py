@@ -4,21 +4,35 @@ from __future__ import annotations
 
 import torch
 
+from common.ipc.events import SlotRing
 from common.model.paged import slots_for
 from common.model.sampling import SamplingParams, make_generator, sample
 from common.modelrt import ModelRuntime
 
 
 def run_prefill(
-    rt: ModelRuntime, prompt: list[int], blocks: list[int], sampling: SamplingParams
+    rt: ModelRuntime,
+    prompt: list[int],
+    blocks: list[int],
+    sampling: SamplingParams,
+    events: SlotRing | None = None,
+    slot: int = -1,
 ) -> int:
     """Write the prompt's K/V into `blocks` of the pool and return the first generated token.
 
-    Runs on the torch thread. On CUDA the caller records the handoff event after this returns,
-    on the same thread and stream, so the event orders after every write of the scatter.
+    Runs on the torch thread, on the daemon's stream. On CUDA, event `slot` of the ring is
+    recorded right after the scatter on that stream, so a peer stream that waits on it sees every
+    write of this prompt's K/V.
     """
     bs = rt.layout.block_size
     tokens = torch.tensor(prompt, dtype=torch.long)
     slots = slots_for(blocks, 0, len(prompt), bs)
-    logits = rt.model.prefill(tokens.to(rt.device), slots.to(rt.device), rt.pool.tensor)
-    return sample(logits, sampling, make_generator(sampling, 0))
+    with rt.on_stream():
+        logits = rt.model.prefill(
+            tokens.to(rt.device, non_blocking=True),
+            slots.to(rt.device, non_blocking=True),
+            rt.pool.tensor,
+        )
+        if events is not None and slot >= 0:
+            events.record(slot, rt.stream)
+        return sample(logits, sampling, make_generator(sampling, 0))

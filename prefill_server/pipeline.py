@@ -49,6 +49,9 @@ class RequestPipeline:
     def __init__(self, server: PrefillServer) -> None:
         self.s = server
         self._freed = asyncio.Event()
+        # event slots named in a HANDOFF the decode may still wait on: reusable after its RELEASE
+        # or the end of the link, never before (re-recording early is the LMCache race)
+        self._quarantine: set[int] = set()
 
     def capacity_changed(self) -> None:
         """Wake every request waiting for blocks."""
@@ -63,9 +66,38 @@ class RequestPipeline:
         alloc.release(req.request_id)
         req.released = True
         req.handoff_us = (time.monotonic_ns() - req.handoff_sent_ns) / 1000
-        if self.s.events is not None and msg.event_slot >= 0:
-            self.s.events.release(msg.event_slot)
+        self._release_slot(req)
         self.capacity_changed()
+
+    async def _acquire_slot(self, req: PrefillRequest, deadline: float) -> None:
+        events = self.s.events
+        if events is None:
+            return
+        while (slot := events.acquire()) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY, f"all {len(events)} handoff event slots busy"
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._freed.wait(), left)
+        req.event_slot = slot
+
+    def _release_slot(self, req: PrefillRequest) -> None:
+        if req.event_slot >= 0 and self.s.events is not None:
+            self.s.events.release(req.event_slot)
+        req.event_slot = -1
+
+    def unquarantine(self, slot: int) -> None:
+        """A late RELEASE acknowledged `slot`: it may be recorded again."""
+        if slot in self._quarantine and self.s.events is not None:
+            self._quarantine.discard(slot)
+            self.s.events.release(slot)
+            self.capacity_changed()
+
+    def unquarantine_all(self) -> None:
+        for slot in list(self._quarantine):
+            self.unquarantine(slot)
 
     async def run(self, rid: str, msg: Generate) -> AsyncIterator[Tokens | Finish]:
         s = self.s
@@ -79,7 +111,10 @@ class RequestPipeline:
         s.requests[rid] = req
         try:
             blocks = await self._allocate(req)
-            first = await s.rt.run(run_prefill, s.rt, prompt, blocks, sampling)
+            await self._acquire_slot(req, time.monotonic() + s.cfg.handoff_timeout_s)
+            first = await s.rt.run(
+                run_prefill, s.rt, prompt, blocks, sampling, s.events, req.event_slot
+            )
             req.generated.append(first)
             req.ttft_ms = (time.monotonic() - req.arrived) * 1000
             yield self._tokens(req, [first])
@@ -167,6 +202,7 @@ class RequestPipeline:
                     prompt_tokens=req.prompt_tokens,
                     first_token=req.generated[0],
                     sampling=req.sampling,
+                    event_slot=req.event_slot,
                     sent_ns=req.handoff_sent_ns,
                 )
             )
@@ -244,6 +280,12 @@ class RequestPipeline:
             # the client went away (or the prefill failed) while the decode still works on it
             task = asyncio.get_running_loop().create_task(_abort(s, rid))
             task.add_done_callback(lambda t: t.exception())
+        if req.event_slot >= 0:
+            if req.handed_off and not req.done:
+                self._quarantine.add(req.event_slot)  # the decode may still wait on it
+            else:
+                self._release_slot(req)
+            req.event_slot = -1
         if s.requests.get(rid) is req:
             del s.requests[rid]
         self.capacity_changed()

@@ -30,3 +30,4 @@ class PrefillRequest:
     released: bool = False
     done: bool = False  # the decode finished or failed it: nothing to abort
     link_id: str = ""
+    event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter

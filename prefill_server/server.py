@@ -21,6 +21,7 @@ from common import daemon
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
 from common.ipc.base import backend_for
+from common.ipc.events import event_ring
 from common.link import FrameChannel
 from common.model.sampling import SamplingParamsError
 from common.modelrt import ModelRuntime
@@ -52,14 +53,15 @@ class PrefillServer:
         self.requests: dict[str, PrefillRequest] = {}
         self.started = time.monotonic()
         self.region = backend_for(rt.backend).export(rt.pool.tensor)  # once per process
-        self.events = None  # EventRing on CUDA
+        # interprocess events exported once per link; CPU needs none (the frame is the signal)
+        self.events = event_ring(cfg.event_slots, rt.device) if rt.device.type == "cuda" else None
         self.link = DecodeLink(
             cfg,
             fingerprint=rt.fingerprint,
             backend=rt.backend,
             layout_wire=rt.layout.to_wire(),
             region=self.region,
-            event_handles=[],
+            event_handles=self.events.handles() if self.events is not None else [],
             on_message=self._on_link_message,
             on_lost=self._on_link_lost,
         )
@@ -108,6 +110,8 @@ class PrefillServer:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self.rt.close()
         self.region.close()
+        if self.events is not None:
+            self.events.close()
         remove_file(self.cfg.pidfile)
         log.info("prefill_stopped", served=self.served)
 
@@ -183,7 +187,9 @@ class PrefillServer:
         rid = getattr(msg, "request_id", None)
         req = self.requests.get(rid) if rid else None
         if req is None:
-            if not isinstance(msg, Finish | Tokens):
+            if isinstance(msg, Release):
+                self.pipeline.unquarantine(msg.event_slot)
+            elif not isinstance(msg, Finish | Tokens):
                 log.warning("link_message_for_unknown_request", type=msg.TYPE.name, request_id=rid)
             return
         if isinstance(msg, Release):
@@ -200,6 +206,7 @@ class PrefillServer:
                 )
         if freed:
             log.warning("leases_reclaimed", link=link_id, requests=len(freed))
+        self.pipeline.unquarantine_all()  # the peer closed its event handles with the link
         self.pipeline.capacity_changed()
 
     async def _lease_reaper(self) -> None:
