@@ -16,6 +16,7 @@ from common.runtime import default_runtime_dir
 _DAEMON_OPTIONS = [
     click.option(
         "--model",
+        show_envvar=True,
         envvar="PDKV_MODEL",
         default=None,
         metavar="DIR",
@@ -23,6 +24,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--device",
+        show_envvar=True,
         envvar="PDKV_DEVICE",
         default="auto",
         show_default=True,
@@ -30,12 +32,14 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--dtype",
+        show_envvar=True,
         envvar="PDKV_DTYPE",
         default=None,
         help="Model and KV dtype (float32, bfloat16, float16); default float32 on CPU, bfloat16 on CUDA.",
     ),
     click.option(
         "--ipc-backend",
+        show_envvar=True,
         envvar="PDKV_IPC_BACKEND",
         default="auto",
         show_default=True,
@@ -43,6 +47,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--num-blocks",
+        show_envvar=True,
         envvar="PDKV_NUM_BLOCKS",
         default=1024,
         show_default=True,
@@ -51,6 +56,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--block-size",
+        show_envvar=True,
         envvar="PDKV_BLOCK_SIZE",
         default=16,
         show_default=True,
@@ -59,6 +65,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--link-socket",
+        show_envvar=True,
         envvar="PDKV_LINK_SOCKET",
         default=None,
         type=click.Path(path_type=Path),
@@ -66,18 +73,21 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--socket-group",
+        show_envvar=True,
         envvar="PDKV_SOCKET_GROUP",
         default=None,
         help="Make sockets 0660 owned by this group (default 0600).",
     ),
     click.option(
         "--allowed-uids",
+        show_envvar=True,
         envvar="PDKV_ALLOWED_UIDS",
         default="",
         help="Comma-separated uids allowed to connect besides our own.",
     ),
     click.option(
         "--torch-threads",
+        show_envvar=True,
         envvar="PDKV_TORCH_THREADS",
         default=0,
         type=click.IntRange(0),
@@ -85,6 +95,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--drain-timeout",
+        show_envvar=True,
         envvar="PDKV_DRAIN_TIMEOUT",
         default=10.0,
         show_default=True,
@@ -93,6 +104,7 @@ _DAEMON_OPTIONS = [
     ),
     click.option(
         "--heartbeat-timeout",
+        show_envvar=True,
         envvar="PDKV_HEARTBEAT_TIMEOUT",
         default=5.0,
         show_default=True,
@@ -114,6 +126,7 @@ def daemon_options(fn):  # type: ignore[no-untyped-def]
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.option(
     "--runtime-dir",
+    show_envvar=True,
     envvar="PDKV_RUNTIME_DIR",
     type=click.Path(path_type=Path),
     default=default_runtime_dir,
@@ -122,13 +135,16 @@ def daemon_options(fn):  # type: ignore[no-untyped-def]
 )
 @click.option(
     "--log-format",
+    show_envvar=True,
     envvar="PDKV_LOG_FORMAT",
     default="auto",
     show_default=True,
     type=click.Choice(["auto", "console", "json"]),
     help="auto: console on a terminal, JSON otherwise.",
 )
-@click.option("--log-level", envvar="PDKV_LOG_LEVEL", default="INFO", show_default=True)
+@click.option(
+    "--log-level", show_envvar=True, envvar="PDKV_LOG_LEVEL", default="INFO", show_default=True
+)
 @click.pass_context
 def cli(ctx: click.Context, runtime_dir: Path, log_format: str, log_level: str) -> None:
     """pdkv: disaggregated prefill/decode daemons with a fast KV-cache handoff.
@@ -154,6 +170,7 @@ def decode() -> None:
 @daemon_options
 @click.option(
     "--max-batch",
+    show_envvar=True,
     envvar="PDKV_MAX_BATCH",
     default=64,
     show_default=True,
@@ -175,6 +192,7 @@ def prefill() -> None:
 @daemon_options
 @click.option(
     "--client-socket",
+    show_envvar=True,
     envvar="PDKV_CLIENT_SOCKET",
     default=None,
     type=click.Path(path_type=Path),
@@ -182,6 +200,7 @@ def prefill() -> None:
 )
 @click.option(
     "--lease-timeout",
+    show_envvar=True,
     envvar="PDKV_LEASE_TIMEOUT",
     default=30.0,
     show_default=True,
@@ -190,11 +209,30 @@ def prefill() -> None:
 )
 @click.option(
     "--handoff-timeout",
+    show_envvar=True,
     envvar="PDKV_HANDOFF_TIMEOUT",
     default=30.0,
     show_default=True,
     type=float,
     help="Seconds a request may wait for blocks, the link, or decode capacity.",
+)
+@click.option(
+    "--max-pending",
+    show_envvar=True,
+    envvar="PDKV_MAX_PENDING",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
+)
+@click.option(
+    "--event-slots",
+    show_envvar=True,
+    envvar="PDKV_EVENT_SLOTS",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
 )
 @click.pass_obj
 def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
@@ -215,10 +253,18 @@ def stop(g: commands.Globals, which: str, timeout: float) -> None:
 
 @cli.command()
 @click.option(
-    "--client-socket", envvar="PDKV_CLIENT_SOCKET", default=None, type=click.Path(path_type=Path)
+    "--client-socket",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
 )
 @click.option(
-    "--link-socket", envvar="PDKV_LINK_SOCKET", default=None, type=click.Path(path_type=Path)
+    "--link-socket",
+    show_envvar=True,
+    envvar="PDKV_LINK_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.pass_obj
@@ -250,7 +296,11 @@ def status(
     "--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives."
 )
 @click.option(
-    "--client-socket", envvar="PDKV_CLIENT_SOCKET", default=None, type=click.Path(path_type=Path)
+    "--client-socket",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
 )
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the answer.")
 @click.pass_obj
@@ -269,8 +319,8 @@ def generate(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-de
     help="How many prompts to run concurrently.",
 )
 @click.option("--max-tokens", default=24, show_default=True, type=click.IntRange(1))
-@click.option("--device", envvar="PDKV_DEVICE", default="auto", show_default=True)
-@click.option("--model", envvar="PDKV_MODEL", default=None, metavar="DIR")
+@click.option("--device", show_envvar=True, envvar="PDKV_DEVICE", default="auto", show_default=True)
+@click.option("--model", show_envvar=True, envvar="PDKV_MODEL", default=None, metavar="DIR")
 @click.pass_obj
 def demo(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the pair on temporary sockets, run prompts, check them against the reference, stop."""

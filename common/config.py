@@ -56,7 +56,7 @@ class PrefillConfig(DaemonConfig):
     event_slots: int = 64
     lease_timeout_s: float = 30.0
     handoff_timeout_s: float = 30.0  # how long a request may wait for the link / decode capacity
-    max_pending: int = 1024  # requests admitted but not yet handed off
+    max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
 
     @property
     def client_path(self) -> Path:

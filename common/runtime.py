@@ -92,3 +92,12 @@ def claim_socket_path(path: Path) -> None:
     if not path.is_socket():
         raise StartupError(f"{path} exists and is not a socket; remove it or pick another path")
     remove_file(path)
+
+
+def check_free(sock: Path, pidfile: Path) -> None:
+    """StartupError if a live daemon holds `sock` or `pidfile` (stale ones are left to clean)."""
+    other = read_pid(pidfile)
+    if other is not None and other != os.getpid():
+        raise StartupError(f"{pidfile} names a running daemon (pid {other}); stop it first")
+    if sock.exists() and socket_in_use(sock):
+        raise StartupError(f"{sock} is in use by a running daemon; stop it or pick another socket")

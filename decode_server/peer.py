@@ -100,6 +100,8 @@ class Peer:
         self.log.info("peer_registered", backend=descs[0].kind, num_blocks=layout.num_blocks)
         return Registered(num_blocks=local.num_blocks)
 
+    vocab_size = 2**31  # set by the server to its model's vocabulary
+
     def validate_handoff(self, h: Handoff, block_size: int) -> None:
         """ProtocolError-free checks of one HANDOFF; raises ValueError with the reason."""
         if self.pool is None:
@@ -112,6 +114,9 @@ class Peer:
             raise ValueError(
                 f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
             )
+        vocab = self.vocab_size
+        if max(h.prompt_tokens) >= vocab or h.first_token >= vocab:
+            raise ValueError(f"token ids must be < vocab size {vocab}")
         if len(set(h.block_ids)) != len(h.block_ids):
             raise ValueError("HANDOFF block ids repeat")
         if max(h.block_ids) >= self.pool.num_blocks:

@@ -22,6 +22,7 @@ from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
     ConnectionClosed,
+    Error,
     ErrorCode,
     Finish,
     Handoff,
@@ -35,7 +36,7 @@ from common.protocol import (
     Tokens,
     Usage,
 )
-from common.runtime import remove_file, write_pidfile
+from common.runtime import check_free, remove_file, write_pidfile
 from decode_server.engine import DecodeEngine
 from decode_server.peer import HandshakeError, Peer
 from decode_server.puller import Puller
@@ -116,6 +117,7 @@ class DecodeServer:
     async def _serve_conn(self, conn: socket.socket) -> None:
         channel = FrameChannel(conn)
         peer = Peer(channel, on_close=self._peer_closed)
+        peer.vocab_size = self.rt.model.config.vocab_size
         timeout = self.cfg.heartbeat_timeout_s
         try:
             first = await asyncio.wait_for(channel.recv(), timeout)
@@ -172,6 +174,10 @@ class DecodeServer:
                 log.info("request_aborted", request_id=seq.request_id, link=peer.link_id)
         elif isinstance(msg, Status):
             peer.post(self.status())
+        elif isinstance(msg, Error):
+            peer.log.warning(
+                "peer_reported_error", code=msg.code, error=msg.message, request_id=msg.request_id
+            )
         else:
             raise ProtocolError(f"unexpected {msg.TYPE.name} on an established link")
 
@@ -342,5 +348,6 @@ def _key(peer: Peer, request_id: str) -> str:
 
 async def serve(cfg: DecodeConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
+    check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
     rt = await asyncio.to_thread(ModelRuntime.load, cfg, "decode")
     return await DecodeServer(cfg, rt).serve()

@@ -105,6 +105,12 @@ class RequestPipeline:
             raise RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
         if rid in s.requests:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
+        if len(s.requests) >= s.cfg.max_pending:
+            raise RequestFailed(
+                ErrorCode.NO_CAPACITY,
+                f"{len(s.requests)} requests in flight, the limit is {s.cfg.max_pending} "
+                "(retry later, or raise --max-pending)",
+            )
         prompt = self._prompt(msg)
         sampling = msg.sampling.validate().with_seed()
         req = PrefillRequest(rid, prompt, sampling, stream=msg.stream)

@@ -38,7 +38,7 @@ from common.protocol import (
     StatusReply,
     Tokens,
 )
-from common.runtime import remove_file, write_pidfile
+from common.runtime import check_free, remove_file, write_pidfile
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest
@@ -254,5 +254,6 @@ async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
 
 async def serve(cfg: PrefillConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
+    check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
     rt = await asyncio.to_thread(ModelRuntime.load, cfg, "prefill")
     return await PrefillServer(cfg, rt).serve()

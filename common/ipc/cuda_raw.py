@@ -70,11 +70,22 @@ class CudaRawRegion(SharedRegion):
 
     @classmethod
     def open(cls, desc: RegionDescriptor, fds: list[int]) -> CudaRawRegion:
-        """Map `desc` on the local GPU with its UUID; one cudaIpcOpenMemHandle per allocation."""
+        """Map `desc` in the context of the GPU that holds it (found by UUID)."""
+        return cls.open_on(desc, None)
+
+    @classmethod
+    def open_on(cls, desc: RegionDescriptor, device: int | None) -> CudaRawRegion:
+        """Map `desc` in the context of local GPU `device` (None: the GPU that holds it).
+
+        A GPU other than the owner reads the memory over NVLink (peer access is enabled lazily);
+        a kernel on GPU1 can only read a GPU0 pool that was mapped with GPU1 current, so a decode
+        daemon pulling onto another GPU opens the peer's pool with its own device.
+        """
         if desc.kind != cls.kind:
             raise IpcError(f"descriptor of kind {desc.kind!r} given to the {cls.kind} backend")
         desc.check()
-        device = ordinal_for_uuid(desc.device_uuid)
+        owner = ordinal_for_uuid(desc.device_uuid)
+        device = owner if device is None else device
         with cuda_errors():
             capsule = ext().import_mem(desc.handle, desc.offset, desc.nbytes, device)
         raw = torch.from_dlpack(capsule)

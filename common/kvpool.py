@@ -1,0 +1,214 @@
+"""Paged KV pool: one contiguous, block-major tensor per daemon, and the block pull between pools.
+
+Shape: (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim); index 0/1 of dim 2 is K/V.
+Block-major means one block's K and V for every layer is one contiguous byte range, so a pull of
+adjacent blocks is one memcpy and a pool can be shared as a single region (common.ipc). The
+attention scatter/gather (common.model.paged) works on `pool.tensor` in exactly this shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.errors import IpcError
+from common.ipc.base import dtype_from_name
+
+BlockIds = Sequence[int] | torch.Tensor
+
+# Pulls with at most this many runs of adjacent blocks copy run by run (one memcpy each); more
+# fragmented ones gather + scatter with index_select/index_copy_. Measured on CPU (2 cores,
+# 64 blocks of 16 KiB): per-run slices cost ~3 µs a run, the indexed path ~2 copies of the data
+# plus ~40 µs; see docs/architecture-core.md for the numbers.
+_MAX_RUNS_FOR_SLICES = 16
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Geometry and dtype of a paged KV pool. `dtype` is a wire name ("bfloat16", "float32")."""
+
+    num_blocks: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "dtype":
+                if not isinstance(value, str):
+                    raise IpcError(f"pool layout dtype must be a wire name str, got {value!r}")
+                dtype_from_name(value)  # IpcError naming the supported dtypes
+            elif isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise IpcError(f"pool layout {f.name} must be a positive int, got {value!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, *self.block_shape)
+
+    @property
+    def block_nbytes(self) -> int:
+        return math.prod(self.block_shape) * self.torch_dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    def to_wire(self) -> dict[str, Any]:
+        """Plain dict for JSON metadata (REGISTER, HELLO)."""
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, data: object) -> PoolLayout:
+        """Inverse of to_wire; IpcError naming the bad, missing or unknown field."""
+        if not isinstance(data, dict):
+            raise IpcError(f"pool layout must be a JSON object, got {type(data).__name__}")
+        names = {f.name for f in fields(cls)}
+        missing, unknown = names - data.keys(), data.keys() - names
+        if missing or unknown:
+            raise IpcError(
+                f"pool layout fields wrong: missing {sorted(missing)}, unknown {sorted(unknown)}"
+            )
+        return cls(**data)
+
+    def compat_fields(self) -> dict[str, Any]:
+        """What two pools must share for blocks to move between them (num_blocks may differ)."""
+        wire = self.to_wire()
+        del wire["num_blocks"]
+        return wire
+
+
+class KVPool:
+    """A paged KV pool over one tensor of `layout.shape`; the tensor may be local or imported."""
+
+    def __init__(self, layout: PoolLayout, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != layout.shape or tensor.dtype != layout.torch_dtype:
+            raise IpcError(
+                f"pool tensor is {tuple(tensor.shape)} {tensor.dtype}, layout needs "
+                f"{layout.shape} {layout.torch_dtype}; both sides must use the same layout"
+            )
+        if not tensor.is_contiguous():
+            raise IpcError(f"pool tensor must be contiguous, got strides {tuple(tensor.stride())}")
+        self.layout = layout
+        self.tensor = tensor
+
+    @classmethod
+    def create(cls, layout: PoolLayout, device: str | torch.device = "cpu") -> KVPool:
+        """A new zeroed pool: in a memfd on CPU (shareable with the shm backend), else torch.zeros."""
+        device = torch.device(device)
+        if device.type == "cpu":
+            from common.ipc.shm import shm_empty  # memfd pages start zeroed
+
+            return cls(layout, shm_empty(layout.shape, layout.torch_dtype, name="pdkv-kv"))
+        return cls(layout, torch.zeros(layout.shape, dtype=layout.torch_dtype, device=device))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Layout fields a compatibility hash must cover (all but num_blocks)."""
+        return self.layout.compat_fields()
+
+    def block_view(self, block_ids: int | BlockIds) -> torch.Tensor:
+        """A view (writes reach the pool) of one block, or of ids forming one ascending run.
+
+        Other id lists are refused: use `gather` for a copy of scattered blocks.
+        """
+        if isinstance(block_ids, int):
+            ids = self._ids([block_ids], "block")
+            return self.tensor[int(ids[0])]
+        ids = self._ids(block_ids, "block")
+        runs = _runs(ids, ids)
+        if len(runs) > 1:
+            raise IpcError(
+                f"block ids {ids.tolist()} are not one run of adjacent blocks; a view cannot "
+                "cover them — use KVPool.gather() for a copy"
+            )
+        start, _, length = runs[0] if runs else (0, 0, 0)
+        return self.tensor[start : start + length]
+
+    def gather(self, block_ids: BlockIds) -> torch.Tensor:
+        """A copy of the given blocks, in order, shape (len(ids), *layout.block_shape)."""
+        ids = self._ids(block_ids, "block")
+        return self.tensor.index_select(0, ids.to(self.device))
+
+    def copy_blocks_from(self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds) -> None:
+        """Copy blocks src_ids[i] of `src` into blocks dst_ids[i] of this pool (the pull).
+
+        Layouts must match except for num_blocks; ids must be in range, equally many, and the
+        destination ids distinct. Adjacent runs are copied as one slice each when the list is not
+        too fragmented; otherwise one gather + one scatter. On CUDA the copies are queued on the
+        current stream (the caller orders them after the producer's event).
+        """
+        if src.layout.compat_fields() != self.layout.compat_fields():
+            raise IpcError(
+                f"cannot copy blocks between incompatible pools: source {src.layout.compat_fields()}"
+                f", destination {self.layout.compat_fields()}"
+            )
+        s = src._ids(src_ids, "source")
+        d = self._ids(dst_ids, "destination")
+        if s.numel() != d.numel():
+            raise IpcError(f"{s.numel()} source block ids but {d.numel()} destination ids")
+        if d.numel() == 0:
+            return
+        if torch.unique(d).numel() != d.numel():
+            raise IpcError(f"destination block ids repeat: {d.tolist()}")
+        runs = _runs(s, d)
+        if len(runs) <= _MAX_RUNS_FOR_SLICES:
+            for s0, d0, n in runs:
+                self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n], non_blocking=True)
+            return
+        picked = src.tensor.index_select(0, s.to(src.device))
+        self.tensor.index_copy_(0, d.to(self.device), picked.to(self.device, non_blocking=True))
+
+    def _ids(self, block_ids: BlockIds, what: str) -> torch.Tensor:
+        """Ids as a 1-D int64 CPU tensor, range-checked against this pool."""
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
+                raise IpcError(f"{what} block ids must be integers, got {block_ids.dtype}")
+            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1)
+        else:
+            try:
+                ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise IpcError(f"{what} block ids must be ints: {exc}") from None
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            bad = ids[(ids < 0) | (ids >= self.num_blocks)].tolist()
+            raise IpcError(
+                f"{what} block ids {bad[:8]} out of range [0, {self.num_blocks}) for this pool"
+            )
+        return ids
+
+    def __repr__(self) -> str:
+        return f"KVPool({self.layout}, device={self.device})"
+
+
+def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs where both id lists step by +1: [(src_start, dst_start, length)]."""
+    if src.numel() == 0:
+        return []
+    s, d = src.numpy(), dst.numpy()  # numpy: ~1 µs per op against torch's ~10 on tiny arrays
+    starts = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], starts))
+    lengths = np.diff(np.concatenate((starts, [len(s)])))
+    return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
