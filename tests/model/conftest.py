@@ -14,7 +14,7 @@ import torch
 from common.model import LlamaModel, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="package")
+@pytest.fixture(autouse=True, scope="module")
 def _one_thread() -> Iterator[None]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -22,6 +22,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def tiny() -> LlamaModel:
     return tiny_model()
