@@ -251,6 +251,12 @@ class DecodeServer:
             handoff_us=(done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0,
             pull_us=(done_ns - recv_ns) / 1000,
         )
+        if seq.generated >= h.sampling.max_tokens or (
+            not h.sampling.ignore_eos and h.first_token in seq.stop_ids
+        ):
+            seq.finish_reason = "length" if seq.generated >= h.sampling.max_tokens else "stop"
+            self._finish(peer, seq)  # nothing left to decode
+            return
         self.engine.add(seq)
         log.debug(
             "handoff_accepted",
