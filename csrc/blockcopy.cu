@@ -8,6 +8,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
+constexpr int kStepsPerThread = 4;  // unrolled steps per thread: fewer, longer-lived CTAs
 
 template <typename T>
 __global__ void copy_blocks_kernel(T* __restrict__ dst, const T* __restrict__ src,
@@ -33,7 +34,7 @@ __global__ void copy_blocks_kernel(T* __restrict__ dst, const T* __restrict__ sr
 template <typename T>
 void launch(void* dst, const void* src, const int64_t* src_ids, const int64_t* dst_ids, int64_t n,
             int64_t per_block, cudaStream_t stream) {
-  int64_t per_cta = static_cast<int64_t>(kThreads) * kUnroll;
+  int64_t per_cta = static_cast<int64_t>(kThreads) * kUnroll * kStepsPerThread;
   int64_t x = (per_block + per_cta - 1) / per_cta;
   dim3 grid(static_cast<unsigned>(x < 1 ? 1 : (x > 4096 ? 4096 : x)),
             static_cast<unsigned>(n > 65535 ? 65535 : n));

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 
-import gpu_procs
 import pytest
 import torch
 
@@ -35,35 +34,6 @@ def test_kernel_equals_torch_gather(block: tuple[int, ...], dtype: torch.dtype) 
         copy_blocks(dst, src, dst_ids, src_ids, stream=stream)
         stream.synchronize()
         assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_cross_gpu_pull_from_imported_pool(spawn) -> None:
-    out, cmd = spawn.Queue(), spawn.Queue()
-    child = spawn.Process(
-        target=gpu_procs.prefill_after_spin,
-        args=(1 << 22, 7.0, 50_000_000, out, cmd, 0),
-        daemon=True,
-    )
-    child.start()
-    raw_desc, handles = out.get(timeout=gpu_procs.TIMEOUT)
-    # Decode on GPU1: the event is opened with GPU1 current, the pull runs on a GPU1 stream.
-    region, ring = gpu_procs.open_ring(raw_desc, handles, 1)
-    src = region.to_tensor().view(-1, 1024)  # 4096 blocks of 4 KiB on GPU0
-    assert src.device.index == 0
-    dst = torch.full((512, 1024), -1.0, device="cuda:1")
-    cmd.put("go")
-    slot = out.get(timeout=gpu_procs.TIMEOUT)
-    stream = torch.cuda.Stream(1)
-    ring.wait(slot, stream)
-    ids = random.Random(3).sample(range(4096), 512)
-    copy_blocks(dst, src, list(range(512)), ids, stream=stream)
-    stream.synchronize()
-    cmd.put("done")
-    child.join(timeout=gpu_procs.TIMEOUT)
-    assert torch.all(dst == 7.0)
-    ring.close()
-    region.close()
 
 
 def test_event_ring_acquire_exhausts() -> None:
