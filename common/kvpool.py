@@ -21,11 +21,13 @@ from common.ipc.base import dtype_from_name
 
 BlockIds = Sequence[int] | torch.Tensor
 
-# Pulls with at most this many runs of adjacent blocks copy run by run (one memcpy each); more
-# fragmented ones gather + scatter with index_select/index_copy_. Measured on CPU (2 cores,
-# 64 blocks of 16 KiB): per-run slices cost ~3 µs a run, the indexed path ~2 copies of the data
-# plus ~40 µs; see docs/architecture-core.md for the numbers.
-_MAX_RUNS_FOR_SLICES = 16
+# A pull copies run by run (one memcpy per run of adjacent blocks) while that is cheaper than one
+# gather + one scatter (index_select/index_copy_, which moves every byte twice). Measured on the
+# 2-core CPU box, 64 blocks: a run costs ~9 µs of Python/dispatch; the indexed path wins for
+# fragmented lists of small blocks (8 KiB: above ~4 runs; 64 KiB: above ~32) and loses at any run
+# count once blocks reach ~128 KiB. On CUDA each run is a kernel launch, so few runs only.
+_MIN_RUN_LIMIT = 4
+_RUN_BYTES_BREAK_EVEN = 2048  # CPU: runs allowed per pull ≈ block_nbytes / this
 
 
 @dataclass(frozen=True)
@@ -156,8 +158,9 @@ class KVPool:
         """Copy blocks src_ids[i] of `src` into blocks dst_ids[i] of this pool (the pull).
 
         Layouts must match except for num_blocks; ids must be in range, equally many, and the
-        destination ids distinct. Adjacent runs are copied as one slice each when the list is not
-        too fragmented; otherwise one gather + one scatter. On CUDA the copies are queued on the
+        destination ids distinct. Adjacent runs are copied as one slice each when that is cheaper
+        (see _run_limit), otherwise one gather + one scatter; a copy within one pool always takes
+        the gather path, which is safe when source and destination blocks overlap. On CUDA the copies are queued on the
         current stream (the caller orders them after the producer's event).
         """
         if src.layout.compat_fields() != self.layout.compat_fields():
@@ -174,12 +177,18 @@ class KVPool:
         if torch.unique(d).numel() != d.numel():
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
         runs = _runs(s, d)
-        if len(runs) <= _MAX_RUNS_FOR_SLICES:
+        if src.tensor is not self.tensor and len(runs) <= self._run_limit():
             for s0, d0, n in runs:
                 self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n], non_blocking=True)
             return
         picked = src.tensor.index_select(0, s.to(src.device))
         self.tensor.index_copy_(0, d.to(self.device), picked.to(self.device, non_blocking=True))
+
+    def _run_limit(self) -> int:
+        """Most runs a pull copies one by one before switching to gather + scatter."""
+        if self.device.type != "cpu":
+            return _MIN_RUN_LIMIT
+        return max(_MIN_RUN_LIMIT, self.layout.block_nbytes // _RUN_BYTES_BREAK_EVEN)
 
     def _ids(self, block_ids: BlockIds, what: str) -> torch.Tensor:
         """Ids as a 1-D int64 CPU tensor, range-checked against this pool."""
