@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_strategies import MESSAGES, feed_in_chunks, messages, reader_of, vector_script
 
@@ -35,7 +35,7 @@ def test_every_msg_type_has_a_class_and_a_strategy() -> None:
 
 
 @pytest.mark.parametrize("mtype", list(MsgType), ids=lambda t: t.name)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_encode_decode_round_trip_per_type(mtype: MsgType, data: st.DataObject) -> None:
     msg = data.draw(MESSAGES[mtype])
@@ -68,7 +68,7 @@ async def _read_all(data: bytes, sizes: list[int]) -> list[Message]:
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     msgs=st.lists(messages, min_size=1, max_size=5),
     sizes=st.lists(st.integers(1, 300), min_size=1, max_size=12),

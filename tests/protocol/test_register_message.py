@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_strategies import raw_frame, region_descriptors
 
@@ -64,7 +64,7 @@ def test_shm_style_register_carries_fd_counts_and_no_handle_bytes() -> None:
     assert back.event_handle_list() == []
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     descs=st.lists(region_descriptors(), max_size=4),
     size=st.integers(0, 64),
