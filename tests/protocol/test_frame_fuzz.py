@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import struct
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from protocol_strategies import HEADER, messages, reader_of
@@ -26,6 +27,7 @@ from common.protocol import (
     encode,
     read_frame,
 )
+from common.protocol.messages import BY_TYPE
 
 MAX_BODY = MAX_META_BYTES + MAX_MEM_BYTES + MAX_EVENT_BYTES
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -37,15 +39,39 @@ lengths = st.one_of(
 )
 
 
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
 @st.composite
 def plausible_frames(draw: st.DrawFn) -> bytes:
-    """A header that is often valid (right magic, version, a known type) over a random body."""
-    magic = draw(st.just(b"PDKV") | st.binary(min_size=4, max_size=4))
-    version = draw(st.just(PROTOCOL_VERSION) | st.integers(0, 0xFFFF))
-    mtype = draw(st.sampled_from([int(t) for t in MsgType]) | st.integers(0, 0xFFFF))
-    lens = [draw(lengths) for _ in range(3)]
-    body = draw(st.binary(max_size=200) | st.text(max_size=100).map(str.encode))
-    return HEADER.pack(magic, version, mtype, *lens) + body
+    """Mostly-valid headers over JSON objects keyed by the type's own field names (plus strays),
+    so the decoder's validation runs, not only its header checks."""
+
+    def mostly(valid: object, other: st.SearchStrategy[object]) -> object:
+        return valid if draw(st.integers(0, 7)) else draw(other)
+
+    magic = mostly(b"PDKV", st.binary(min_size=4, max_size=4))
+    version = mostly(PROTOCOL_VERSION, st.integers(0, 0xFFFF))
+    mtype = mostly(draw(st.sampled_from(list(MsgType))), st.integers(0, 0xFFFF))
+    cls = BY_TYPE.get(mtype)  # type: ignore[call-overload]
+    names = [f.name for f in msgspec.structs.fields(cls)] if cls else []
+    keys = st.sampled_from([*names, "extra"]) if names else st.text(max_size=5)
+    meta = draw(
+        st.dictionaries(keys, json_values, max_size=len(names) + 1).map(msgspec.json.encode)
+        | st.binary(max_size=100)
+    )
+    mem = draw(st.binary(max_size=16)) if draw(st.integers(0, 3)) == 0 else b""
+    ev = draw(st.binary(max_size=16)) if draw(st.integers(0, 3)) == 0 else b""
+    lens = [len(meta), len(mem), len(ev)]
+    if draw(st.integers(0, 7)) == 0:  # a lying length field
+        lens[draw(st.integers(0, 2))] = draw(lengths)
+    return HEADER.pack(magic, version, mtype, *lens) + meta + mem + ev
 
 
 @st.composite
