@@ -16,8 +16,6 @@ import torch
 from common.cuda import cuda_errors, ext, has_extension, stream_ptr
 from common.errors import IpcError
 
-_PEERS: set[tuple[int, int]] = set()
-
 
 def _check(dst: torch.Tensor, src: torch.Tensor, n_dst: int, n_src: int) -> None:
     if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
@@ -58,7 +56,9 @@ def copy_blocks(
     _check(dst, src, d_ids.numel(), s_ids.numel())
     if d_ids.numel() == 0:
         return
-    if dst.is_cuda and src.is_cuda and has_extension():
+    # the kernel reads src through dst's context: a peer GPU's pool must be mapped there
+    # (CudaRawRegion.open_for); other cross-device pairs go through torch's peer copy
+    if dst.is_cuda and src.device == dst.device and has_extension():
         _copy_cuda(dst, src, d_ids, s_ids, stream)
         return
     if dst.is_cuda and stream is not None and not isinstance(stream, int):
@@ -77,11 +77,6 @@ def _copy_cuda(
     stream: torch.cuda.Stream | int | None,
 ) -> None:
     device = dst.device.index
-    peer = src.device.index
-    if peer != device and (device, peer) not in _PEERS:
-        with cuda_errors():
-            ext().enable_peer_access(device, peer)
-        _PEERS.add((device, peer))
     sptr = stream_ptr(stream, device)
     ids = torch.cat([s_ids, d_ids]).pin_memory()
     ids_dev = torch.empty(ids.numel(), dtype=torch.int64, device=dst.device)

@@ -122,6 +122,12 @@ class FrameChannel:
         await self.send_bytes(encode(msg), fds)
 
     async def send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
+        """Write whole frames. A frame once started is finished even if the caller is cancelled
+        (shielded), so a cancelled sender never leaves half a frame for the next one to follow."""
+        task = self._loop.create_task(self._write(data, fds))
+        await asyncio.shield(task)
+
+    async def _write(self, data: bytes, fds: list[int] | None) -> None:
         async with self._send_lock:
             view = memoryview(data)
             if fds:

@@ -90,7 +90,7 @@ class Peer:
         if len(descs) != 1:
             raise HandshakeError(ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}")
         fds = self.channel.take_fds(sum(r.num_fds for r in reg.regions))
-        region = backend_for(descs[0].kind).open(descs[0], fds)
+        region = backend_for(descs[0].kind).open_for(descs[0], fds, device)
         self.regions.append(region)
         self.pool = KVPool(layout, region.to_tensor())
         if reg.event_count:

@@ -142,7 +142,13 @@ class PrefillServer:
                 msg = await channel.recv()
                 if isinstance(msg, Generate):
                     rid = msg.request_id or uuid.uuid4().hex[:16]
+                    if rid in mine:
+                        await channel.send(
+                            _error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
+                        )
+                        continue
                     mine[rid] = self._spawn(self._run_request(channel, rid, msg), f"req-{rid}")
+                    mine[rid].add_done_callback(lambda _t, r=rid: mine.pop(r, None))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
                     if task is None:

@@ -349,16 +349,6 @@ async def test_connect_to_nothing_raises_and_leaks_no_socket(tmp_path: object) -
 
 
 # ---- cancellation ------------------------------------------------------------------------------
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG common/link.py: cancelling send() after part of a frame was written leaves the half "
-    "frame on the socket and releases the lock, so the next send() continues the byte stream "
-    "inside the torn frame and the peer sees garbage (ProtocolError) and loses that frame. "
-    "prefill_server cancels request tasks blocked in channel.send() (ABORT, client gone). "
-    "Fix: once the first byte is out, finish the frame even if the caller is cancelled (write it "
-    "in a task that holds the send lock, and `await asyncio.shield(task)`), or mark the channel "
-    "broken and refuse later sends.",
-)
 async def test_a_cancelled_send_never_tears_the_stream() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     # The receiver stops reading at 64 KiB, so a 3 MiB frame cannot leave the sender in one go.

@@ -154,6 +154,13 @@ class SharedRegion(ABC):
     def open(cls, desc: RegionDescriptor, fds: list[int]) -> SharedRegion:
         """Importer side: map the region `desc` names (fds as received with SCM_RIGHTS)."""
 
+    @classmethod
+    def open_for(cls, desc: RegionDescriptor, fds: list[int], device: torch.device) -> SharedRegion:
+        """Importer side, for a consumer on `device`: a backend that can map the region into that
+        device's context (cuda-raw, so a kernel on another GPU may read it) overrides this; the
+        others open as usual."""
+        return cls.open(desc, fds)
+
     @abstractmethod
     def to_tensor(self) -> torch.Tensor:
         """The region as a tensor of desc.dtype and desc.shape."""

@@ -91,6 +91,13 @@ class CudaRawRegion(SharedRegion):
         raw = torch.from_dlpack(capsule)
         return cls(desc, bytes_as(raw, desc))
 
+    @classmethod
+    def open_for(
+        cls, desc: RegionDescriptor, fds: list[int], device: torch.device
+    ) -> CudaRawRegion:
+        """Map in the consumer's GPU context (see open_on)."""
+        return cls.open_on(desc, device.index if device.type == "cuda" else None)
+
     def to_tensor(self) -> torch.Tensor:
         """The shared tensor; IpcError after close()."""
         if self._tensor is None:

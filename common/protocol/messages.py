@@ -15,7 +15,7 @@ import msgspec
 from common.ipc.base import RegionDescriptor
 from common.model.sampling import SamplingParams
 
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 
@@ -239,7 +239,7 @@ class Error(Message, frozen=True):
     TYPE = MsgType.ERROR
     code: ErrorCode
     message: str
-    request_id: str | None = None
+    request_id: RequestId | None = None
 
 
 class Ping(Message, frozen=True):

@@ -292,12 +292,6 @@ def test_encode_at_the_metadata_maximum_round_trips() -> None:
     assert decode(frame) == msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG common/protocol/messages.py: Error.request_id is `str | None`, the only request id "
-    "not typed RequestId, so an ERROR naming an empty or 1 MiB request id is accepted; "
-    "fix: `request_id: RequestId | None = None`",
-)
 @pytest.mark.parametrize("rid", [b'""', b'"' + b"r" * 129 + b'"'], ids=["empty", "129-chars"])
 def test_error_request_id_is_bounded_like_every_request_id(rid: bytes) -> None:
     err = _meta_error(
