@@ -13,7 +13,9 @@ Lifetimes:
   on success (mmap holds its own duplicate), so no fd outlives the mapping.
 - Rule: drop every tensor from `to_tensor()` before `close()`. If some are still alive, close()
   logs `shm_close_deferred` and leaves the mapping to be unmapped when the last one is collected;
-  it never unmaps pages a live tensor points at, and never raises.
+  it never unmaps pages a live tensor points at, and never raises. (torch.frombuffer keeps a
+  reference to the mmap object but no buffer export, so mmap.close() is never called: it would
+  succeed and leave the tensors pointing at unmapped pages.)
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ class ShmRegion(SharedRegion):
             )
         view = as_contiguous_view(tensor)
         nbytes = view.numel() * view.element_size()
-        found = _lookup(view.data_ptr(), nbytes)
+        # Not view.data_ptr(): torch reports 0 for a tensor with no elements.
+        ptr = view.untyped_storage().data_ptr() + view.storage_offset() * view.element_size()
+        found = _lookup(ptr, nbytes)
         if found is None:
             raise IpcError(
                 f"tensor of shape {tuple(tensor.shape)} ({tensor.dtype}) is not in shared memory; "
@@ -233,14 +237,15 @@ class ShmRegion(SharedRegion):
         if self._fd_closer is not None:
             self._fd_closer()
         if self._mm is not None:
-            mm, self._mm = self._mm, None
-            try:
-                mm.close()
-            except BufferError:
-                # A tensor from to_tensor() is still alive: unmapping now would leave it pointing
-                # at nothing. The mmap is unmapped when the last such tensor is collected.
+            # Never mm.close(): torch.frombuffer holds a reference to the mmap object, not a
+            # buffer export, so close() would succeed and leave live tensors over unmapped pages
+            # (a segfault on next touch). Dropping our reference unmaps now if no tensor is left,
+            # or when the last one is collected.
+            still_used = weakref.ref(self._mm)
+            self._mm = None
+            if still_used() is not None:
                 log.warning(
                     "shm_close_deferred",
                     nbytes=self.desc.nbytes,
-                    hint="drop tensors from to_tensor() before close()",
+                    hint="drop tensors from to_tensor() before close(); unmapped when they go",
                 )
