@@ -34,6 +34,8 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", 0)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise PdkvError(f"--device {name}: CUDA is not available here; use --device cpu")
