@@ -25,7 +25,7 @@ BlockIds = Sequence[int] | torch.Tensor
 # gather + one scatter (index_select/index_copy_, which moves every byte twice). Measured on the
 # 2-core CPU box, 64 blocks: a run costs ~9 µs of Python/dispatch; the indexed path wins for
 # fragmented lists of small blocks (8 KiB: above ~4 runs; 64 KiB: above ~32) and loses at any run
-# count once blocks reach ~128 KiB. On CUDA each run is a kernel launch, so few runs only.
+# count once blocks reach ~128 KiB. On CUDA the pull is common.blockcopy's single kernel launch.
 _MIN_RUN_LIMIT = 4
 _RUN_BYTES_BREAK_EVEN = 2048  # CPU: runs allowed per pull ≈ block_nbytes / this
 
@@ -160,8 +160,9 @@ class KVPool:
         Layouts must match except for num_blocks; ids must be in range, equally many, and the
         destination ids distinct. Adjacent runs are copied as one slice each when that is cheaper
         (see _run_limit), otherwise one gather + one scatter; a copy within one pool always takes
-        the gather path, which is safe when source and destination blocks overlap. On CUDA the copies are queued on the
-        current stream (the caller orders them after the producer's event).
+        the gather path, which is safe when source and destination blocks overlap. On CUDA it is
+        common.blockcopy.copy_blocks, queued on the current stream: the caller orders it after
+        the producer's event and records an event (or synchronizes) before reading the result.
         """
         if src.layout.compat_fields() != self.layout.compat_fields():
             raise IpcError(
@@ -176,18 +177,21 @@ class KVPool:
             return
         if torch.unique(d).numel() != d.numel():
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
+        if src.tensor is not self.tensor and "cuda" in (self.device.type, src.device.type):
+            from common.blockcopy import copy_blocks  # one kernel launch for the whole list
+
+            copy_blocks(self.tensor, src.tensor, d, s)
+            return
         runs = _runs(s, d)
         if src.tensor is not self.tensor and len(runs) <= self._run_limit():
             for s0, d0, n in runs:
-                self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n], non_blocking=True)
+                self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
             return
         picked = src.tensor.index_select(0, s.to(src.device))
-        self.tensor.index_copy_(0, d.to(self.device), picked.to(self.device, non_blocking=True))
+        self.tensor.index_copy_(0, d.to(self.device), picked)
 
     def _run_limit(self) -> int:
-        """Most runs a pull copies one by one before switching to gather + scatter."""
-        if self.device.type != "cpu":
-            return _MIN_RUN_LIMIT
+        """Most runs a CPU pull copies one by one before switching to gather + scatter."""
         return max(_MIN_RUN_LIMIT, self.layout.block_nbytes // _RUN_BYTES_BREAK_EVEN)
 
     def _ids(self, block_ids: BlockIds, what: str) -> torch.Tensor:

@@ -180,3 +180,21 @@ def test_copy_blocks_from_errors_are_clear() -> None:
     with pytest.raises(IpcError, match="must be ints"):
         dst.copy_blocks_from(src, ["a"], [0])  # type: ignore[list-item]
     assert not dst.tensor.any()  # nothing was copied by a refused pull
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA unavailable")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_pool_pull_matches_per_block_reference(dtype: str) -> None:
+    rng = random.Random(dtype)
+    src = numbered(KVPool.create(layout(dtype=dtype, head_dim=64), device="cuda"), offset=100)
+    dst = numbered(KVPool.create(layout(dtype=dtype, head_dim=64, num_blocks=48), device="cuda"))
+    assert src.device.type == "cuda" and not is_shm(src.tensor)
+    s_ids, d_ids = rng.sample(range(32), 20), rng.sample(range(48), 20)
+    expected = _reference_pull(block_values(dst), block_values(src), s_ids, d_ids)
+    dst.copy_blocks_from(src, s_ids, d_ids)
+    torch.cuda.synchronize()
+    assert block_values(dst) == expected
+    dst.copy_blocks_from(dst, [0, 1, 2], [1, 2, 3])  # within one pool, overlapping
+    torch.cuda.synchronize()
+    assert block_values(dst)[1:4] == expected[0:3]
