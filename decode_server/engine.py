@@ -85,7 +85,7 @@ class DecodeEngine:
             for seq, tok in zip(batch, tokens, strict=True):
                 if self._active.get(seq.key) is not seq:
                     continue  # aborted while the step ran
-                seq.tokens.append(tok)
+                seq.generated.append(tok)
                 if seq.check_finished():
                     del self._active[seq.key]
                 results.append((seq, tok))
@@ -99,7 +99,7 @@ class DecodeEngine:
         tables = torch.zeros((len(batch), width), dtype=torch.long)
         for i, s in enumerate(batch):
             tables[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
-        tokens = torch.tensor([s.tokens[-1] for s in batch], dtype=torch.long)
+        tokens = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
         positions = torch.tensor([s.position for s in batch], dtype=torch.long)
         slots = torch.tensor([s.slot() for s in batch], dtype=torch.long)
         seq_lens = positions + 1
@@ -112,7 +112,7 @@ class DecodeEngine:
                 seq_lens.to(dev),
                 self.rt.pool.tensor,
             )
-            generators = [make_generator(s.sampling, s.generated) for s in batch]
+            generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
             return sample_batch(logits, [s.sampling for s in batch], generators)
 
 

@@ -5,21 +5,22 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from common.model.sampling import SamplingParams
+from common.model.sampling import SamplingParams, finish_reason
 
 
 @dataclass(eq=False)
 class Sequence:
     """A request being decoded. Owned by the decode engine; `peer` is the link it came from.
 
-    `tokens` holds the prompt then every generated token; the KV cache holds positions
-    0..len(tokens)-2 (the last token's K/V is written by the next step).
+    `generated` holds every generated token (the prefill's first one included); the KV cache
+    holds positions 0..position-1, and the next step writes the K/V of the last token at
+    `position`. The prompt itself is not kept: after the pull only its length matters.
     """
 
     request_id: str
     peer: str
     prompt_len: int
-    tokens: list[int]
+    generated: list[int]
     blocks: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
@@ -35,24 +36,18 @@ class Sequence:
         return f"{self.peer}/{self.request_id}"
 
     @property
-    def generated(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    @property
     def position(self) -> int:
         """Position of the last token, whose K/V the next step writes."""
-        return len(self.tokens) - 1
+        return self.prompt_len + len(self.generated) - 1
 
     def slot(self) -> int:
         pos = self.position
         return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def check_finished(self) -> str | None:
-        """Set and return the finish reason after a token was appended, or None."""
-        if not self.sampling.ignore_eos and self.tokens[-1] in self.stop_ids:
-            self.finish_reason = "stop"
-        elif self.generated >= self.sampling.max_tokens:
-            self.finish_reason = "length"
+        """Set and return the finish reason after a token was appended, or None (the rule is
+        the reference's own, so both stop at the same token)."""
+        self.finish_reason = finish_reason(self.generated, self.sampling, self.stop_ids)
         return self.finish_reason
 
 

@@ -243,7 +243,7 @@ class DecodeServer:
             request_id=h.request_id,
             peer=peer.link_id,
             prompt_len=h.num_tokens,
-            tokens=[*h.prompt_tokens, h.first_token],
+            generated=[h.first_token],
             blocks=blocks,
             sampling=h.sampling,
             stop_ids=self.rt.model.config.stop_token_ids,
@@ -251,10 +251,7 @@ class DecodeServer:
             handoff_us=(done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0,
             pull_us=(done_ns - recv_ns) / 1000,
         )
-        if seq.generated >= h.sampling.max_tokens or (
-            not h.sampling.ignore_eos and h.first_token in seq.stop_ids
-        ):
-            seq.finish_reason = "length" if seq.generated >= h.sampling.max_tokens else "stop"
+        if seq.check_finished():
             self._finish(peer, seq)  # nothing left to decode
             return
         self.engine.add(seq)
@@ -282,7 +279,7 @@ class DecodeServer:
             Finish(
                 request_id=seq.request_id,
                 reason=seq.finish_reason or "stop",
-                usage=Usage(prompt_tokens=seq.prompt_len, completion_tokens=seq.generated),
+                usage=Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.generated)),
                 timings={
                     "decode_handoff_us": round(seq.handoff_us, 1),
                     "pull_us": round(seq.pull_us, 1),
@@ -296,7 +293,7 @@ class DecodeServer:
             link=peer.link_id,
             reason=seq.finish_reason,
             prompt_tokens=seq.prompt_len,
-            completion_tokens=seq.generated,
+            completion_tokens=len(seq.generated),
             handoff_us=round(seq.handoff_us, 1),
             decode_ms=round(decode_ms, 2),
         )

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from common.errors import PdkvError
+from common.model.sampling import finish_reason
 from common.protocol import (
     Abort,
     Error,
@@ -124,8 +125,8 @@ class RequestPipeline:
             req.generated.append(first)
             req.ttft_ms = (time.monotonic() - req.arrived) * 1000
             yield self._tokens(req, [first])
-            reason = self._finished_early(req)
-            if reason:
+            reason = finish_reason(req.generated, sampling, s.rt.model.config.stop_token_ids)
+            if reason:  # nothing left to decode: no handoff
                 yield self._finish(req, reason, {})
                 return
             await self._handoff(req, blocks)
@@ -173,12 +174,6 @@ class RequestPipeline:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._freed.wait(), left)
         return alloc.allocate(req.request_id, need)
-
-    def _finished_early(self, req: PrefillRequest) -> str | None:
-        p = req.sampling
-        if not p.ignore_eos and req.generated[-1] in self.s.rt.model.config.stop_token_ids:
-            return "stop"
-        return "length" if p.max_tokens <= 1 else None
 
     async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> None:
         s = self.s
