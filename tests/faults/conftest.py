@@ -1,0 +1,135 @@
+"""Fault-injection fixtures: real daemon processes (tests.integration's Pair), fake peers, polling.
+
+Everything waits by polling with a generous bound (no timed assertions): a condition that never
+comes true fails with the last value seen, a hung client fails through its own timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+import torch
+
+from common import client
+from common.model import reference
+from common.model.loader import load_model
+from common.model.sampling import SamplingParams
+from common.protocol import StatusReply
+from tests.integration.conftest import Daemon, Pair, wait_ready
+
+T = TypeVar("T")
+BLOCK = 16
+
+__all__ = ["BLOCK", "Daemon", "FaultPair", "all_free", "poll", "pool_of", "status"]
+
+
+class FaultPair(Pair):
+    """A Pair whose logs may live outside the runtime dir and whose sockets may be moved."""
+
+    def __init__(self, runtime: Path, log_dir: Path | None = None) -> None:
+        super().__init__(runtime)
+        self.log_dir = log_dir or runtime
+
+    def start(self, role: str, *args: str, wait: bool = True) -> Daemon:
+        argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(self.runtime),
+                "--log-format", "json", role, "start", "--device", "cpu",
+                *self.extra.get(role, []), *args]
+        log = self.log_dir / f"{role}.log"
+        with open(log, "ab") as fh:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)
+        d = Daemon(role, proc, Path(self.socket_of(role)), log)
+        self.daemons[role] = d
+        if wait:
+            wait_ready(d, linked=(role == "prefill" and "decode" in self.daemons))
+        return d
+
+    def socket_of(self, role: str) -> str:
+        return self.client_socket if role == "prefill" else self.link_socket
+
+    def start_both(self) -> None:
+        """Start decode and prefill at once (the prefill's link retries until decode is up)."""
+        d = self.start("decode", wait=False)
+        p = self.start("prefill", wait=False)
+        wait_ready(d)
+        wait_ready(p, linked=True)
+
+    def kill(self, role: str) -> None:
+        d = self.daemons[role]
+        d.proc.kill()
+        d.proc.wait(timeout=10)
+
+
+def status(sock: str) -> StatusReply:
+    return asyncio.run(client.status(sock, timeout=5))
+
+
+def pool_of(sock: str) -> dict[str, int]:
+    return status(sock).pool
+
+
+def all_free(sock: str) -> bool:
+    pool = pool_of(sock)
+    return pool["free"] == pool["total"] and pool["owned"] == 0 and pool["leased"] == 0
+
+
+def poll(fn: Callable[[], T], *, timeout: float = 30.0, every: float = 0.05, what: str = "") -> T:
+    """Call fn until it returns something truthy; AssertionError with the last value otherwise."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+        except (OSError, TimeoutError) as exc:
+            last = exc
+        if last and not isinstance(last, BaseException):
+            return last  # type: ignore[return-value]
+        time.sleep(every)
+    raise AssertionError(f"not reached within {timeout}s: {what or fn} (last: {last!r})")
+
+
+def assert_pair_free(pair: Pair) -> None:
+    """Both allocators report every block free (polled: RELEASEs and frees may be in flight)."""
+    for role, d in pair.daemons.items():
+        if d.proc.poll() is None:
+            sock = str(d.socket)
+            poll(lambda s=sock: all_free(s), timeout=15, what=f"{role} pool all free")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model, tok = load_model(None)
+    yield model, tok
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def expect(tiny_model) -> Callable[[list[int], SamplingParams], list[int]]:
+    """The single-process reference's tokens for (prompt, params)."""
+    model, _ = tiny_model
+
+    def run(prompt: list[int], params: SamplingParams) -> list[int]:
+        return reference.generate(model, prompt, params, block_size=BLOCK)
+
+    return run
+
+
+@pytest.fixture
+def fault_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
+    path = Path(tmp_path_factory.mktemp("ft", numbered=True))
+    os.chmod(path, 0o700)
+    pair = FaultPair(path)
+    yield pair
+    for d in pair.daemons.values():
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(timeout=10)

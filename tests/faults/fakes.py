@@ -1,0 +1,188 @@
+"""Hand-driven peers over real sockets: a fake prefill (link client) and a fake decode (link server).
+
+Both speak the real protocol through common.link.FrameChannel with a real shared-memory pool, so the
+daemon under test sees exactly what a real peer would send, until the test makes the fake misbehave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import threading
+from pathlib import Path
+
+from common.ipc.shm import ShmRegion
+from common.kvpool import KVPool, PoolLayout
+from common.link import FrameChannel, connect
+from common.protocol import (
+    PROTOCOL_VERSION,
+    Abort,
+    ConnectionClosed,
+    Handoff,
+    Hello,
+    HelloOk,
+    Message,
+    Ping,
+    Pong,
+    Register,
+    Registered,
+    Release,
+    fingerprint,
+)
+
+BLOCK = 16
+
+
+def tiny_layout(model, num_blocks: int = 16) -> PoolLayout:  # type: ignore[no-untyped-def]
+    """The pool layout the daemons build for `model` on CPU (float32, block size 16)."""
+    layers, kv_heads, head_dim = model.kv_layout_args()
+    return PoolLayout(
+        num_blocks=num_blocks,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        block_size=BLOCK,
+        dtype="float32",
+    )
+
+
+class FakePrefill:
+    """A link client that does HELLO/REGISTER by hand with a real memfd pool, then obeys the test."""
+
+    def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
+        self.layout = tiny_layout(model)
+        self.fingerprint = fingerprint(
+            model_id=model.fingerprint, layout=self.layout.to_wire(), backend="shm"
+        )
+        self.pool = KVPool.create(self.layout)
+        self.region = ShmRegion.export(self.pool.tensor)
+        self.channel: FrameChannel | None = None
+
+    async def link(self, path: str, timeout: float = 10.0) -> HelloOk:
+        """Connect and complete HELLO and REGISTER; returns the decode's HELLO_OK."""
+        self.channel = await connect(path)
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            fingerprint=self.fingerprint,
+            backend="shm",
+            pid=os.getpid(),
+            name="fake-prefill",
+        )
+        await self.channel.send(hello)
+        ok = await asyncio.wait_for(self.channel.recv(), timeout)
+        assert isinstance(ok, HelloOk), ok
+        fds = self.region.fds()
+        reg = Register.build(self.layout.to_wire(), [self.region.desc], [len(fds)], [])
+        await self.channel.send(reg, fds)
+        done = await asyncio.wait_for(self.channel.recv(), timeout)
+        assert isinstance(done, Registered), done
+        return ok
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.region.close()
+
+
+class FakeDecode:
+    """A link server on its own thread and loop. Mutable knobs decide how it behaves:
+
+    `answer_pings` (PONG each PING), `release` (RELEASE each HANDOFF at once), `accept` (serve new
+    connections; when False they are closed at once). It never sends TOKENS or FINISH.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.answer_pings = True
+        self.release = False
+        self.accept = True
+        self.handoffs: list[Handoff] = []
+        self.aborts: list[str] = []
+        self.connections = 0
+        self.channels: list[FrameChannel] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.Task[None] | None = None
+        self._listen: socket.socket | None = None
+
+    def start(self) -> FakeDecode:
+        self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listen.bind(str(self.path))
+        self._listen.listen(16)
+        self._listen.setblocking(False)
+        self._thread.start()
+        self.call(self._start_server())
+        return self
+
+    def call(self, coro, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+        """Run `coro` on the fake's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _start_server(self) -> None:
+        self._server = asyncio.create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        assert self._listen is not None
+        while True:
+            conn, _ = await self._loop.sock_accept(self._listen)
+            if not self.accept:
+                conn.close()
+                continue
+            self.connections += 1
+            ch = FrameChannel(conn)
+            self.channels.append(ch)
+            asyncio.create_task(self._serve(ch, f"fake-{self.connections}"))
+
+    async def _serve(self, ch: FrameChannel, link_id: str) -> None:
+        with contextlib.suppress(ConnectionClosed, OSError, asyncio.CancelledError):
+            hello = await ch.recv()
+            assert isinstance(hello, Hello)
+            await ch.send(HelloOk(fingerprint=hello.fingerprint, pid=os.getpid(), link_id=link_id))
+            reg = await ch.recv()
+            assert isinstance(reg, Register)
+            for fd in ch.take_fds(sum(r.num_fds for r in reg.regions)):
+                os.close(fd)
+            await ch.send(Registered(num_blocks=64))
+            while True:
+                await self._on_message(ch, await ch.recv())
+        ch.close()
+
+    async def _on_message(self, ch: FrameChannel, msg: Message) -> None:
+        if isinstance(msg, Ping) and self.answer_pings:
+            await ch.send(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
+        elif isinstance(msg, Handoff):
+            self.handoffs.append(msg)
+            if self.release:
+                await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
+        elif isinstance(msg, Abort):
+            self.aborts.append(msg.request_id)
+
+    def send_all(self, msg: Message) -> None:
+        """Send `msg` on every open connection (e.g. a late RELEASE)."""
+
+        async def run() -> None:
+            for ch in self.channels:
+                if not ch.closed:
+                    with contextlib.suppress(OSError):
+                        await ch.send(msg)
+
+        self.call(run())
+
+    def stop(self) -> None:
+        async def shut() -> None:
+            if self._server is not None:
+                self._server.cancel()
+            for ch in self.channels:
+                ch.close()
+
+        with contextlib.suppress(Exception):
+            self.call(shut())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+        if self._listen is not None:
+            self._listen.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()

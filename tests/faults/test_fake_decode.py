@@ -1,0 +1,108 @@
+"""The prefill daemon against a hand-driven decode: leases that are never released, and a decode
+that stops answering heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common import client
+from common.model.sampling import SamplingParams
+from common.protocol import Finish, Release, Tokens, Usage
+from tests.faults.conftest import Daemon, FaultPair, all_free, poll, status, wait_ready
+from tests.faults.fakes import FakeDecode
+
+
+@pytest.fixture(scope="module")
+def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultPair, FakeDecode]]:
+    path = Path(tmp_path_factory.mktemp("fd", numbered=True))
+    os.chmod(path, 0o700)
+    fake = FakeDecode(path / "fake-decode.sock").start()
+    pair = FaultPair(path)
+    d = pair.start(
+        "prefill", "--link-socket", str(fake.path), "--lease-timeout", "1",
+        "--heartbeat-timeout", "2", "--handoff-timeout", "2", wait=False,
+    )
+    wait_ready(d, linked=True)
+    yield pair, fake
+    if d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait(timeout=10)
+    fake.stop()
+
+
+def _prefill(pair: FaultPair) -> Daemon:
+    return pair.daemons["prefill"]
+
+
+def test_client_socket_is_0600(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, _ = fake_setup
+    mode = os.stat(pair.client_socket).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+
+
+def test_lease_never_released_gives_wait_timeout(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, fake = fake_setup
+    fake.release, fake.answer_pings = False, True
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with pytest.raises(client.RequestFailed) as info:
+        asyncio.run(
+            client.generate(
+                pair.client_socket, prompt_tokens=list(range(40)), sampling=params,
+                request_id="lease-1", timeout=20,
+            )
+        )
+    assert info.value.code == "WAIT_TIMEOUT", str(info.value)
+    assert [h.request_id for h in fake.handoffs][-1:] == ["lease-1"]
+    assert fake.handoffs[-1].block_ids and len(fake.handoffs[-1].block_ids) == 3
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free after lease expiry")
+    assert '"lease_expired"' in _prefill(pair).log_text()
+
+    # a late RELEASE, TOKENS and FINISH for the expired request change nothing
+    fake.send_all(Release(request_id="lease-1"))
+    fake.send_all(Tokens(request_id="lease-1", tokens=[1]))
+    usage = Usage(prompt_tokens=40, completion_tokens=5)
+    fake.send_all(Finish(request_id="lease-1", reason="length", usage=usage))
+    st = status(pair.client_socket)
+    assert st.links[0]["state"] == "up" and st.inflight == 0
+    assert all_free(pair.client_socket)
+
+
+def test_silent_decode_is_dropped_and_requests_get_link_lost(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, fake = fake_setup
+    fake.release = True  # the lease ends at once: only the heartbeat can end this request
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def run() -> None:
+        task = asyncio.create_task(
+            client.generate(
+                pair.client_socket, prompt_tokens=[5] * 20, sampling=params,
+                request_id="silent-1", timeout=30,
+            )
+        )
+        while not any(h.request_id == "silent-1" for h in fake.handoffs):
+            assert not task.done(), task
+            await asyncio.sleep(0.01)
+        fake.accept = False  # reconnects are refused from now on
+        fake.answer_pings = False
+        with pytest.raises(client.RequestFailed) as info:
+            await task
+        assert info.value.code == "LINK_LOST", str(info.value)
+
+    asyncio.run(run())
+    st = poll(lambda: (s := status(pair.client_socket)).links[0]["state"] == "down" and s)
+    assert "Timeout" in str(st.links[0]["last_error"]) or "timed out" in str(
+        st.links[0]["last_error"]
+    ), st.links
+    assert all_free(pair.client_socket)
+    assert '"decode_link_down"' in _prefill(pair).log_text()
+    # with no link, a new request waits --handoff-timeout for it, then fails LINK_LOST
+    with pytest.raises(client.RequestFailed) as info:
+        asyncio.run(client.generate(pair.client_socket, prompt_tokens=[1, 2], sampling=params))
+    assert info.value.code == "LINK_LOST"
+    assert all_free(pair.client_socket)
