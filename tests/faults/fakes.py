@@ -106,6 +106,7 @@ class FakeDecode:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._server: asyncio.Task[None] | None = None
         self._listen: socket.socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def start(self) -> FakeDecode:
         self._listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -133,7 +134,9 @@ class FakeDecode:
             self.connections += 1
             ch = FrameChannel(conn)
             self.channels.append(ch)
-            asyncio.create_task(self._serve(ch, f"fake-{self.connections}"))
+            task = asyncio.create_task(self._serve(ch, f"fake-{self.connections}"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _serve(self, ch: FrameChannel, link_id: str) -> None:
         with contextlib.suppress(ConnectionClosed, OSError, asyncio.CancelledError):
