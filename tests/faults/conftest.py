@@ -39,9 +39,21 @@ class FaultPair(Pair):
         self.log_dir = log_dir or runtime
 
     def start(self, role: str, *args: str, wait: bool = True) -> Daemon:
-        argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(self.runtime),
-                "--log-format", "json", role, "start", "--device", "cpu",
-                *self.extra.get(role, []), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "--runtime-dir",
+            str(self.runtime),
+            "--log-format",
+            "json",
+            role,
+            "start",
+            "--device",
+            "cpu",
+            *self.extra.get(role, []),
+            *args,
+        ]
         log = self.log_dir / f"{role}.log"
         with open(log, "ab") as fh:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)

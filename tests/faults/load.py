@@ -41,8 +41,11 @@ class Load:
         params = SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
         try:
             async for msg in client.stream(
-                self.socket, prompt_tokens=prompt, sampling=params,
-                request_id=out.request_id, timeout=self.timeout,
+                self.socket,
+                prompt_tokens=prompt,
+                sampling=params,
+                request_id=out.request_id,
+                timeout=self.timeout,
             ):
                 if isinstance(msg, client.Tokens):
                     out.tokens.extend(msg.tokens)

@@ -25,8 +25,16 @@ def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fault
     fake = FakeDecode(path / "fake-decode.sock").start()
     pair = FaultPair(path)
     d = pair.start(
-        "prefill", "--link-socket", str(fake.path), "--lease-timeout", "1",
-        "--heartbeat-timeout", "2", "--handoff-timeout", "2", wait=False,
+        "prefill",
+        "--link-socket",
+        str(fake.path),
+        "--lease-timeout",
+        "1",
+        "--heartbeat-timeout",
+        "2",
+        "--handoff-timeout",
+        "2",
+        wait=False,
     )
     wait_ready(d, linked=True)
     yield pair, fake
@@ -53,8 +61,11 @@ def test_lease_never_released_gives_wait_timeout(fake_setup) -> None:  # type: i
     with pytest.raises(client.RequestFailed) as info:
         asyncio.run(
             client.generate(
-                pair.client_socket, prompt_tokens=list(range(40)), sampling=params,
-                request_id="lease-1", timeout=20,
+                pair.client_socket,
+                prompt_tokens=list(range(40)),
+                sampling=params,
+                request_id="lease-1",
+                timeout=20,
             )
         )
     assert info.value.code == "WAIT_TIMEOUT", str(info.value)
@@ -81,8 +92,11 @@ def test_silent_decode_is_dropped_and_requests_get_link_lost(fake_setup) -> None
     async def run() -> None:
         task = asyncio.create_task(
             client.generate(
-                pair.client_socket, prompt_tokens=[5] * 20, sampling=params,
-                request_id="silent-1", timeout=30,
+                pair.client_socket,
+                prompt_tokens=[5] * 20,
+                sampling=params,
+                request_id="silent-1",
+                timeout=30,
             )
         )
         while not any(h.request_id == "silent-1" for h in fake.handoffs):

@@ -94,6 +94,8 @@ def test_kill_prefill_with_requests_in_decode(kpair: FaultPair, expect) -> None:
     poll(decode_clean, what="decode dropped the dead prefill's sequences and freed their blocks")
     assert "link_lost_sequences_dropped" in kpair.daemons["decode"].log_text()
 
+    assert (kpair.runtime / "prefill.sock").is_socket()  # kill -9 leaves both behind
+    assert (kpair.runtime / "prefill.pid").exists()
     kpair.start("prefill")
     _check_one_request(kpair, expect, seed=2)
     assert_pair_free(kpair)
