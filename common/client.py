@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from common.errors import PdkvError, ProtocolError
 from common.link import connect
-from common.model.sampling import SamplingParams
 from common.protocol import Abort, Error, ErrorCode, Finish, Generate, Status, StatusReply, Tokens
+from common.sampling_params import SamplingParams
 
 __all__ = ["Finish", "RequestFailed", "Result", "Tokens", "generate", "status", "stream"]
 

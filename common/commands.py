@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -19,8 +20,8 @@ import msgspec
 from common import client, logs
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
-from common.model.sampling import SamplingParams
 from common.runtime import StartupError, ensure_runtime_dir, read_pid, remove_file
+from common.sampling_params import SamplingParams
 
 EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
 _RENAMED = {
@@ -149,7 +150,7 @@ def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
             continue
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and read_pid(pidfile) == pid and _alive(pid):
+        while _alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         if _alive(pid):
             click.echo(f"error: {role} (pid {pid}) still running after {timeout}s", err=True)
@@ -160,17 +161,19 @@ def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
         return False
-    except PermissionError:
+    except OSError:
         return True
-    # a zombie child of ours counts as gone
-    try:
-        return os.waitpid(pid, os.WNOHANG) == (0, 0)
-    except ChildProcessError:
-        return True
+    if state == b"Z":
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+        return False
+    return True
 
 
 def status(

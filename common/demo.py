@@ -21,7 +21,7 @@ import click
 
 from common import client
 from common.errors import PdkvError
-from common.model.sampling import SamplingParams
+from common.sampling_params import SamplingParams
 
 PROMPTS = [
     "Hello",

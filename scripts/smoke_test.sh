@@ -42,6 +42,13 @@ fail() {
     exit 1
 }
 
+# True while a process runs; an exited one not yet reaped by init (a zombie) has stopped.
+running() {
+    local state
+    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+    [[ -n $state && $state != Z ]]
+}
+
 # The pid a daemon's pidfile names, or nothing.
 pidfile_pid() {
     if [[ -s $1 ]]; then tr -dc '0-9' <"$1"; fi
@@ -115,7 +122,7 @@ step="stop"
 log "stopping"
 pdkv stop all || fail "'pdkv stop all' exited $?"
 for pid in "${started_pids[@]}"; do
-    ! kill -0 "$pid" 2>/dev/null || fail "pid $pid still running after 'pdkv stop all'"
+    ! running "$pid" || fail "pid $pid still running after 'pdkv stop all'"
 done
 for f in decode.pid prefill.pid decode.sock prefill.sock; do
     [[ ! -e $RUNTIME_DIR/$f ]] || fail "$RUNTIME_DIR/$f left behind after a clean stop"

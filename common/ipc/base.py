@@ -17,15 +17,27 @@ Contract:
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
-import msgspec
 import structlog
 import torch
 
 from common.errors import IpcError
+from common.ipc.descriptor import ITEMSIZE, RegionDescriptor, contiguous_strides
+
+__all__ = [
+    "ITEMSIZE",
+    "RegionDescriptor",
+    "SharedRegion",
+    "as_contiguous_view",
+    "backend_for",
+    "bytes_as",
+    "contiguous_strides",
+    "dtype_from_name",
+    "dtype_name",
+    "register_backend",
+]
 
 log = structlog.get_logger(__name__)
 
@@ -59,51 +71,6 @@ def dtype_from_name(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise IpcError(f"unknown dtype {name!r}; supported: {sorted(_DTYPES)}") from None
-
-
-class RegionDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Wire form of one shared region. Exporter → importer, inside REGISTER.
-
-    `handle` is the backend's opaque handle (empty for shm, whose fd travels with SCM_RIGHTS);
-    `offset` is the byte offset of the tensor's first byte from the start of the shared allocation;
-    `strides` are in elements, as torch reports them; `device_uuid` is "" for CPU memory.
-    """
-
-    kind: str
-    handle: bytes
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    device_uuid: str = ""
-
-    def check(self) -> None:
-        """Raise IpcError if the fields contradict each other (checked before any import)."""
-        dtype = dtype_from_name(self.dtype)
-        if self.offset < 0 or self.nbytes < 0:
-            raise IpcError(f"negative offset {self.offset} or nbytes {self.nbytes} in descriptor")
-        if len(self.shape) != len(self.strides) or any(d < 0 for d in self.shape):
-            raise IpcError(f"bad shape {self.shape} / strides {self.strides} in descriptor")
-        if self.strides != contiguous_strides(self.shape):
-            raise IpcError(
-                f"descriptor strides {self.strides} are not contiguous for shape {self.shape}"
-            )
-        expected = math.prod(self.shape) * dtype.itemsize
-        if expected != self.nbytes:
-            raise IpcError(
-                f"descriptor nbytes {self.nbytes} does not match shape {self.shape} x "
-                f"{self.dtype} = {expected} bytes"
-            )
-
-
-def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides, in elements, of a contiguous tensor of `shape`."""
-    strides, acc = [], 1
-    for dim in reversed(shape):
-        strides.append(acc)
-        acc *= max(dim, 1)
-    return tuple(reversed(strides))
 
 
 def as_contiguous_view(tensor: torch.Tensor) -> torch.Tensor:

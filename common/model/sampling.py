@@ -17,72 +17,11 @@ import math
 import secrets
 from collections.abc import Sequence
 
-import msgspec
 import torch
 
-from common.errors import PdkvError
+from common.sampling_params import SamplingParams, SamplingParamsError
 
 _MASK64 = (1 << 64) - 1
-
-
-class SamplingParamsError(PdkvError, ValueError):
-    """Sampling parameters outside their domain; the message names the field and its range."""
-
-
-class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How to pick tokens. Client → prefill daemon → decode daemon (inside HANDOFF).
-
-    temperature 0 is greedy (top_k, top_p and seed are then ignored); top_k 0 and top_p 1.0 are
-    off. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    ignore_eos: bool = False
-
-    @property
-    def greedy(self) -> bool:
-        """True when tokens are the argmax (temperature 0)."""
-        return self.temperature == 0.0
-
-    def validate(self) -> SamplingParams:
-        """Return self when every field is in range; SamplingParamsError naming the first that is not."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingParamsError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-            )
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
-            raise SamplingParamsError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
-            )
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise SamplingParamsError(
-                f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"
-            )
-        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise SamplingParamsError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise SamplingParamsError(f"seed must be an integer or null, got {self.seed!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingParamsError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
-        return self
-
-    def with_seed(self) -> SamplingParams:
-        """These parameters with a random seed filled in when sampling is random and none was given."""
-        if self.seed is not None or self.greedy:
-            return self
-        return msgspec.structs.replace(self, seed=secrets.randbits(63))
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -12,8 +12,8 @@ from typing import Annotated, ClassVar
 
 import msgspec
 
-from common.ipc.base import RegionDescriptor
-from common.model.sampling import SamplingParams
+from common.ipc.descriptor import RegionDescriptor
+from common.sampling_params import SamplingParams
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]

@@ -48,9 +48,21 @@ class Pair:
         return str(self.runtime / "decode.sock")
 
     def start(self, role: str, *args: str, wait: bool = True) -> Daemon:
-        argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(self.runtime),
-                "--log-format", "json", role, "start", "--device", "cpu",
-                *self.extra.get(role, []), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "--runtime-dir",
+            str(self.runtime),
+            "--log-format",
+            "json",
+            role,
+            "start",
+            "--device",
+            "cpu",
+            *self.extra.get(role, []),
+            *args,
+        ]
         log = self.runtime / f"{role}.log"
         with open(log, "ab") as fh:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)
@@ -73,14 +85,16 @@ def wait_ready(d: Daemon, *, linked: bool = False, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if d.proc.poll() is not None:
-            raise AssertionError(f"{d.role} exited with {d.proc.returncode}:\n{d.log_text()[-3000:]}")
+            raise AssertionError(
+                f"{d.role} exited with {d.proc.returncode}:\n{d.log_text()[-3000:]}"
+            )
         try:
             st = asyncio.run(client.status(str(d.socket), timeout=1))
             if not linked or st.links[0]["state"] == "up":
                 return
         except (OSError, TimeoutError, AssertionError):
             pass
-        except Exception:  # noqa: BLE001 - not ready yet (e.g. half-open socket)
+        except Exception:
             pass
         time.sleep(0.05)
     raise AssertionError(f"{d.role} not ready in {timeout}s:\n{d.log_text()[-3000:]}")

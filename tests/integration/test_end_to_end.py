@@ -26,7 +26,9 @@ def _prompts(n: int, seed: int = 7) -> list[list[int]]:
     rng = random.Random(seed)
     # mixed lengths, many crossing block boundaries (15, 16, 17, 31, 33, ...)
     lengths = [1, 15, 16, 17, 31, 32, 33, 47, 64, 65, 90, 5]
-    return [[rng.randrange(256) for _ in range(lengths[i % len(lengths)] + i // 12)] for i in range(n)]
+    return [
+        [rng.randrange(256) for _ in range(lengths[i % len(lengths)] + i // 12)] for i in range(n)
+    ]
 
 
 def test_64_concurrent_requests_equal_reference(pair, tiny):
@@ -57,8 +59,12 @@ def test_64_concurrent_requests_equal_reference(pair, tiny):
 
 def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
     model, tok = tiny
-    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=1234, ignore_eos=True)
-    res = asyncio.run(client.generate(pair.client_socket, prompt="Hello, paged world", sampling=params))
+    params = SamplingParams(
+        max_tokens=12, temperature=0.8, top_k=40, top_p=0.9, seed=1234, ignore_eos=True
+    )
+    res = asyncio.run(
+        client.generate(pair.client_socket, prompt="Hello, paged world", sampling=params)
+    )
     expected = reference.generate(model, tok.encode("Hello, paged world"), params, block_size=BLOCK)
     assert res.tokens == expected
     assert res.text == tok.decode(expected)
@@ -69,7 +75,9 @@ def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
 def test_max_tokens_one_finishes_without_handoff(pair, tiny):
     model, _ = tiny
     res = asyncio.run(
-        client.generate(pair.client_socket, prompt_tokens=[1, 2, 3], sampling=SamplingParams(max_tokens=1))
+        client.generate(
+            pair.client_socket, prompt_tokens=[1, 2, 3], sampling=SamplingParams(max_tokens=1)
+        )
     )
     assert res.tokens == reference.generate(model, [1, 2, 3], SamplingParams(max_tokens=1))
     assert res.finish.reason == "length"
@@ -92,7 +100,9 @@ def test_bad_requests_get_clear_errors(pair):
         msg = await expect("BAD_REQUEST", prompt="x", sampling=SamplingParams(max_tokens=0))
         assert "max_tokens" in msg
         # the daemon still serves afterwards
-        ok = await client.generate(pair.client_socket, prompt="ok", sampling=SamplingParams(max_tokens=3))
+        ok = await client.generate(
+            pair.client_socket, prompt="ok", sampling=SamplingParams(max_tokens=3)
+        )
         assert len(ok.tokens) >= 1
 
     asyncio.run(run())
