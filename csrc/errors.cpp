@@ -36,7 +36,10 @@ void check_driver(int result, const char* call) {
 
 DeviceGuard::DeviceGuard(int device) {
   PDKV_CHECK(cudaGetDevice(&previous_));
-  if (previous_ != device) PDKV_CHECK(cudaSetDevice(device));
+  // Always set: on a thread that has made no CUDA runtime call yet, cudaGetDevice already says 0
+  // but no context is current, and driver calls (cuMemGetAddressRange) then fail with
+  // CUDA_ERROR_INVALID_CONTEXT. cudaSetDevice binds the device's primary context to this thread.
+  PDKV_CHECK(cudaSetDevice(device));
 }
 
 DeviceGuard::~DeviceGuard() {

@@ -16,6 +16,7 @@ import time
 import uuid
 
 import structlog
+import torch
 
 from common import daemon
 from common.config import PrefillConfig
@@ -52,6 +53,8 @@ class PrefillServer:
         self.rt = rt
         self.requests: dict[str, PrefillRequest] = {}
         self.started = time.monotonic()
+        if rt.device.type == "cuda":
+            torch.cuda.set_device(rt.device)  # CUDA calls from the loop thread: export, events
         self.region = backend_for(rt.backend).export(rt.pool.tensor)  # once per process
         # interprocess events exported once per link; CPU needs none (the frame is the signal)
         self.events = event_ring(cfg.event_slots, rt.device) if rt.device.type == "cuda" else None
