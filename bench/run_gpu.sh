@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.log"
 status=0
-timeout 420 "$PY" -m pytest -m gpu tests/gpu tests/integration/test_gpu_daemons.py -q -rs \
+timeout 420 "$PY" -m pytest -m gpu tests -q -rs \
   -p no:cacheprovider --timeout 180 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 # the whole system on the GPU, checked against the reference (bf16 default dtype)
 timeout 180 "$PY" -m common.cli demo --device cuda:0 --prompts 16 2>&1 | tee "$OUT/demo.log" || status=1
