@@ -56,7 +56,7 @@ async def wait_up(sock: Path, linked: bool = False, timeout: float = 120) -> Non
             st = await client.status(str(sock), timeout=1)
             if not linked or st.links[0]["state"] == "up":
                 return
-        except Exception:  # noqa: BLE001 - not up yet
+        except Exception:
             pass
         await asyncio.sleep(0.1)
     raise SystemExit(f"{sock} did not come up in {timeout}s")
@@ -101,7 +101,7 @@ async def soak(args: argparse.Namespace, runtime: Path) -> dict:
             try:
                 res = await client.generate(sock, prompt_tokens=prompt, sampling=params, timeout=60)
                 tokens += len(res.tokens)
-            except Exception as exc:  # noqa: BLE001 - counted, reported
+            except Exception as exc:
                 errors += 1
                 print(f"request {i} failed: {exc}", file=sys.stderr)
         done += 1
@@ -113,9 +113,14 @@ async def soak(args: argparse.Namespace, runtime: Path) -> dict:
     elapsed = time.monotonic() - t0
     await asyncio.sleep(0.5)
     pools = {r: (await client.status(str(runtime / f"{r}.sock"))).pool for r in procs}
-    for p in procs.values():
-        p.send_signal(signal.SIGTERM)
-    codes = {r: p.wait(timeout=60) for r, p in procs.items()}
+    codes = {}
+    for role in ("prefill", "decode"):  # prefill first: it must not see its link drop mid-stop
+        procs[role].send_signal(signal.SIGTERM)
+        try:
+            codes[role] = procs[role].wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            procs[role].kill()
+            codes[role] = f"hung after SIGTERM (killed), rc {procs[role].wait()}"
     all_free = all(pl["free"] == pl["total"] for pl in pools.values())
     return {
         "requests": args.requests,
