@@ -16,6 +16,8 @@ import torch
 from common.cuda import cuda_errors, ext, has_extension, stream_ptr
 from common.errors import IpcError
 
+_PEERS: set[tuple[int, int]] = set()
+
 
 def _check(dst: torch.Tensor, src: torch.Tensor, n_dst: int, n_src: int) -> None:
     if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
@@ -50,15 +52,16 @@ def copy_blocks(
 
     Asynchronous on CUDA (ordered on `stream`, default the dst device's current stream); the
     caller synchronizes or records an event. IpcError for mismatched pools or ids out of range.
+    The kernel runs on dst's GPU and reads a src on another GPU over peer access; memory imported
+    from another process must then be mapped in dst's context (CudaRawRegion.open_for): a GPU
+    cannot read an IPC mapping made in another GPU's context (illegal address on two H200s).
     """
     d_ids = _ids(dst_ids, dst.shape[0], "dst")
     s_ids = _ids(src_ids, src.shape[0], "src")
     _check(dst, src, d_ids.numel(), s_ids.numel())
     if d_ids.numel() == 0:
         return
-    # the kernel reads src through dst's context: a peer GPU's pool must be mapped there
-    # (CudaRawRegion.open_for); other cross-device pairs go through torch's peer copy
-    if dst.is_cuda and src.device == dst.device and has_extension():
+    if dst.is_cuda and src.is_cuda and has_extension():
         _copy_cuda(dst, src, d_ids, s_ids, stream)
         return
     if dst.is_cuda and stream is not None and not isinstance(stream, int):
@@ -77,6 +80,11 @@ def _copy_cuda(
     stream: torch.cuda.Stream | int | None,
 ) -> None:
     device = dst.device.index
+    peer = src.device.index
+    if peer != device and (device, peer) not in _PEERS:
+        with cuda_errors():
+            ext().enable_peer_access(device, peer)
+        _PEERS.add((device, peer))
     sptr = stream_ptr(stream, device)
     ids = torch.cat([s_ids, d_ids]).pin_memory()
     ids_dev = torch.empty(ids.numel(), dtype=torch.int64, device=dst.device)

@@ -34,7 +34,15 @@ class Puller:
             return
         if slot >= 0 and peer.events is not None:
             peer.events.wait(slot, self.stream)
-        copy_blocks(self.rt.pool.tensor, peer.pool.tensor, dst_ids, src_ids, self.stream)
+        src = peer.pool.tensor
+        if src.device == self.rt.device:  # cuda-raw maps the peer pool in our context
+            copy_blocks(self.rt.pool.tensor, src, dst_ids, src_ids, self.stream)
+        else:  # cuda-torch maps it in the owner GPU's context: torch's peer copy reads it
+            with torch.cuda.stream(self.stream):
+                picked = src.index_select(0, torch.tensor(src_ids, device=src.device))
+                self.rt.pool.tensor.index_copy_(
+                    0, torch.tensor(dst_ids, device=self.rt.device), picked.to(self.rt.device)
+                )
         done = torch.cuda.Event()
         done.record(self.stream)
         await wait_event(done)
