@@ -8,6 +8,7 @@ mappings closed. Outgoing frames go through one writer task so they leave in ord
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import time
@@ -90,9 +91,19 @@ class Peer:
         if len(descs) != 1:
             raise HandshakeError(ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}")
         fds = self.channel.take_fds(sum(r.num_fds for r in reg.regions))
-        region = backend_for(descs[0].kind).open_for(descs[0], fds, device)
-        self.regions.append(region)
-        self.pool = KVPool(layout, region.to_tensor())
+        try:
+            backend = backend_for(descs[0].kind)
+        except PdkvError as exc:
+            _close_fds(fds)
+            raise HandshakeError(ErrorCode.INCOMPATIBLE, str(exc)) from exc
+        try:
+            region = backend.open_for(descs[0], fds, device)  # owns the fds from here on
+            self.regions.append(region)
+            self.pool = KVPool(layout, region.to_tensor())
+        except PdkvError as exc:
+            raise HandshakeError(
+                ErrorCode.BAD_REQUEST, f"cannot open the peer's pool: {exc}"
+            ) from exc
         if reg.event_count:
             from common.ipc.events import ImportedEventRing
 
@@ -176,3 +187,9 @@ class Peer:
 
 
 __all__ = ["HandshakeError", "Peer", "ProtocolError"]
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -120,7 +120,8 @@ class DecodeServer:
         peer.vocab_size = self.rt.model.config.vocab_size
         timeout = self.cfg.heartbeat_timeout_s
         try:
-            first = await asyncio.wait_for(channel.recv(), timeout)
+            async with asyncio.timeout(timeout):
+                first = await channel.recv()
             if isinstance(first, Status):
                 peer.post(self.status())
                 await peer.flush()
@@ -128,13 +129,15 @@ class DecodeServer:
             if not isinstance(first, Hello):
                 raise ProtocolError(f"expected HELLO first, got {first.TYPE.name}")
             peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.backend))
-            reg = await asyncio.wait_for(channel.recv(), timeout)
+            async with asyncio.timeout(timeout):
+                reg = await channel.recv()
             if not isinstance(reg, Register):
                 raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
             peer.post(peer.import_pool(reg, self.rt.layout, self.rt.device))
             self.peers[peer.link_id] = peer
             while True:
-                msg = await asyncio.wait_for(channel.recv(), timeout)
+                async with asyncio.timeout(timeout):
+                    msg = await channel.recv()
                 self._dispatch(peer, msg)
         except HandshakeError as exc:
             peer.log.warning("handshake_refused", code=exc.code, error=str(exc))
@@ -148,6 +151,10 @@ class DecodeServer:
             peer.log.warning("link_heartbeat_missed", timeout_s=timeout)
         except (ConnectionClosed, OSError) as exc:
             peer.log.info("link_closed", reason=str(exc) or type(exc).__name__)
+        except PdkvError as exc:  # nothing may escape the connection's task
+            peer.log.warning("link_failed", error=str(exc))
+            peer.post_error(ErrorCode.PROTOCOL_ERROR, str(exc))
+            await peer.flush()
         finally:
             if peer.pulls:  # never unmap the peer's pool under a copy that still reads it
                 await asyncio.gather(*peer.pulls, return_exceptions=True)
@@ -196,6 +203,14 @@ class DecodeServer:
             return
         bs = self.rt.layout.block_size
         need = blocks_needed(h.num_tokens, h.sampling.max_tokens, bs)
+        if need > self.rt.allocator.total:
+            peer.post_error(
+                ErrorCode.BAD_REQUEST,
+                f"prompt + max_tokens need {need} KV blocks, the decode pool has "
+                f"{self.rt.allocator.total} (lower max_tokens or raise the decode's --num-blocks)",
+                h.request_id,
+            )
+            return
         try:
             blocks = self.rt.allocator.allocate(key, need)
         except OutOfBlocks as exc:

@@ -70,6 +70,7 @@ class DecodeLink:
         self.rtt_us = 0.0
         self._ping = itertools.count()
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def state(self) -> str:
@@ -79,6 +80,9 @@ class DecodeLink:
         self._task = asyncio.create_task(self._run(), name="decode-link")
 
     async def stop(self) -> None:
+        """End the link for good. The flag, not only the cancel, ends the reconnect loop: on
+        Python 3.11 a cancel that lands as an inner await completes can be lost."""
+        self._stopping = True
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -92,7 +96,7 @@ class DecodeLink:
 
     async def _run(self) -> None:
         backoff = 0.05
-        while True:
+        while not self._stopping:
             try:
                 await self._connect_once()
                 backoff = 0.05
@@ -100,14 +104,18 @@ class DecodeLink:
             except (OSError, ConnectionClosed, ProtocolError, LinkRefused, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 level = "warning" if self.connects else "info"
-                getattr(log, level)("decode_link_down", error=self.last_error, retry_s=backoff)
+                if not self._stopping:
+                    getattr(log, level)("decode_link_down", error=self.last_error, retry_s=backoff)
             self._drop(self.last_error or "link closed")
+            if self._stopping:
+                return
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
     async def _connect_once(self) -> None:
         timeout = self.cfg.heartbeat_timeout_s
-        channel = await asyncio.wait_for(connect(str(self.cfg.link_path)), timeout)
+        async with asyncio.timeout(timeout):
+            channel = await connect(str(self.cfg.link_path))
         self.channel = channel
         await channel.send(
             Hello(
@@ -118,7 +126,8 @@ class DecodeLink:
                 name="prefill",
             )
         )
-        ok = await asyncio.wait_for(channel.recv(), timeout)
+        async with asyncio.timeout(timeout):
+            ok = await channel.recv()
         if isinstance(ok, Error):
             raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
         if not isinstance(ok, HelloOk):
@@ -126,7 +135,8 @@ class DecodeLink:
         fds = self.region.fds()
         reg = Register.build(self.layout_wire, [self.region.desc], [len(fds)], self.event_handles)
         await channel.send(reg, fds)
-        done = await asyncio.wait_for(channel.recv(), timeout)
+        async with asyncio.timeout(timeout):
+            done = await channel.recv()
         if isinstance(done, Error):
             raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
         if not isinstance(done, Registered):
@@ -141,7 +151,8 @@ class DecodeLink:
         beat = asyncio.create_task(self._heartbeat(self.channel))
         try:
             while True:
-                msg = await asyncio.wait_for(self.channel.recv(), self.cfg.heartbeat_timeout_s)
+                async with asyncio.timeout(self.cfg.heartbeat_timeout_s):
+                    msg = await self.channel.recv()
                 if isinstance(msg, Pong):
                     self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
                 elif isinstance(msg, Error) and msg.request_id is None:

@@ -81,7 +81,8 @@ class RequestPipeline:
                     ErrorCode.NO_CAPACITY, f"all {len(events)} handoff event slots busy"
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._freed.wait()
         req.event_slot = slot
 
     def _release_slot(self, req: PrefillRequest) -> None:
@@ -172,7 +173,8 @@ class RequestPipeline:
                     f"({alloc.num_free} free of {alloc.total})",
                 )
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._freed.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._freed.wait()
         return alloc.allocate(req.request_id, need)
 
     async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> None:
@@ -182,7 +184,8 @@ class RequestPipeline:
         while True:
             left = deadline - time.monotonic()
             try:
-                await asyncio.wait_for(s.link.ready.wait(), max(left, 0))
+                async with asyncio.timeout(max(left, 0)):
+                    await s.link.ready.wait()
             except TimeoutError:
                 raise RequestFailed(
                     ErrorCode.LINK_LOST,

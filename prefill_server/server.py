@@ -107,7 +107,11 @@ class PrefillServer:
                 Error(code=ErrorCode.SHUTTING_DOWN, message="prefill daemon is shutting down")
             )
         await asyncio.sleep(0.05)
-        await self.link.stop()
+        try:
+            async with asyncio.timeout(5):
+                await self.link.stop()
+        except TimeoutError:
+            log.warning("link_stop_timeout")
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -21,7 +21,7 @@ from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
-from common.protocol import PROTOCOL_VERSION, Hello, Register, encode
+from common.protocol import PROTOCOL_VERSION, Error, Hello, Register, decode, encode
 from tests.faults.conftest import FaultPair, all_free, poll
 from tests.faults.fakes import FakePrefill
 from tests.fuzz import frames
@@ -257,26 +257,7 @@ async def _refused_register(path: str, hello: bytes, register: bytes, fd: int) -
 
 @pytest.mark.parametrize(
     ("case", "over"),
-    [
-        pytest.param(
-            "unknown kind",
-            {"kind": "bogus"},
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="decode leaks the REGISTER fd and sends "
-                "no ERROR when the region kind is unknown (IpcError escapes)",
-            ),
-        ),
-        pytest.param(
-            "fd too small",
-            {},
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="decode sends no ERROR when the shm "
-                "region cannot be opened (IpcError escapes _serve_conn)",
-            ),
-        ),
-    ],
+    [("unknown kind", {"kind": "bogus"}), ("fd too small", {})],
 )
 def test_register_that_cannot_be_opened_is_refused_without_leaking(
     fpair: FaultPair, tiny, case, over
@@ -294,5 +275,5 @@ def test_register_that_cannot_be_opened_is_refused_without_leaking(
         fake.close()
     poll(lambda: fd_count(pid) <= before, what=f"decode fd count back to {before}", timeout=5)
     assert answer, f"{case}: the decode closed the link without an ERROR frame"
-    msg = frames.decode_frame(answer)
-    assert isinstance(msg, frames.Error) and msg.code in ("BAD_REQUEST", "INCOMPATIBLE"), msg
+    msg = decode(answer)
+    assert isinstance(msg, Error) and msg.code in ("BAD_REQUEST", "INCOMPATIBLE"), msg

@@ -108,19 +108,40 @@ def test_bad_requests_get_clear_errors(pair):
     asyncio.run(run())
 
 
-def test_decode_without_capacity_is_a_clear_error(pair_factory, tiny):
-    # decode pool of 4 blocks: a request needing more can never fit -> NO_CAPACITY after the timeout
+def test_a_request_that_can_never_fit_the_decode_pool_is_refused_at_once(pair_factory):
+    # decode pool of 4 blocks: prompt 40 + 60 new tokens need 7 -> BAD_REQUEST naming the fix
     pair_factory.start("decode", "--num-blocks", "4")
-    pair_factory.start("prefill", "--handoff-timeout", "1")
+    pair_factory.start("prefill", "--handoff-timeout", "30")
     with pytest.raises(client.RequestFailed) as info:
         asyncio.run(
             client.generate(
                 pair_factory.client_socket,
                 prompt_tokens=list(range(40)),
                 sampling=SamplingParams(max_tokens=60, ignore_eos=True),
+                timeout=20,
             )
         )
-    assert info.value.code == "NO_CAPACITY"
-    assert "free" in str(info.value)
+    assert info.value.code == "BAD_REQUEST"
+    assert "--num-blocks" in str(info.value)
+    st = asyncio.run(client.status(pair_factory.client_socket))
+    assert st.pool["free"] == st.pool["total"]
+
+
+def test_prefill_in_flight_limit_answers_no_capacity(pair_factory):
+    pair_factory.start("decode")
+    pair_factory.start("prefill", "--max-pending", "1")
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+
+    async def run():
+        first = client.stream(pair_factory.client_socket, prompt_tokens=[1, 2, 3], sampling=long)
+        await anext(first)  # the first token is out: the request is in flight for 399 more steps
+        with pytest.raises(client.RequestFailed) as info:
+            await client.generate(pair_factory.client_socket, prompt="x", sampling=SamplingParams())
+        assert info.value.code == "NO_CAPACITY"
+        assert "--max-pending" in str(info.value)
+        async for _ in first:
+            pass
+
+    asyncio.run(run())
     st = asyncio.run(client.status(pair_factory.client_socket))
     assert st.pool["free"] == st.pool["total"]
