@@ -28,6 +28,7 @@ BlockIds = Sequence[int] | torch.Tensor
 # count once blocks reach ~128 KiB. On CUDA the pull is common.blockcopy's single kernel launch.
 _MIN_RUN_LIMIT = 4
 _RUN_BYTES_BREAK_EVEN = 2048  # CPU: runs allowed per pull ≈ block_nbytes / this
+_SMALL = 32  # id lists up to this long find their runs in plain Python
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,7 @@ class KVPool:
             raise IpcError(f"pool tensor must be contiguous, got strides {tuple(tensor.stride())}")
         self.layout = layout
         self.tensor = tensor
+        self._compat = layout.compat_fields()  # compared on every pull
 
     @classmethod
     def create(cls, layout: PoolLayout, device: str | torch.device = "cpu") -> KVPool:
@@ -152,7 +154,7 @@ class KVPool:
     def gather(self, block_ids: BlockIds) -> torch.Tensor:
         """A copy of the given blocks, in order, shape (len(ids), *layout.block_shape)."""
         ids = self._ids(block_ids, "block")
-        return self.tensor.index_select(0, ids.to(self.device))
+        return self.tensor.index_select(0, torch.from_numpy(ids).to(self.device))
 
     def copy_blocks_from(self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds) -> None:
         """Copy blocks src_ids[i] of `src` into blocks dst_ids[i] of this pool (the pull).
@@ -164,48 +166,92 @@ class KVPool:
         common.blockcopy.copy_blocks, queued on the current stream: the caller orders it after
         the producer's event and records an event (or synchronizes) before reading the result.
         """
-        if src.layout.compat_fields() != self.layout.compat_fields():
+        if (
+            type(src_ids) is list
+            and type(dst_ids) is list
+            and len(dst_ids) <= _SMALL
+            and src.tensor is not self.tensor
+            and src.device.type == "cpu" == self.device.type
+        ):
+            self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in ~10 µs
+            return
+        if src._compat != self._compat:
             raise IpcError(
                 f"cannot copy blocks between incompatible pools: source {src.layout.compat_fields()}"
                 f", destination {self.layout.compat_fields()}"
             )
         s = src._ids(src_ids, "source")
         d = self._ids(dst_ids, "destination")
-        if s.numel() != d.numel():
-            raise IpcError(f"{s.numel()} source block ids but {d.numel()} destination ids")
-        if d.numel() == 0:
+        if s.size != d.size:
+            raise IpcError(f"{s.size} source block ids but {d.size} destination ids")
+        if d.size == 0:
             return
-        if torch.unique(d).numel() != d.numel():
+        if np.unique(d).size != d.size:
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
         if src.tensor is not self.tensor and "cuda" in (self.device.type, src.device.type):
             from common.blockcopy import copy_blocks  # one kernel launch for the whole list
 
-            copy_blocks(self.tensor, src.tensor, d, s)
+            copy_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
             return
         runs = _runs(s, d)
         if src.tensor is not self.tensor and len(runs) <= self._run_limit():
             for s0, d0, n in runs:
                 self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
             return
-        picked = src.tensor.index_select(0, s.to(src.device))
-        self.tensor.index_copy_(0, d.to(self.device), picked)
+        picked = src.tensor.index_select(0, torch.from_numpy(s).to(src.device))
+        self.tensor.index_copy_(0, torch.from_numpy(d).to(self.device), picked)
+
+    def _copy_few(self, src: KVPool, src_ids: list[int], dst_ids: list[int]) -> None:
+        """copy_blocks_from for a few ids given as lists, between CPU pools: the same checks
+        in plain Python, where numpy's and torch's fixed costs would dominate."""
+        if src._compat != self._compat:
+            raise IpcError(
+                f"cannot copy blocks between incompatible pools: source {src._compat}"
+                f", destination {self._compat}"
+            )
+        if len(src_ids) != len(dst_ids):
+            raise IpcError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination ids")
+        for ids, pool, what in ((src_ids, src, "source"), (dst_ids, self, "destination")):
+            if not all(type(i) is int for i in ids):
+                raise IpcError(f"{what} block ids must be ints in a flat list, got {ids!r:.80}")
+            if ids and (min(ids) < 0 or max(ids) >= pool.num_blocks):
+                bad = [i for i in ids if not 0 <= i < pool.num_blocks]
+                raise IpcError(
+                    f"{what} block ids {bad[:8]} out of range [0, {pool.num_blocks}) for this pool"
+                )
+        if len(set(dst_ids)) != len(dst_ids):
+            raise IpcError(f"destination block ids repeat: {dst_ids}")
+        runs = _runs_small(src_ids, dst_ids)
+        if len(runs) <= self._run_limit():
+            for s0, d0, n in runs:
+                self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
+            return
+        picked = src.tensor.index_select(0, torch.tensor(src_ids))
+        self.tensor.index_copy_(0, torch.tensor(dst_ids), picked)
 
     def _run_limit(self) -> int:
         """Most runs a CPU pull copies one by one before switching to gather + scatter."""
         return max(_MIN_RUN_LIMIT, self.layout.block_nbytes // _RUN_BYTES_BREAK_EVEN)
 
-    def _ids(self, block_ids: BlockIds, what: str) -> torch.Tensor:
-        """Ids as a 1-D int64 CPU tensor, range-checked against this pool."""
+    def _ids(self, block_ids: BlockIds, what: str) -> np.ndarray:
+        """Ids as a 1-D int64 numpy array, range-checked against this pool.
+
+        numpy rather than torch: on a handful of ids each torch op costs ~10 µs, numpy's ~1 µs,
+        and this runs on every pull.
+        """
         if isinstance(block_ids, torch.Tensor):
             if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
                 raise IpcError(f"{what} block ids must be integers, got {block_ids.dtype}")
-            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1)
+            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
         else:
             try:
-                ids = torch.as_tensor(list(block_ids), dtype=torch.int64)
-            except (TypeError, ValueError, RuntimeError) as exc:
+                ids = np.asarray(list(block_ids))
+            except (TypeError, ValueError) as exc:
                 raise IpcError(f"{what} block ids must be ints: {exc}") from None
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+            if ids.size and (ids.dtype.kind not in "iu" or ids.ndim != 1):
+                raise IpcError(f"{what} block ids must be ints in a flat list, got {ids.dtype}")
+            ids = ids.astype(np.int64, copy=False).reshape(-1)
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
             bad = ids[(ids < 0) | (ids >= self.num_blocks)].tolist()
             raise IpcError(
                 f"{what} block ids {bad[:8]} out of range [0, {self.num_blocks}) for this pool"
@@ -216,12 +262,29 @@ class KVPool:
         return f"KVPool({self.layout}, device={self.device})"
 
 
-def _runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:
     """Maximal runs where both id lists step by +1: [(src_start, dst_start, length)]."""
-    if src.numel() == 0:
+    if s.size == 0:
         return []
-    s, d = src.numpy(), dst.numpy()  # numpy: ~1 µs per op against torch's ~10 on tiny arrays
+    if s.size <= _SMALL:  # a few ids: plain Python is ~10x cheaper than numpy's fixed costs
+        return _runs_small(s.tolist(), d.tolist())
     starts = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     starts = np.concatenate(([0], starts))
     lengths = np.diff(np.concatenate((starts, [len(s)])))
     return list(zip(s[starts].tolist(), d[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def _runs_small(s: list[int], d: list[int]) -> list[tuple[int, int, int]]:
+    """_runs for short lists (at most _SMALL ids), in plain Python."""
+    if not s:
+        return []
+    out = []
+    s0, d0, n = s[0], d[0], 1
+    for a, b in zip(s[1:], d[1:], strict=True):
+        if a == s0 + n and b == d0 + n:
+            n += 1
+        else:
+            out.append((s0, d0, n))
+            s0, d0, n = a, b, 1
+    out.append((s0, d0, n))
+    return out

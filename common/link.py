@@ -41,6 +41,7 @@ class FrameChannel:
         self._max_buffer = max_buffer
         self._reading = True
         self._send_lock = asyncio.Lock()
+        self._tail: asyncio.Task[None] | None = None  # the last write_nowait still in flight
         self._closed = False
         self._loop.add_reader(self._fileno, self._on_readable)
 
@@ -127,6 +128,31 @@ class FrameChannel:
         task = self._loop.create_task(self._write(data, fds))
         await asyncio.shield(task)
 
+    def write_nowait(self, data: bytes) -> None:
+        """Send whole frames without awaiting: at once when the socket takes them and no earlier
+        write is pending (the common case: no loop iteration between the decision and the
+        syscall), else in order after the pending ones. A broken socket shows up on the read side.
+        """
+        if self._closed:
+            return
+        if (self._tail is None or self._tail.done()) and not self._send_lock.locked():
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]
+        self._tail = self._loop.create_task(self._write(data, None))
+        self._tail.add_done_callback(_retrieve)
+
+    async def drain(self) -> None:
+        """Wait until every frame given to write_nowait has been written (or failed)."""
+        if self._tail is not None:
+            await asyncio.gather(self._tail, return_exceptions=True)
+
     async def _write(self, data: bytes, fds: list[int] | None) -> None:
         async with self._send_lock:
             view = memoryview(data)
@@ -170,6 +196,11 @@ class FrameChannel:
     def peer_credentials(self) -> tuple[int, int, int]:
         """(pid, uid, gid) of the peer process, from SO_PEERCRED."""
         return peer_credentials(self.sock)
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # a failed write is seen by the reader as EOF; do not warn twice
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:

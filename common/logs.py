@@ -37,5 +37,5 @@ def configure(fmt: LogFormat = "auto", level: str = "INFO", *, stream=None) -> N
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
         logger_factory=structlog.PrintLoggerFactory(file=stream),
-        cache_logger_on_first_use=False,
+        cache_logger_on_first_use=True,  # loggers bind on first use, after this ran
     )

@@ -56,9 +56,6 @@ class Peer:
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.pulls: set[asyncio.Task[None]] = set()  # in-flight CUDA pulls from this peer's pool
-        self._out: list[bytes] = []
-        self._out_ready = asyncio.Event()
-        self._writer = asyncio.create_task(self._write_loop(), name=f"{self.link_id}-writer")
         self._on_close = on_close
         self._closed = False
         self.log = log.bind(link=self.link_id)
@@ -139,29 +136,23 @@ class Peer:
 
     # ---- output --------------------------------------------------------------------------------
     def post(self, msg: Message) -> None:
-        """Queue a frame; frames leave in the order posted."""
+        """Send a frame now (or right after the frames before it); frames leave in order."""
         if not self._closed:
-            self._out.append(encode(msg))
-            self._out_ready.set()
+            self.channel.write_nowait(encode(msg))
+
+    def post_many(self, msgs: list[Message]) -> None:
+        """Several frames in one write (a decode step's TOKENS/FINISH for this link)."""
+        if msgs and not self._closed:
+            self.channel.write_nowait(b"".join(encode(m) for m in msgs))
 
     def post_error(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
         self.post(Error(code=code, message=message, request_id=request_id))
 
-    async def _write_loop(self) -> None:
-        try:
-            while True:
-                await self._out_ready.wait()
-                self._out_ready.clear()
-                data, self._out = b"".join(self._out), []
-                await self.channel.send_bytes(data)
-        except (OSError, asyncio.CancelledError):
-            return
-
     async def flush(self, timeout: float = 1.0) -> None:
-        """Wait (bounded) until queued frames are written."""
-        deadline = time.monotonic() + timeout
-        while (self._out or self._out_ready.is_set()) and time.monotonic() < deadline:
-            await asyncio.sleep(0.001)
+        """Wait (bounded) until posted frames are written."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self.channel.drain()
 
     @property
     def closed(self) -> bool:
@@ -173,7 +164,6 @@ class Peer:
         if self._closed:
             return
         self._closed = True
-        self._writer.cancel()
         self._on_close(self)
         self.pool = None
         if self.events is not None:

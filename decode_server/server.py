@@ -27,6 +27,7 @@ from common.protocol import (
     Finish,
     Handoff,
     Hello,
+    Message,
     Ping,
     Pong,
     Register,
@@ -191,14 +192,15 @@ class DecodeServer:
     # ---- requests ------------------------------------------------------------------------------
     def _handoff(self, peer: Peer, h: Handoff) -> None:
         recv_ns = time.monotonic_ns()
-        rlog = log.bind(request_id=h.request_id, link=peer.link_id)
         key = _key(peer, h.request_id)
         try:
             peer.validate_handoff(h, self.rt.layout.block_size)
             if key in self.seq_peer:
                 raise ValueError("request id already in flight on this link")
         except (ValueError, PdkvError) as exc:
-            rlog.warning("handoff_rejected", error=str(exc))
+            log.warning(
+                "handoff_rejected", request_id=h.request_id, link=peer.link_id, error=str(exc)
+            )
             peer.post_error(ErrorCode.BAD_REQUEST, str(exc), h.request_id)
             return
         bs = self.rt.layout.block_size
@@ -214,7 +216,13 @@ class DecodeServer:
         try:
             blocks = self.rt.allocator.allocate(key, need)
         except OutOfBlocks as exc:
-            rlog.info("handoff_no_capacity", need=need, free=exc.free)
+            log.info(
+                "handoff_no_capacity",
+                request_id=h.request_id,
+                link=peer.link_id,
+                need=need,
+                free=exc.free,
+            )
             peer.post_error(ErrorCode.NO_CAPACITY, str(exc), h.request_id)
             return
         self.seq_peer[key] = peer
@@ -267,7 +275,7 @@ class DecodeServer:
             pull_us=(done_ns - recv_ns) / 1000,
         )
         if seq.check_finished():
-            self._finish(peer, seq)  # nothing left to decode
+            peer.post(self._finished(peer, seq))  # nothing left to decode
             return
         self.engine.add(seq)
         log.debug(
@@ -279,38 +287,40 @@ class DecodeServer:
         )
 
     def _on_step(self, results: list[tuple[Sequence, int]]) -> None:
+        """After a step: each link gets its sequences' TOKENS (and FINISHes) in one write."""
+        out: dict[str, tuple[Peer, list[Message]]] = {}
         for seq, tok in results:
             peer = self.seq_peer.get(seq.key)
             if peer is None:
                 continue
-            peer.post(Tokens(request_id=seq.request_id, tokens=[tok]))
+            msgs = out.setdefault(peer.link_id, (peer, []))[1]
+            msgs.append(Tokens(request_id=seq.request_id, tokens=[tok]))
             if seq.finish_reason:
-                self._finish(peer, seq)
+                msgs.append(self._finished(peer, seq))
+        for peer, msgs in out.values():
+            peer.post_many(msgs)
 
-    def _finish(self, peer: Peer, seq: Sequence) -> None:
+    def _finished(self, peer: Peer, seq: Sequence) -> Finish:
+        """Free a finished sequence's blocks; its FINISH (the prefill logs the request's line)."""
         self._free(seq)
         decode_ms = (time.monotonic() - seq.started) * 1000
-        peer.post(
-            Finish(
-                request_id=seq.request_id,
-                reason=seq.finish_reason or "stop",
-                usage=Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.generated)),
-                timings={
-                    "decode_handoff_us": round(seq.handoff_us, 1),
-                    "pull_us": round(seq.pull_us, 1),
-                    "decode_ms": round(decode_ms, 3),
-                },
-            )
-        )
-        log.info(
-            "request_finished",
+        log.debug(
+            "sequence_finished",
             request_id=seq.request_id,
             link=peer.link_id,
             reason=seq.finish_reason,
-            prompt_tokens=seq.prompt_len,
             completion_tokens=len(seq.generated),
-            handoff_us=round(seq.handoff_us, 1),
             decode_ms=round(decode_ms, 2),
+        )
+        return Finish(
+            request_id=seq.request_id,
+            reason=seq.finish_reason or "stop",
+            usage=Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.generated)),
+            timings={
+                "decode_handoff_us": round(seq.handoff_us, 1),
+                "pull_us": round(seq.pull_us, 1),
+                "decode_ms": round(decode_ms, 3),
+            },
         )
 
     def _free(self, seq: Sequence) -> None:
