@@ -328,7 +328,7 @@ def demo(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
 
 
 def main() -> None:
-    cli(prog_name="pdkv")
+    cli(prog_name="pdkv", auto_envvar_prefix="PDKV")  # e.g. PDKV_GENERATE_MAX_TOKENS
 
 
 if __name__ == "__main__":
