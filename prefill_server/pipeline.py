@@ -25,6 +25,7 @@ from common.protocol import (
     Finish,
     Generate,
     Handoff,
+    Message,
     Release,
     Tokens,
     Usage,
@@ -130,8 +131,8 @@ class RequestPipeline:
             if reason:  # nothing left to decode: no handoff
                 yield self._finish(req, reason, {})
                 return
-            await self._handoff(req, blocks)
-            async for out in self._relay(req):
+            first_answer = await self._handoff(req, blocks)
+            async for out in self._relay(req, first_answer):
                 yield out
         finally:
             self._cleanup(req)
@@ -177,7 +178,9 @@ class RequestPipeline:
                     await self._freed.wait()
         return alloc.allocate(req.request_id, need)
 
-    async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> None:
+    async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> Message:
+        """Send HANDOFF (again while the decode answers NO_CAPACITY); the decode's first other
+        answer for this request, which the relay must take before anything queued after it."""
         s = self.s
         deadline = time.monotonic() + s.cfg.handoff_timeout_s
         backoff = 0.005
@@ -219,12 +222,11 @@ class RequestPipeline:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)
                 continue
-            req.inbox.put_nowait(first)  # hand it to the relay, in order
-            return
+            return first
 
-    async def _relay(self, req: PrefillRequest) -> AsyncIterator[Tokens | Finish]:
+    async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
+        msg = first
         while True:
-            msg = await req.inbox.get()
             if isinstance(msg, Tokens):
                 req.generated.extend(msg.tokens)
                 yield self._tokens(req, msg.tokens)
@@ -235,6 +237,7 @@ class RequestPipeline:
             elif isinstance(msg, Error):
                 req.done = True
                 raise RequestFailed(msg.code, msg.message)
+            msg = await req.inbox.get()
 
     # ---- output --------------------------------------------------------------------------------
     def _tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,33 +33,7 @@ class FaultPair(Pair):
     """A Pair whose logs may live outside the runtime dir and whose sockets may be moved."""
 
     def __init__(self, runtime: Path, log_dir: Path | None = None) -> None:
-        super().__init__(runtime)
-        self.log_dir = log_dir or runtime
-
-    def start(self, role: str, *args: str, wait: bool = True) -> Daemon:
-        argv = [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "--runtime-dir",
-            str(self.runtime),
-            "--log-format",
-            "json",
-            role,
-            "start",
-            "--device",
-            "cpu",
-            *self.extra.get(role, []),
-            *args,
-        ]
-        log = self.log_dir / f"{role}.log"
-        with open(log, "ab") as fh:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)
-        d = Daemon(role, proc, Path(self.socket_of(role)), log)
-        self.daemons[role] = d
-        if wait:
-            wait_ready(d, linked=(role == "prefill" and "decode" in self.daemons))
-        return d
+        super().__init__(runtime, log_dir=log_dir)
 
     def socket_of(self, role: str) -> str:
         return self.client_socket if role == "prefill" else self.link_socket

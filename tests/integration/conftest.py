@@ -37,6 +37,7 @@ class Daemon:
 class Pair:
     runtime: Path
     extra: dict[str, list[str]] = field(default_factory=dict)
+    log_dir: Path | None = None  # default: the runtime dir
     daemons: dict[str, Daemon] = field(default_factory=dict)
 
     @property
@@ -63,7 +64,7 @@ class Pair:
             *self.extra.get(role, []),
             *args,
         ]
-        log = self.runtime / f"{role}.log"
+        log = (self.log_dir or self.runtime) / f"{role}.log"
         with open(log, "ab") as fh:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)
         sock = self.runtime / ("prefill.sock" if role == "prefill" else "decode.sock")
