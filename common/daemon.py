@@ -16,7 +16,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import structlog
 
@@ -24,6 +24,7 @@ from common.link import peer_credentials
 from common.runtime import claim_socket_path
 
 log = structlog.get_logger(__name__)
+R = TypeVar("R")
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -102,3 +103,31 @@ def peer_allowed(sock: socket.socket, allowed_uids: frozenset[int], **ctx: Any) 
         return True
     log.warning("peer_refused", peer_pid=pid, peer_uid=uid, allowed=sorted(allowed_uids), **ctx)
     return False
+
+
+class Server(Protocol):
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+
+async def serve_until_stopped(
+    load: Callable[[], R], make_server: Callable[[R], Server], close: Callable[[R], None]
+) -> int:
+    """The daemon's life: signals armed first, then load (off the loop), start, wait for the
+    stop flag, shut down. A SIGTERM during a long model load ends the daemon cleanly (exit 0)."""
+    stop = StopFlag()
+    stop.install()
+    try:
+        loaded = await asyncio.to_thread(load)
+        if stop.event.is_set():
+            close(loaded)
+            log.info("stopped_during_load")
+            return 0
+        server = make_server(loaded)
+        await server.start()
+        await stop.event.wait()
+        await server.shutdown()
+        return 0
+    finally:
+        stop.uninstall()

@@ -56,7 +56,6 @@ class DecodeServer:
         self.started = time.monotonic()
         self._listen: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.stop_flag: daemon.StopFlag | None = None
         self.handoffs = 0
         self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
         self.puller = Puller(rt)
@@ -68,15 +67,6 @@ class DecodeServer:
         self.engine.start()
         self._tasks.add(asyncio.create_task(self._accept_loop(), name="decode-accept"))
         log.info("decode_ready", socket=str(self.cfg.link_path), pid=os.getpid())
-
-    async def serve(self) -> int:
-        self.stop_flag = daemon.StopFlag()
-        self.stop_flag.install()
-        await self.start()
-        await self.stop_flag.event.wait()
-        await self.shutdown()
-        self.stop_flag.uninstall()
-        return 0
 
     async def shutdown(self) -> None:
         """Stop accepting, drain sequences under the timeout, answer the rest, close everything."""
@@ -377,5 +367,8 @@ def _key(peer: Peer, request_id: str) -> str:
 async def serve(cfg: DecodeConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
-    rt = await asyncio.to_thread(ModelRuntime.load, cfg, "decode")
-    return await DecodeServer(cfg, rt).serve()
+    return await daemon.serve_until_stopped(
+        lambda: ModelRuntime.load(cfg, "decode"),
+        lambda rt: DecodeServer(cfg, rt),
+        ModelRuntime.close,
+    )

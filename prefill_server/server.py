@@ -83,15 +83,6 @@ class PrefillServer:
         self._spawn(self._lease_reaper(), "lease-reaper")
         log.info("prefill_ready", socket=str(self.cfg.client_path), pid=os.getpid())
 
-    async def serve(self) -> int:
-        stop = daemon.StopFlag()
-        stop.install()
-        await self.start()
-        await stop.event.wait()
-        await self.shutdown()
-        stop.uninstall()
-        return 0
-
     async def shutdown(self) -> None:
         """Stop accepting, drain in-flight requests under the timeout, fail the rest, close."""
         self.stopping = True
@@ -268,5 +259,8 @@ async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
 async def serve(cfg: PrefillConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
-    rt = await asyncio.to_thread(ModelRuntime.load, cfg, "prefill")
-    return await PrefillServer(cfg, rt).serve()
+    return await daemon.serve_until_stopped(
+        lambda: ModelRuntime.load(cfg, "prefill"),
+        lambda rt: PrefillServer(cfg, rt),
+        ModelRuntime.close,
+    )
