@@ -126,10 +126,12 @@ class DecodeServer:
                 raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
             peer.post(peer.import_pool(reg, self.rt.layout, self.rt.device))
             self.peers[peer.link_id] = peer
-            while True:
-                async with asyncio.timeout(timeout):
-                    msg = await channel.recv()
-                self._dispatch(peer, msg)
+            watchdog = asyncio.create_task(channel.watch_idle(timeout))
+            try:
+                while True:
+                    self._dispatch(peer, await channel.recv())
+            finally:
+                watchdog.cancel()
         except HandshakeError as exc:
             peer.log.warning("handshake_refused", code=exc.code, error=str(exc))
             peer.post_error(exc.code, str(exc))

@@ -149,10 +149,10 @@ class DecodeLink:
     async def _serve(self) -> None:
         assert self.channel is not None
         beat = asyncio.create_task(self._heartbeat(self.channel))
+        watchdog = asyncio.create_task(self.channel.watch_idle(self.cfg.heartbeat_timeout_s))
         try:
             while True:
-                async with asyncio.timeout(self.cfg.heartbeat_timeout_s):
-                    msg = await self.channel.recv()
+                msg = await self.channel.recv()
                 if isinstance(msg, Pong):
                     self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
                 elif isinstance(msg, Error) and msg.request_id is None:
@@ -161,6 +161,7 @@ class DecodeLink:
                     self.on_message(msg)
         finally:
             beat.cancel()
+            watchdog.cancel()
 
     async def _heartbeat(self, channel: FrameChannel) -> None:
         while True:

@@ -385,3 +385,23 @@ async def test_a_cancelled_send_never_tears_the_stream() -> None:
     finally:
         left.close()
         right.close()
+
+
+# ---- idle watchdog -----------------------------------------------------------------------------
+async def test_watch_idle_fails_a_silent_channel_and_spares_a_talking_one():
+    a, b = socket.socketpair()
+    quiet, talker = FrameChannel(a), FrameChannel(b)
+    try:
+        watchdog = asyncio.create_task(quiet.watch_idle(0.3))
+        for i in range(4):  # traffic keeps it alive past the timeout
+            talker.write_nowait(encode(Ping(seq=i)))
+            assert isinstance(await quiet.recv(), Ping)
+            await asyncio.sleep(0.1)
+        assert not watchdog.done()
+        with pytest.raises(TimeoutError, match="nothing received"):
+            async with asyncio.timeout(5):
+                await quiet.recv()
+        await watchdog
+    finally:
+        quiet.close()
+        talker.close()

@@ -30,6 +30,7 @@ MAX_EVENT_BYTES = 64 * 1024
 _SEGMENT_FIELDS = ("mem_handles", "event_handles")
 _ENCODER = msgspec.json.Encoder()
 _DECODERS = {t: msgspec.json.Decoder(cls) for t, cls in BY_TYPE.items()}
+_TYPES = {int(t): t for t in MsgType}  # a dict lookup, not an enum call, per frame
 
 
 class ConnectionClosed(PdkvError):
@@ -73,7 +74,8 @@ def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
             f"unsupported protocol version {version}; this build speaks {PROTOCOL_VERSION} "
             "(run the same pdkv version on both daemons)"
         )
-    if mtype not in BY_TYPE:
+    msg_type = _TYPES.get(mtype)
+    if msg_type is None:
         raise ProtocolError(f"unknown message type {mtype}")
     for name, value, limit in (
         ("metadata", meta_len, MAX_META_BYTES),
@@ -82,7 +84,6 @@ def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
     ):
         if value > limit:
             raise ProtocolError(f"{name} segment of {value} bytes exceeds the maximum {limit}")
-    msg_type = MsgType(mtype)
     if (mem_len or ev_len) and not hasattr(BY_TYPE[mtype], "mem_handles"):
         raise ProtocolError(
             f"{msg_type.name} carries no handle segments, header says {mem_len}/{ev_len}"
