@@ -130,18 +130,21 @@ class FrameChannel:
         self._error = exc
         self._wake()
 
-    async def watch_idle(self, timeout: float) -> None:
-        """Fail the channel with TimeoutError once nothing has arrived for `timeout` seconds.
+    async def watch_idle(self, timeout: float, *, partial_only: bool = False) -> None:
+        """Fail the channel with TimeoutError once nothing has arrived for `timeout` seconds
+        (with `partial_only`: only while part of a frame is waiting for the rest — a client may
+        be silent for as long as it likes between frames, not in the middle of one).
 
         One sleeping task per connection instead of a timeout around every read: a timeout
         context costs ~10 µs per message, the dominant cost of a small frame.
         """
         while not self._closed:
             idle = time.monotonic() - self.last_rx
-            if idle >= timeout:
-                self.fail(TimeoutError(f"nothing received for {timeout} s"))
+            if idle >= timeout and (self._buf or not partial_only):
+                what = "the rest of a frame" if partial_only else "anything"
+                self.fail(TimeoutError(f"nothing received for {timeout} s, waiting for {what}"))
                 return
-            await asyncio.sleep(timeout - idle)
+            await asyncio.sleep(max(timeout - idle, timeout / 4))
 
     # ---- writing -------------------------------------------------------------------------------
     async def send(self, msg: Message, fds: list[int] | None = None) -> None:

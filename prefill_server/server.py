@@ -45,6 +45,7 @@ from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest
 
 log = structlog.get_logger(__name__)
+_PARTIAL_FRAME_TIMEOUT_S = 30.0
 
 
 class PrefillServer:
@@ -135,6 +136,10 @@ class PrefillServer:
 
     async def _serve_client(self, channel: FrameChannel) -> None:
         mine: dict[str, asyncio.Task[None]] = {}
+        # a client that sends half a frame and stalls must not hold its fd forever
+        watchdog = asyncio.create_task(
+            channel.watch_idle(_PARTIAL_FRAME_TIMEOUT_S, partial_only=True)
+        )
         try:
             while True:
                 msg = await channel.recv()
@@ -165,7 +170,10 @@ class PrefillServer:
                 await channel.send(_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
         except (ConnectionClosed, OSError):
             pass
+        except TimeoutError as exc:
+            log.warning("client_stalled", error=str(exc))
         finally:
+            watchdog.cancel()
             for task in mine.values():
                 task.cancel()  # the client went away: abort what it still waits for
             channel.close()

@@ -405,3 +405,20 @@ async def test_watch_idle_fails_a_silent_channel_and_spares_a_talking_one():
     finally:
         quiet.close()
         talker.close()
+
+
+async def test_watch_idle_partial_only_spares_a_quiet_client_but_not_half_a_frame():
+    a, b = socket.socketpair()
+    server, client_end = FrameChannel(a), FrameChannel(b)
+    try:
+        watchdog = asyncio.create_task(server.watch_idle(0.2, partial_only=True))
+        await asyncio.sleep(0.5)  # silent between frames: fine
+        assert not watchdog.done()
+        client_end.write_nowait(encode(Ping(seq=1))[:7])  # half a header, then nothing
+        with pytest.raises(TimeoutError, match="the rest of a frame"):
+            async with asyncio.timeout(5):
+                await server.recv()
+        await watchdog
+    finally:
+        server.close()
+        client_end.close()
