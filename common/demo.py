@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -154,7 +155,12 @@ def run_demo(
         return 1
     finally:
         _stop(procs)
-    return _report(results, expected, prompt_lens, prompts, wall)
+    code = _report(results, expected, prompt_lens, prompts, wall)
+    if code == 0:
+        shutil.rmtree(runtime, ignore_errors=True)
+    else:
+        click.echo(f"daemon logs kept in {runtime}", err=True)
+    return code
 
 
 def _report(

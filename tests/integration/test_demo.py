@@ -1,0 +1,34 @@
+"""`pdkv demo`, the README's main command, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "common.cli",
+            "demo",
+            "--device",
+            "cpu",
+            "--prompts",
+            "5",
+            "--max-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: every output equals the single-process reference" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("demo-")]
+    assert len(rows) == 5 and all(" yes " in row for row in rows)
+    assert "tokens/s" in proc.stdout and "handoff p50" in proc.stdout
+    assert not list(tmp_path.glob("pdkv-demo-*")), "demo left its runtime dir behind"
