@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	  echo "pdkv: no GPU, installing the CPU build $(TORCH_CPU)"; $(PY) -m pip install -q $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install -q -e '.[test]'
+	@$(PY) -c "import common._cuda" 2>/dev/null \
+	  && echo "pdkv: CUDA extension built" \
+	  || echo "pdkv: CUDA extension not built (no nvcc found): CPU backend and cuda-torch only"
 	@touch $(STAMP)
 
 demo: install
