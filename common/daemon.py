@@ -131,3 +131,27 @@ async def serve_until_stopped(
         return 0
     finally:
         stop.uninstall()
+
+
+async def accept_loop(
+    listen: socket.socket,
+    allowed_uids: frozenset[int],
+    serve: Callable[[socket.socket], Awaitable[None]],
+    tasks: set[asyncio.Task[None]],
+    *,
+    name: str,
+) -> None:
+    """Accept connections until `listen` is closed; refuse peers whose uid is not allowed
+    (logged), serve each other one in its own task, kept in `tasks` while it runs."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            conn, _ = await loop.sock_accept(listen)
+        except OSError:
+            return
+        if not peer_allowed(conn, allowed_uids, socket=name):
+            conn.close()
+            continue
+        task = asyncio.create_task(serve(conn), name=f"{name}-conn")
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)

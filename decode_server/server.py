@@ -51,7 +51,10 @@ class DecodeServer:
         self._listen = daemon.bind_unix_socket(self.cfg.link_path, group=self.cfg.socket_group)
         write_pidfile(self.cfg.pidfile)
         self.requests.engine.start()
-        self._tasks.add(asyncio.create_task(self._accept_loop(), name="decode-accept"))
+        accept = daemon.accept_loop(
+            self._listen, self.cfg.uids(), self._serve_conn, self._tasks, name="link"
+        )
+        self._tasks.add(asyncio.create_task(accept, name="decode-accept"))
         log.info("decode_ready", socket=str(self.cfg.link_path), pid=os.getpid())
 
     async def shutdown(self) -> None:
@@ -76,21 +79,6 @@ class DecodeServer:
         log.info("decode_stopped")
 
     # ---- connections ---------------------------------------------------------------------------
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listen is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._listen)
-            except OSError:
-                return
-            if not daemon.peer_allowed(conn, self.cfg.uids(), socket="link"):
-                conn.close()
-                continue
-            task = asyncio.create_task(self._serve_conn(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
     async def _serve_conn(self, conn: socket.socket) -> None:
         channel = FrameChannel(conn)
         peer = Peer(channel, on_close=self._peer_closed)

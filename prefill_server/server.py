@@ -80,7 +80,14 @@ class PrefillServer:
         self._listen = daemon.bind_unix_socket(self.cfg.client_path, group=self.cfg.socket_group)
         write_pidfile(self.cfg.pidfile)
         self.link.start()
-        self._spawn(self._accept_loop(), "prefill-accept")
+        accept = daemon.accept_loop(
+            self._listen,
+            self.cfg.uids(),
+            lambda conn: self._serve_client(FrameChannel(conn)),
+            self._tasks,
+            name="client",
+        )
+        self._spawn(accept, "prefill-accept")
         self._spawn(self._lease_reaper(), "lease-reaper")
         log.info("prefill_ready", socket=str(self.cfg.client_path), pid=os.getpid())
 
@@ -121,19 +128,6 @@ class PrefillServer:
         return task
 
     # ---- client connections --------------------------------------------------------------------
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._listen is not None
-        while True:
-            try:
-                conn, _ = await loop.sock_accept(self._listen)
-            except OSError:
-                return
-            if not daemon.peer_allowed(conn, self.cfg.uids(), socket="client"):
-                conn.close()
-                continue
-            self._spawn(self._serve_client(FrameChannel(conn)), "client")
-
     async def _serve_client(self, channel: FrameChannel) -> None:
         mine: dict[str, asyncio.Task[None]] = {}
         # a client that sends half a frame and stalls must not hold its fd forever
