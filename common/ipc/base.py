@@ -34,6 +34,8 @@ __all__ = [
     "backend_for",
     "bytes_as",
     "contiguous_strides",
+    "cuda_view",
+    "describe",
     "dtype_from_name",
     "dtype_name",
     "register_backend",
@@ -90,6 +92,36 @@ def as_contiguous_view(tensor: torch.Tensor) -> torch.Tensor:
         f"cannot share a non-contiguous tensor of shape {tuple(tensor.shape)} and strides "
         f"{tuple(tensor.stride())}: no permutation of it is contiguous; share the base tensor "
         "or make it contiguous first"
+    )
+
+
+def cuda_view(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """What a CUDA backend shares of `tensor`: its contiguous view; IpcError for a CPU or empty
+    tensor, or one no permutation makes contiguous."""
+    if not tensor.is_cuda:
+        raise IpcError(
+            f"{kind} exports CUDA tensors only, got one on {tensor.device}; "
+            "use the shm backend for CPU pools"
+        )
+    view = as_contiguous_view(tensor)
+    if view.numel() == 0:
+        raise IpcError(f"cannot share an empty tensor of shape {tuple(view.shape)}")
+    return view
+
+
+def describe(
+    kind: str, view: torch.Tensor, *, handle: bytes, offset: int, device_uuid: str = ""
+) -> RegionDescriptor:
+    """The descriptor of contiguous `view`, found at byte `offset` of the shared allocation."""
+    return RegionDescriptor(
+        kind=kind,
+        handle=handle,
+        offset=offset,
+        nbytes=view.numel() * view.element_size(),
+        dtype=dtype_name(view.dtype),
+        shape=tuple(view.shape),
+        strides=contiguous_strides(tuple(view.shape)),
+        device_uuid=device_uuid,
     )
 
 

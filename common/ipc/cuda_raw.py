@@ -20,10 +20,9 @@ from common.errors import IpcError
 from common.ipc.base import (
     RegionDescriptor,
     SharedRegion,
-    as_contiguous_view,
     bytes_as,
-    contiguous_strides,
-    dtype_name,
+    cuda_view,
+    describe,
     register_backend,
 )
 
@@ -46,24 +45,14 @@ class CudaRawRegion(SharedRegion):
 
         The region holds a reference to the tensor, so its memory outlives every export.
         """
-        if not tensor.is_cuda:
-            raise IpcError(
-                f"cuda-raw exports CUDA tensors only, got one on {tensor.device}; "
-                "use the shm backend for CPU pools"
-            )
-        view = as_contiguous_view(tensor)
-        if view.numel() == 0:
-            raise IpcError(f"cannot share an empty tensor of shape {tuple(view.shape)}")
+        view = cuda_view(tensor, cls.kind)
         with cuda_errors():
             handle, offset, _size, device = ext().export_mem(view.data_ptr())
-        desc = RegionDescriptor(
-            kind=cls.kind,
+        desc = describe(
+            cls.kind,
+            view,
             handle=bytes(handle),
             offset=int(offset),
-            nbytes=view.numel() * view.element_size(),
-            dtype=dtype_name(view.dtype),
-            shape=tuple(view.shape),
-            strides=contiguous_strides(tuple(view.shape)),
             device_uuid=device_uuid(int(device)),
         )
         return cls(desc, view)

@@ -19,10 +19,9 @@ from common.errors import IpcError
 from common.ipc.base import (
     RegionDescriptor,
     SharedRegion,
-    as_contiguous_view,
     bytes_as,
-    contiguous_strides,
-    dtype_name,
+    cuda_view,
+    describe,
     register_backend,
 )
 
@@ -77,14 +76,7 @@ class CudaTorchRegion(SharedRegion):
     @classmethod
     def export(cls, tensor: torch.Tensor) -> CudaTorchRegion:
         """Share `tensor` (CUDA, contiguous or a permutation of contiguous, not empty)."""
-        if not tensor.is_cuda:
-            raise IpcError(
-                f"cuda-torch exports CUDA tensors only, got one on {tensor.device}; "
-                "use the shm backend for CPU pools"
-            )
-        view = as_contiguous_view(tensor)
-        if view.numel() == 0:
-            raise IpcError(f"cannot share an empty tensor of shape {tuple(view.shape)}")
+        view = cuda_view(tensor, cls.kind)
         (device, handle, size, st_offset, rc_handle, rc_offset, ev_handle, ev_sync) = (
             view.untyped_storage()._share_cuda_()
         )
@@ -97,14 +89,11 @@ class CudaTorchRegion(SharedRegion):
             event_handle=bytes(ev_handle) if ev_handle else None,
             event_sync_required=bool(ev_sync),
         )
-        desc = RegionDescriptor(
-            kind=cls.kind,
+        desc = describe(
+            cls.kind,
+            view,
             handle=msgspec.msgpack.encode(meta),
             offset=int(st_offset) + view.storage_offset() * view.element_size(),
-            nbytes=view.numel() * view.element_size(),
-            dtype=dtype_name(view.dtype),
-            shape=tuple(view.shape),
-            strides=contiguous_strides(tuple(view.shape)),
             device_uuid=device_uuid(int(device)),
         )
         return cls(desc, view)

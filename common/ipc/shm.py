@@ -38,6 +38,7 @@ from common.ipc.base import (
     SharedRegion,
     as_contiguous_view,
     bytes_as,
+    describe,
     dtype_from_name,
     dtype_name,
     register_backend,
@@ -170,15 +171,7 @@ class ShmRegion(SharedRegion):
                 f"{_ALLOC_HINT}"
             )
         memfd, offset = found
-        desc = RegionDescriptor(
-            kind=cls.kind,
-            handle=b"",
-            offset=offset,
-            nbytes=nbytes,
-            dtype=dtype_name(view.dtype),
-            shape=tuple(view.shape),
-            strides=tuple(view.stride()),
-        )
+        desc = describe(cls.kind, view, handle=b"", offset=offset)
         return cls(desc, tensor=view, fd=os.dup(memfd))
 
     @classmethod
