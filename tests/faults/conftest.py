@@ -26,7 +26,7 @@ from tests.integration.conftest import Daemon, Pair, wait_ready
 T = TypeVar("T")
 BLOCK = 16
 
-__all__ = ["BLOCK", "Daemon", "FaultPair", "all_free", "poll", "pool_of", "status"]
+__all__ = ["BLOCK", "Daemon", "FaultPair", "all_free", "new_pair", "poll", "pool_of", "status"]
 
 
 class FaultPair(Pair):
@@ -107,13 +107,15 @@ def expect(tiny_model) -> Callable[[list[int], SamplingParams], list[int]]:
     return run
 
 
+def new_pair(tmp_path_factory: pytest.TempPathFactory, name: str) -> FaultPair:
+    """A FaultPair on a fresh 0700 runtime dir (no daemon started yet)."""
+    path = Path(tmp_path_factory.mktemp(name, numbered=True))
+    os.chmod(path, 0o700)
+    return FaultPair(path)
+
+
 @pytest.fixture
 def fault_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
-    path = Path(tmp_path_factory.mktemp("ft", numbered=True))
-    os.chmod(path, 0o700)
-    pair = FaultPair(path)
+    pair = new_pair(tmp_path_factory, "ft")
     yield pair
-    for d in pair.daemons.values():
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    pair.kill_all()

@@ -55,10 +55,7 @@ def dpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
     pair = FaultPair(runtime, log_dir=Path(tmp_path_factory.mktemp("dlog", numbered=True)))
     pair.start("decode", "--heartbeat-timeout", "1", "--socket-group", "nogroup")
     yield pair
-    for d in pair.daemons.values():
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    pair.kill_all()
     shutil.rmtree(outer, ignore_errors=True)
 
 

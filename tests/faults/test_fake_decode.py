@@ -38,9 +38,7 @@ def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fault
     )
     wait_ready(d, linked=True)
     yield pair, fake
-    if d.proc.poll() is None:
-        d.proc.kill()
-        d.proc.wait(timeout=10)
+    pair.kill_all()
     fake.stop()
 
 

@@ -8,27 +8,21 @@ import collections
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from common import client
 from common.model.sampling import SamplingParams
-from tests.faults.conftest import FaultPair, all_free, assert_pair_free, poll, status
+from tests.faults.conftest import FaultPair, all_free, assert_pair_free, new_pair, poll, status
 from tests.faults.load import Load
 
 
 @pytest.fixture(scope="module")
 def kpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
-    path = Path(tmp_path_factory.mktemp("kill", numbered=True))
-    os.chmod(path, 0o700)
-    pair = FaultPair(path)
+    pair = new_pair(tmp_path_factory, "kill")
     pair.start_both()
     yield pair
-    for d in pair.daemons.values():
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    pair.kill_all()
 
 
 def _link_state(pair: FaultPair) -> str:

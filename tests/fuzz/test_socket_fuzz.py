@@ -12,7 +12,6 @@ import os
 import random
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -22,7 +21,7 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import PROTOCOL_VERSION, Error, Hello, Register, decode, encode
-from tests.faults.conftest import FaultPair, all_free, poll
+from tests.faults.conftest import FaultPair, all_free, new_pair, poll
 from tests.faults.fakes import FakePrefill
 from tests.fuzz import frames
 
@@ -33,15 +32,10 @@ EOF_TIMEOUT = 10.0  # a daemon that does not close a connection we closed is a b
 
 @pytest.fixture(scope="module")
 def fpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
-    path = Path(tmp_path_factory.mktemp("fuzz", numbered=True))
-    os.chmod(path, 0o700)
-    pair = FaultPair(path)
+    pair = new_pair(tmp_path_factory, "fuzz")
     pair.start_both()
     yield pair
-    for d in pair.daemons.values():
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    pair.kill_all()
 
 
 @pytest.fixture(scope="module")

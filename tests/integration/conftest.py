@@ -74,6 +74,13 @@ class Pair:
             wait_ready(d, linked=(role == "prefill" and "decode" in self.daemons))
         return d
 
+    def kill_all(self) -> None:
+        """SIGKILL whatever still runs (fixture teardown)."""
+        for d in self.daemons.values():
+            if d.proc.poll() is None:
+                d.proc.kill()
+                d.proc.wait(timeout=10)
+
     def stop_all(self) -> dict[str, int]:
         codes = {}
         for role in ("prefill", "decode"):
@@ -113,10 +120,7 @@ def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def pair_factory(runtime_dir: Path) -> Iterator[Pair]:
     pair = Pair(runtime_dir)
     yield pair
-    for d in pair.daemons.values():
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(timeout=10)
+    pair.kill_all()
 
 
 @pytest.fixture
