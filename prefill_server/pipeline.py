@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from prefill_server.server import PrefillServer
 
 log = structlog.get_logger(__name__)
+_TEXT_CONTEXT = 4  # emitted tokens decoded again as context for the next text delta
 
 
 class RequestFailed(PdkvError):
@@ -241,14 +242,24 @@ class RequestPipeline:
 
     # ---- output --------------------------------------------------------------------------------
     def _tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
-        text = self.s.rt.tokenizer.decode(req.generated)
-        delta = ""
-        if not text.endswith("\ufffd"):  # hold back a partial UTF-8 sequence
-            delta, req.text_sent = text[req.text_sent :], len(text)
-        return Tokens(request_id=req.request_id, tokens=new, text=delta)
+        return Tokens(
+            request_id=req.request_id, tokens=new, text=self._text_delta(req, final=False)
+        )
+
+    def _text_delta(self, req: PrefillRequest, *, final: bool) -> str:
+        """Text of the tokens not yet turned into text, decoded with a few already-emitted tokens
+        as context (tokenizers that merge or space tokens need it): O(new tokens), not a decode of
+        the whole generation per token. Held back while it ends in a partial UTF-8 sequence."""
+        tok = self.s.rt.tokenizer
+        start = max(0, req.text_tokens - _TEXT_CONTEXT)
+        prefix = tok.decode(req.generated[start : req.text_tokens])
+        text = tok.decode(req.generated[start:])
+        if not final and (text.endswith("\ufffd") or not text.startswith(prefix)):
+            return ""
+        req.text_tokens = len(req.generated)
+        return text[len(prefix) :] if text.startswith(prefix) else text
 
     def _finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
-        text = self.s.rt.tokenizer.decode(req.generated)
         total_ms = (time.monotonic() - req.arrived) * 1000
         timings = {
             **decode_timings,
@@ -270,7 +281,7 @@ class RequestPipeline:
             reason=reason,
             usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=len(req.generated)),
             timings=timings,
-            text=text[req.text_sent :],
+            text=self._text_delta(req, final=True),
         )
 
     def _cleanup(self, req: PrefillRequest) -> None:

@@ -22,7 +22,7 @@ class PrefillRequest:
     arrived: float = field(default_factory=time.monotonic)
     first_token: int = -1
     generated: list[int] = field(default_factory=list)
-    text_sent: int = 0  # characters of the decoded text already sent to the client
+    text_tokens: int = 0  # generated tokens already turned into text for the client
     ttft_ms: float = 0.0
     handoff_sent_ns: int = 0
     handoff_us: float = 0.0  # HANDOFF sent → RELEASE received

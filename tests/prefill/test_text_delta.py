@@ -1,0 +1,31 @@
+"""Streamed text: the deltas sent with each TOKENS frame add up to the decoded generation."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+from common.model.tokenizer import ByteTokenizer
+from common.sampling_params import SamplingParams
+from prefill_server.pipeline import RequestPipeline
+from prefill_server.request import PrefillRequest
+
+
+def test_text_deltas_concatenate_to_the_full_decode_and_never_split_a_character():
+    tok = ByteTokenizer()
+    pipe = RequestPipeline.__new__(RequestPipeline)  # only the tokenizer is needed here
+    pipe.s = SimpleNamespace(rt=SimpleNamespace(tokenizer=tok))
+    rng = random.Random(0)
+    utf8 = list("héllo wörld € 𝄞 abc".encode())
+    for _ in range(2000):
+        alphabet = utf8 + [rng.randrange(256) for _ in range(4)] + [tok.eos_token_id]
+        gen = [rng.choice(alphabet) for _ in range(rng.randrange(1, 40))]
+        req = PrefillRequest("r", [1], SamplingParams())
+        deltas = []
+        for t in gen:
+            req.generated.append(t)
+            deltas.append(pipe._text_delta(req, final=False))
+        deltas.append(pipe._text_delta(req, final=True))
+        assert "".join(deltas) == tok.decode(gen)
+        # a delta never ends inside a multi-byte character that more bytes would complete
+        assert all(not d.endswith("\ufffd") for d in deltas[:-1] if d)
