@@ -89,10 +89,19 @@ class DecodeLink:
         self._drop("prefill daemon is shutting down")
 
     async def send(self, msg: Message) -> None:
-        """Send on the live link; ConnectionError if there is none."""
-        if self.channel is None or not self.ready.is_set():
+        """Send on the live link; ConnectionError if there is none or the write fails.
+
+        A failed write (the decode died and the reader has not seen EOF yet) fails the channel,
+        so the link is dropped and its requests answered at once instead of at the heartbeat.
+        """
+        channel = self.channel
+        if channel is None or not self.ready.is_set():
             raise ConnectionError("no link to the decode daemon")
-        await self.channel.send(msg)
+        try:
+            await channel.send(msg)
+        except OSError as exc:
+            channel.fail(ConnectionError(f"write to the decode daemon failed: {exc}"))
+            raise ConnectionError(f"link to the decode daemon broke: {exc}") from exc
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -166,7 +175,11 @@ class DecodeLink:
     async def _heartbeat(self, channel: FrameChannel) -> None:
         while True:
             await asyncio.sleep(self.cfg.heartbeat_interval_s)
-            await channel.send(Ping(seq=next(self._ping), sent_ns=time.monotonic_ns()))
+            try:
+                await channel.send(Ping(seq=next(self._ping), sent_ns=time.monotonic_ns()))
+            except OSError as exc:
+                channel.fail(ConnectionError(f"heartbeat write failed: {exc}"))
+                return
 
     def _drop(self, reason: str) -> None:
         was_up = self.ready.is_set()

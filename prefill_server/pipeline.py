@@ -202,18 +202,23 @@ class RequestPipeline:
                 )
                 req.handed_off, req.link_id = True, s.link.link_id
             req.handoff_sent_ns = time.monotonic_ns()
-            await s.link.send(
-                Handoff(
-                    request_id=req.request_id,
-                    block_ids=blocks,
-                    num_tokens=len(req.prompt_tokens),
-                    prompt_tokens=req.prompt_tokens,
-                    first_token=req.generated[0],
-                    sampling=req.sampling,
-                    event_slot=req.event_slot,
-                    sent_ns=req.handoff_sent_ns,
-                )
+            handoff = Handoff(
+                request_id=req.request_id,
+                block_ids=blocks,
+                num_tokens=len(req.prompt_tokens),
+                prompt_tokens=req.prompt_tokens,
+                first_token=req.generated[0],
+                sampling=req.sampling,
+                event_slot=req.event_slot,
+                sent_ns=req.handoff_sent_ns,
             )
+            try:
+                await s.link.send(handoff)
+            except ConnectionError as exc:
+                # the frame did not get through whole, so the decode cannot act on it: the
+                # blocks and the event slot are ours again (freed by _cleanup, not quarantined)
+                req.handed_off = False
+                raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
             first = await req.inbox.get()
             if isinstance(first, Error) and first.code == ErrorCode.NO_CAPACITY:
                 if time.monotonic() + backoff > deadline:
@@ -222,6 +227,10 @@ class RequestPipeline:
                     )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)
+                if req.request_id not in s.rt.allocator:
+                    # the link was lost or the lease expired meanwhile: the blocks are freed and
+                    # the inbox holds the reason; never hand off blocks we no longer own
+                    return await req.inbox.get()
                 continue
             return first
 

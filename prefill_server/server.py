@@ -45,6 +45,7 @@ from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest
 
 log = structlog.get_logger(__name__)
+_MAX_ERROR_TEXT = 2000
 _PARTIAL_FRAME_TIMEOUT_S = 30.0
 
 
@@ -173,10 +174,18 @@ class PrefillServer:
             channel.close()
 
     async def _run_request(self, channel: FrameChannel, rid: str, msg: Generate) -> None:
+        """Every request ends with FINISH or ERROR to its client, unless the client is gone.
+        Only a failed write to the client counts as gone: an OSError from the pipeline (the
+        link, the model) is the request's failure and is answered like any other."""
         rlog = log.bind(request_id=rid)
         try:
-            async for out in self.pipeline.run(rid, msg):
-                await channel.send(out)
+            async with contextlib.aclosing(self.pipeline.run(rid, msg)) as outputs:
+                async for out in outputs:
+                    try:
+                        await channel.send(out)
+                    except OSError:
+                        rlog.info("client_gone")
+                        return
         except RequestFailed as exc:
             rlog.warning("request_failed", code=exc.code, error=str(exc))
             await _send_quietly(channel, _error(exc.code, str(exc), rid))
@@ -185,8 +194,11 @@ class PrefillServer:
             await _send_quietly(channel, _error(ErrorCode.BAD_REQUEST, str(exc), rid))
         except asyncio.CancelledError:
             rlog.info("request_cancelled")
-        except OSError:
-            rlog.info("client_gone")
+        except Exception as exc:  # a bug must not leave the client waiting
+            rlog.exception("request_internal_error")
+            await _send_quietly(
+                channel, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
+            )
 
     # ---- link ----------------------------------------------------------------------------------
     def _on_link_message(self, msg: Message) -> None:
@@ -250,6 +262,8 @@ class PrefillServer:
 
 
 def _error(code: ErrorCode, message: str, request_id: str | None = None) -> Error:
+    if len(message) > _MAX_ERROR_TEXT:  # an exception's text can be anything; a frame is bounded
+        message = message[: _MAX_ERROR_TEXT - 3] + "..."
     return Error(code=code, message=message, request_id=request_id)
 
 

@@ -98,6 +98,7 @@ class FakeDecode:
         self.answer_pings = True
         self.release = False
         self.accept = True
+        self.deaf = False
         self.handoffs: list[Handoff] = []
         self.aborts: list[str] = []
         self.connections = 0
@@ -150,6 +151,9 @@ class FakeDecode:
             await ch.send(Registered(num_blocks=64))
             while True:
                 await self._on_message(ch, await ch.recv())
+        if self.deaf:  # hold the socket open: the daemon must find out from its own writes
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
         ch.close()
 
     async def _on_message(self, ch: FrameChannel, msg: Message) -> None:
@@ -161,6 +165,19 @@ class FakeDecode:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
         elif isinstance(msg, Abort):
             self.aborts.append(msg.request_id)
+
+    def deafen(self) -> None:
+        """Stop reading on every open connection (SHUT_RD) but keep it open: the daemon's writes
+        now fail with EPIPE while its reads see nothing wrong, as when a peer has just died and
+        its end of file is not yet seen."""
+
+        async def run() -> None:
+            self.deaf = True
+            for ch in self.channels:
+                if not ch.closed:
+                    ch.sock.shutdown(socket.SHUT_RD)
+
+        self.call(run())
 
     def send_all(self, msg: Message) -> None:
         """Send `msg` on every open connection (e.g. a late RELEASE)."""
@@ -177,6 +194,8 @@ class FakeDecode:
         async def shut() -> None:
             if self._server is not None:
                 self._server.cancel()
+            for task in list(self._tasks):
+                task.cancel()
             for ch in self.channels:
                 ch.close()
 

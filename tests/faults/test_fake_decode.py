@@ -118,3 +118,35 @@ def test_silent_decode_is_dropped_and_requests_get_link_lost(fake_setup) -> None
         asyncio.run(client.generate(pair.client_socket, prompt_tokens=[1, 2], sampling=params))
     assert info.value.code == "LINK_LOST"
     assert all_free(pair.client_socket)
+
+
+def test_handoff_written_to_a_just_dead_decode_gets_link_lost(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    """The decode died a moment ago: the HANDOFF write fails (EPIPE) before the prefill has seen
+    end of file. The client must get LINK_LOST at once, not wait forever (a CI failure once)."""
+    pair, fake = fake_setup
+    fake.accept, fake.answer_pings, fake.release = True, True, True
+    poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link up again")
+    fake.accept = False  # the link cannot come back during the request
+    fake.deafen()
+    before = len(fake.handoffs)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    with pytest.raises(client.RequestFailed) as info:
+        asyncio.run(
+            client.generate(
+                pair.client_socket,
+                prompt_tokens=[7] * 20,
+                sampling=params,
+                request_id="deaf-1",
+                timeout=20,
+            )
+        )
+    assert info.value.code == "LINK_LOST", str(info.value)
+    assert len(fake.handoffs) == before  # nothing got through to the decode
+    st = poll(lambda: (s := status(pair.client_socket)).links[0]["state"] == "down" and s)
+    assert "Connection" in str(st.links[0]["last_error"]) or "Broken" in str(
+        st.links[0]["last_error"]
+    ), st.links
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free after the failed write")
+    assert status(pair.client_socket).inflight == 0
+    fake.deaf, fake.accept = False, True
+    poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link back up")

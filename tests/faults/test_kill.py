@@ -17,7 +17,7 @@ from tests.faults.conftest import FaultPair, all_free, assert_pair_free, new_pai
 from tests.faults.load import Load
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # one pair per test: a scenario that fails must not leave the next a dead daemon
 def kpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
     pair = new_pair(tmp_path_factory, "kill")
     pair.start_both()
