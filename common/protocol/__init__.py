@@ -12,6 +12,7 @@ from common.protocol.frame import (
     decode,
     encode,
     read_frame,
+    split_frame,
 )
 from common.protocol.messages import (
     Abort,
@@ -69,4 +70,5 @@ __all__ = [
     "encode",
     "fingerprint",
     "read_frame",
+    "split_frame",
 ]

@@ -91,7 +91,9 @@ def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
     return msg_type, meta_len, mem_len, ev_len
 
 
-def decode_body(msg_type: MsgType, meta: bytes, mem: bytes = b"", ev: bytes = b"") -> Message:
+def decode_body(
+    msg_type: MsgType, meta: bytes | bytearray, mem: bytes = b"", ev: bytes = b""
+) -> Message:
     """The message of one frame's body; ProtocolError naming what was wrong otherwise."""
     try:
         msg = _DECODERS[msg_type].decode(meta)
@@ -117,6 +119,23 @@ def decode(frame: bytes) -> Message:
     a = HEADER_SIZE + meta_len
     b = a + mem_len
     return decode_body(msg_type, frame[HEADER_SIZE:a], frame[a:b], frame[b:end])
+
+
+def split_frame(buf: bytearray) -> tuple[Message, int] | None:
+    """The first whole frame in `buf` and its length in bytes, or None while it is incomplete.
+
+    For a reader that parses in its own data callback instead of awaiting each frame. The
+    header is checked as soon as it is there, so a bad or oversized frame is refused before its
+    body is waited for; ProtocolError as in read_frame."""
+    if len(buf) < HEADER_SIZE:
+        return None
+    msg_type, meta_len, mem_len, ev_len = parse_header(bytes(buf[:HEADER_SIZE]))
+    a = HEADER_SIZE + meta_len
+    b = a + mem_len
+    end = b + ev_len
+    if len(buf) < end:
+        return None
+    return decode_body(msg_type, buf[HEADER_SIZE:a], bytes(buf[a:b]), bytes(buf[b:end])), end
 
 
 async def read_frame(reader: ExactReader) -> Message:

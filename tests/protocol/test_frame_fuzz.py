@@ -26,6 +26,7 @@ from common.protocol import (
     decode,
     encode,
     read_frame,
+    split_frame,
 )
 from common.protocol.messages import BY_TYPE
 
@@ -129,8 +130,9 @@ def _decode_in_memory(data: bytes) -> None:
     _check_accepted(data, msg)
 
 
-async def _read_stream(data: bytes) -> None:
+async def _read_stream(data: bytes) -> list[Message]:
     rec = RecordingReader(reader_of(data))
+    accepted = []
     while True:
         first = len(rec.got)
         try:
@@ -138,12 +140,34 @@ async def _read_stream(data: bytes) -> None:
         except (ProtocolError, ConnectionClosed):
             break
         _check_accepted(rec.got[first], msg)
+        accepted.append(msg)
     assert all(n == HEADER_SIZE or n <= MAX_BODY for n in rec.asked), rec.asked
+    return accepted
+
+
+def _split_buffer(data: bytes) -> list[Message]:
+    """split_frame over the bytes as a read callback would see them all at once."""
+    buf = bytearray(data)
+    accepted = []
+    while True:
+        try:
+            got = split_frame(buf)
+        except ProtocolError as exc:
+            assert str(exc)
+            break
+        if got is None:
+            break
+        msg, n = got
+        _check_accepted(bytes(buf[:n]), msg)
+        del buf[:n]
+        accepted.append(msg)
+    return accepted
 
 
 def _both(data: bytes) -> None:
     _decode_in_memory(data)
-    asyncio.run(_read_stream(data))
+    # the stream decoder and the buffer splitter accept the same frames, in the same order
+    assert asyncio.run(_read_stream(data)) == _split_buffer(data)
 
 
 @FUZZ
