@@ -16,9 +16,10 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 
 from common.errors import ProtocolError
-from common.protocol import Message, encode, read_frame
+from common.protocol import ConnectionClosed, Message, encode, read_frame, split_frame
 
 #: At most this many fds are accepted per recvmsg; more is a protocol error.
 MAX_FDS_PER_MSG = 16
@@ -45,9 +46,13 @@ class FrameChannel:
         self._max_buffer = max_buffer
         self._reading = True
         self._send_lock = asyncio.Lock()
-        self._tail: asyncio.Task[None] | None = None  # the last write_nowait still in flight
+        self._tail: asyncio.Task[None] | None = None  # the last write task started
         self.last_rx = time.monotonic()  # when bytes last arrived (see watch_idle)
         self._closed = False
+        self._handler: Callable[[Message], None] | None = None  # see dispatch()
+        self._ended: asyncio.Future[None] | None = None
+        self._spin_until = 0.0  # see spin()
+        self._spinning = False
         self._loop.add_reader(self._fileno, self._on_readable)
 
     # ---- reading -------------------------------------------------------------------------------
@@ -76,9 +81,12 @@ class FrameChannel:
             self._stop_reading()
         else:
             self._buf += self._rview[:nbytes]
-            if len(self._buf) > self._max_buffer:
+            if len(self._buf) > self._max_buffer and self._handler is None:
                 self._stop_reading()
-        self._wake()
+        if self._handler is not None:
+            self._deliver()
+        else:
+            self._wake()
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -88,6 +96,82 @@ class FrameChannel:
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
+        if self._ended is not None and (self._error is not None or self._eof):
+            self._end(self._error or self._eof_error())
+
+    def _eof_error(self) -> Exception:
+        if self._buf:
+            return ProtocolError(f"connection closed inside a frame ({len(self._buf)} bytes)")
+        return ConnectionClosed("peer closed the connection")
+
+    def _end(self, exc: BaseException) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_exception(exc)
+
+    # ---- dispatch: frames handled in the read callback -----------------------------------------
+    async def dispatch(self, handler: Callable[[Message], None]) -> None:
+        """Hand every frame to `handler` from the socket's read callback, until the channel
+        ends; then raise why (ConnectionClosed at a clean EOF, ProtocolError, TimeoutError from
+        watch_idle, or whatever `handler` raised, which ends the channel).
+
+        Against `recv` in a loop this saves a future and a task wake-up per frame (~10 µs on
+        each side of a round trip). `handler` runs on the loop and must not block; frames with
+        file descriptors belong before dispatch (their fds stay unclaimed and are closed).
+        """
+        if self._handler is not None:
+            raise RuntimeError("dispatch is already running on this channel")
+        self._handler = handler
+        self._ended = self._loop.create_future()
+        try:
+            self._deliver()  # what arrived while the caller still used recv
+            if not self._reading and not self._closed and not self._eof:
+                self._reading = True
+                self._loop.add_reader(self._fileno, self._on_readable)
+            await self._ended
+        finally:
+            self._handler = None
+            self._ended = None
+
+    def spin(self, seconds: float) -> None:
+        """Poll the socket without sleeping for the next `seconds` (dispatch mode only), when an
+        answer is due soon: the loop keeps running instead of blocking in epoll, so the frame is
+        read the moment it lands, without a wake-up of a sleeping process (~15-30 µs a frame on
+        a VM). The loop serves everything else as usual meanwhile; zero or less does nothing."""
+        if seconds <= 0 or self._handler is None:
+            return
+        self._spin_until = max(self._spin_until, time.monotonic() + seconds)
+        if not self._spinning:
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    @property
+    def spinning(self) -> bool:
+        """True while spin() keeps the loop polling this socket."""
+        return self._spinning
+
+    def _spin(self) -> None:
+        if self._handler is None or not self._reading or time.monotonic() >= self._spin_until:
+            self._spinning = False
+            return
+        self._on_readable()  # BlockingIOError inside while nothing has arrived
+        self._loop.call_soon(self._spin)
+
+    def _deliver(self) -> None:
+        handler = self._handler
+        try:
+            while handler is not None and self._error is None and not self._closed:
+                got = split_frame(self._buf)
+                if got is None:
+                    break
+                msg, n = got
+                del self._buf[:n]
+                handler(msg)
+                handler = self._handler
+        except Exception as exc:  # a bad frame or a handler's refusal ends the channel
+            self._error = exc
+            self._stop_reading()
+        if self._error is not None or self._eof:
+            self._end(self._error or self._eof_error())
 
     async def readexactly(self, n: int) -> bytes:
         """Exactly n bytes; asyncio.IncompleteReadError at EOF, as StreamReader does."""
@@ -153,9 +237,26 @@ class FrameChannel:
 
     async def send_bytes(self, data: bytes, fds: list[int] | None = None) -> None:
         """Write whole frames. A frame once started is finished even if the caller is cancelled
-        (shielded), so a cancelled sender never leaves half a frame for the next one to follow."""
+        (shielded), so a cancelled sender never leaves half a frame for the next one to follow.
+
+        When nothing else is being written and the socket takes all of it, the frame leaves in
+        this call, without a writer task and the loop iteration it costs (~10 µs a message)."""
+        if not fds and self._idle_writer():
+            try:
+                sent = self.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
         task = self._loop.create_task(self._write(data, fds))
+        # until it has the lock, only _tail tells later senders that a frame is half written
+        self._tail = task
+        task.add_done_callback(_retrieve)
         await asyncio.shield(task)
+
+    def _idle_writer(self) -> bool:
+        return (self._tail is None or self._tail.done()) and not self._send_lock.locked()
 
     def write_nowait(self, data: bytes) -> None:
         """Send whole frames without awaiting: at once when the socket takes them and no earlier
@@ -164,7 +265,7 @@ class FrameChannel:
         """
         if self._closed:
             return
-        if (self._tail is None or self._tail.done()) and not self._send_lock.locked():
+        if self._idle_writer():
             try:
                 sent = self.sock.send(data)
             except (BlockingIOError, InterruptedError):
@@ -214,6 +315,7 @@ class FrameChannel:
         self._stop_reading()
         self._eof = True
         self._wake()
+        self._end(ConnectionClosed("channel closed"))
         while self._fds:
             os.close(self._fds.popleft())
         self.sock.close()

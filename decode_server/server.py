@@ -39,6 +39,7 @@ log = structlog.get_logger(__name__)
 class DecodeServer:
     def __init__(self, cfg: DecodeConfig, rt: ModelRuntime) -> None:
         self.cfg = cfg
+        self._spin_s = cfg.spin_us / 1e6
         self.rt = rt
         self.requests = DecodeRequests(rt, max_batch=cfg.max_batch)
         self.peers: dict[str, Peer] = {}
@@ -102,8 +103,7 @@ class DecodeServer:
             self.peers[peer.link_id] = peer
             watchdog = asyncio.create_task(channel.watch_idle(timeout))
             try:
-                while True:
-                    self._dispatch(peer, await channel.recv())
+                await channel.dispatch(lambda msg: self._dispatch(peer, msg))
             finally:
                 watchdog.cancel()
         except HandshakeError as exc:
@@ -122,6 +122,10 @@ class DecodeServer:
             peer.log.warning("link_failed", error=str(exc))
             peer.post_error(ErrorCode.PROTOCOL_ERROR, str(exc))
             await peer.flush()
+        except Exception as exc:  # a bug: end this link only, loudly
+            peer.log.exception("link_failed_internal")
+            peer.post_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:2000])
+            await peer.flush()
         finally:
             if peer.pulls:  # never unmap the peer's pool under a copy that still reads it
                 await asyncio.gather(*peer.pulls, return_exceptions=True)
@@ -130,6 +134,7 @@ class DecodeServer:
     def _dispatch(self, peer: Peer, msg) -> None:  # type: ignore[no-untyped-def]
         if isinstance(msg, Handoff):
             self.requests.handoff(peer, msg)
+            peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
         elif isinstance(msg, Ping):
             peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Abort):

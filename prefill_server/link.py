@@ -88,8 +88,9 @@ class DecodeLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop("prefill daemon is shutting down")
 
-    async def send(self, msg: Message) -> None:
-        """Send on the live link; ConnectionError if there is none or the write fails.
+    async def send(self, msg: Message, *, spin: bool = False) -> None:
+        """Send on the live link; ConnectionError if there is none or the write fails. `spin`:
+        an answer is due soon (RELEASE after HANDOFF), poll for it without sleeping a while.
 
         A failed write (the decode died and the reader has not seen EOF yet) fails the channel,
         so the link is dropped and its requests answered at once instead of at the heartbeat.
@@ -102,6 +103,8 @@ class DecodeLink:
         except OSError as exc:
             channel.fail(ConnectionError(f"write to the decode daemon failed: {exc}"))
             raise ConnectionError(f"link to the decode daemon broke: {exc}") from exc
+        if spin:
+            channel.spin(self.cfg.spin_us / 1e6)
 
     async def _run(self) -> None:
         backoff = 0.05
@@ -160,17 +163,19 @@ class DecodeLink:
         beat = asyncio.create_task(self._heartbeat(self.channel))
         watchdog = asyncio.create_task(self.channel.watch_idle(self.cfg.heartbeat_timeout_s))
         try:
-            while True:
-                msg = await self.channel.recv()
-                if isinstance(msg, Pong):
-                    self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
-                elif isinstance(msg, Error) and msg.request_id is None:
-                    raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
-                else:
-                    self.on_message(msg)
+            await self.channel.dispatch(self._on_frame)
         finally:
             beat.cancel()
             watchdog.cancel()
+
+    def _on_frame(self, msg: Message) -> None:
+        """Each frame from the decode, in the socket's read callback."""
+        if isinstance(msg, Pong):
+            self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
+        elif isinstance(msg, Error) and msg.request_id is None:
+            raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
+        else:
+            self.on_message(msg)
 
     async def _heartbeat(self, channel: FrameChannel) -> None:
         while True:

@@ -422,3 +422,109 @@ async def test_watch_idle_partial_only_spares_a_quiet_client_but_not_half_a_fram
     finally:
         server.close()
         client_end.close()
+
+
+# ---- dispatch: frames handled in the read callback ---------------------------------------------
+async def test_dispatch_delivers_buffered_then_live_frames_in_order_then_eof(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    left, right = pair
+    await left.send(Ping(seq=0))
+    assert await right.recv() == Ping(seq=0)  # the handshake phase reads with recv
+    # frames that arrive before dispatch starts sit in the buffer; they come first
+    await left.send_bytes(b"".join(encode(Ping(seq=i)) for i in (1, 2)))
+    await asyncio.sleep(0.01)
+    got: list[Message] = []
+    task = asyncio.create_task(right.dispatch(got.append))
+    await asyncio.sleep(0.01)
+    big = _tokens_at_meta_size(300_000)  # several reads, so delivery waits for the whole frame
+    await left.send(big)
+    await left.send(Pong(seq=3))
+    left.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(task, 5)
+    assert got == [Ping(seq=1), Ping(seq=2), big, Pong(seq=3)]
+
+
+async def test_dispatch_ends_with_what_the_handler_raised_and_stops_delivering(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    left, right = pair
+    got: list[Message] = []
+
+    def handler(msg: Message) -> None:
+        got.append(msg)
+        if isinstance(msg, Pong):
+            raise ProtocolError("unexpected PONG")
+
+    await left.send_bytes(b"".join(encode(m) for m in (Ping(seq=1), Pong(seq=2), Ping(seq=3))))
+    with pytest.raises(ProtocolError, match="unexpected PONG"):
+        await asyncio.wait_for(right.dispatch(handler), 5)
+    assert got == [Ping(seq=1), Pong(seq=2)]  # nothing after the refusal
+
+
+async def test_dispatch_eof_inside_a_frame_is_a_protocol_error(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    left, right = pair
+    frame = encode(Ping(seq=1))
+    await left.send_bytes(frame[:-3])
+    left.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError, match="inside a frame"):
+        await asyncio.wait_for(right.dispatch(lambda m: None), 5)
+
+
+async def test_dispatch_ends_on_fail_and_on_close(pair: tuple[FrameChannel, FrameChannel]) -> None:
+    left, right = pair
+    task = asyncio.create_task(right.dispatch(lambda m: None))
+    await asyncio.sleep(0)
+    right.fail(TimeoutError("no heartbeat"))
+    with pytest.raises(TimeoutError, match="no heartbeat"):
+        await asyncio.wait_for(task, 5)
+    task = asyncio.create_task(left.dispatch(lambda m: None))
+    await asyncio.sleep(0)
+    left.close()
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(task, 5)
+
+
+async def test_dispatch_refuses_a_second_dispatcher(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    _, right = pair
+    task = asyncio.create_task(right.dispatch(lambda m: None))
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="already"):
+        await right.dispatch(lambda m: None)
+    right.close()
+    with pytest.raises(ConnectionClosed):
+        await task
+
+
+async def test_spin_delivers_and_stops_after_its_window(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    left, right = pair
+    got: list[Message] = []
+    task = asyncio.create_task(right.dispatch(got.append))
+    await asyncio.sleep(0)
+    right.spin(0.05)
+    assert right.spinning
+    for i in range(20):
+        await left.send(Ping(seq=i))
+        await asyncio.sleep(0.001)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while right.spinning:  # the window ends by itself; the loop goes back to sleeping in epoll
+        assert loop.time() < deadline
+        await asyncio.sleep(0.01)
+    await left.send(Ping(seq=99))  # and frames still arrive the usual way
+    while len(got) < 21:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    assert got == [Ping(seq=i) for i in (*range(20), 99)]
+    right.spin(0)  # zero does nothing
+    assert not right.spinning
+    right.close()
+    with pytest.raises(ConnectionClosed):
+        await task
