@@ -8,6 +8,7 @@ attention scatter/gather (common.model.paged) works on `pool.tensor` in exactly 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -110,6 +111,10 @@ class KVPool:
         self.layout = layout
         self.tensor = tensor
         self._compat = layout.compat_fields()  # compared on every pull
+        # CPU pulls copy runs of blocks with memmove on these addresses: a torch slice + copy_
+        # costs ~8 µs per run in dispatch, memmove of a few KiB well under 1 µs
+        self._addr = tensor.data_ptr() if tensor.device.type == "cpu" else 0
+        self._block_nbytes = layout.block_nbytes
 
     @classmethod
     def create(cls, layout: PoolLayout, device: str | torch.device = "cpu") -> KVPool:
@@ -173,7 +178,7 @@ class KVPool:
             and src.tensor is not self.tensor
             and src.device.type == "cpu" == self.device.type
         ):
-            self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in ~10 µs
+            self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in a few µs
             return
         if src._compat != self._compat:
             raise IpcError(
@@ -194,6 +199,9 @@ class KVPool:
             copy_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
             return
         runs = _runs(s, d)
+        if src.tensor is not self.tensor and src._addr and self._addr:
+            self._memmove_runs(src, runs)
+            return
         if src.tensor is not self.tensor and len(runs) <= self._run_limit():
             for s0, d0, n in runs:
                 self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
@@ -221,13 +229,15 @@ class KVPool:
                 )
         if len(set(dst_ids)) != len(dst_ids):
             raise IpcError(f"destination block ids repeat: {dst_ids}")
-        runs = _runs_small(src_ids, dst_ids)
-        if len(runs) <= self._run_limit():
-            for s0, d0, n in runs:
-                self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
-            return
-        picked = src.tensor.index_select(0, torch.tensor(src_ids))
-        self.tensor.index_copy_(0, torch.tensor(dst_ids), picked)
+        self._memmove_runs(src, _runs_small(src_ids, dst_ids))
+
+    def _memmove_runs(self, src: KVPool, runs: list[tuple[int, int, int]]) -> None:
+        """Copy (src_start, dst_start, length) runs of blocks between two distinct CPU pools
+        whose ids were checked: each run is one contiguous byte range on both sides."""
+        nb = self._block_nbytes
+        dst, srcp = self._addr, src._addr
+        for s0, d0, n in runs:
+            ctypes.memmove(dst + d0 * nb, srcp + s0 * nb, n * nb)
 
     def _run_limit(self) -> int:
         """Most runs a CPU pull copies one by one before switching to gather + scatter."""
