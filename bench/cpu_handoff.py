@@ -37,6 +37,9 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    Message,
+    Ping,
+    Pong,
     Register,
     Registered,
     Release,
@@ -70,28 +73,34 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
 
     rt = Path(tempfile.mkdtemp(prefix="pdkv-bench-"))
     log = open(rt / "decode.log", "wb")  # noqa: SIM115
-    decode = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "common.cli",
-            "--runtime-dir",
-            str(rt),
-            "--log-format",
-            "json",
-            "--log-level",
-            "WARNING",
-            "decode",
-            "start",
-            "--device",
-            "cpu",
-            "--num-blocks",
-            str(args.blocks),
-        ],
-        stdout=log,
-        stderr=log,
+    decode = (
+        None
+        if args.decode_socket
+        else subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "common.cli",
+                "--runtime-dir",
+                str(rt),
+                "--log-format",
+                "json",
+                "--log-level",
+                "WARNING",
+                "decode",
+                "start",
+                "--device",
+                "cpu",
+                "--num-blocks",
+                str(args.blocks),
+                "--spin-us",
+                str(args.spin_us),
+            ],
+            stdout=log,
+            stderr=log,
+        )
     )
-    sock = str(rt / "decode.sock")
+    sock = str(args.decode_socket or rt / "decode.sock")
     try:
         for _ in range(600):
             try:
@@ -115,20 +124,27 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
 
         released: dict[str, int] = {}
         pulls: list[float] = []  # decode side: HANDOFF read → KV in its pool
+        arrivals: list[float] = []  # HANDOFF sent → the decode starts on it
         waiters: dict[str, asyncio.Future[None]] = {}
 
-        async def reader() -> None:
-            while True:
-                msg = await ch.recv()
-                if isinstance(msg, Release):
-                    released[msg.request_id] = time.monotonic_ns()
-                    fut = waiters.pop(msg.request_id, None)
-                    if fut is not None:
-                        fut.set_result(None)
-                elif isinstance(msg, Finish):
-                    pulls.append(msg.timings.get("pull_us", 0.0))
+        def on_frame(msg: Message) -> None:
+            if isinstance(msg, Release):
+                released[msg.request_id] = time.monotonic_ns()
+                fut = waiters.pop(msg.request_id, None)
+                if fut is not None:
+                    fut.set_result(None)
+            elif isinstance(msg, Finish):
+                pulls.append(msg.timings.get("pull_us", 0.0))
+                arrivals.append(
+                    msg.timings.get("decode_handoff_us", 0.0) - msg.timings.get("pull_us", 0.0)
+                )
+            elif isinstance(msg, Pong):
+                released[f"ping{msg.seq}"] = time.monotonic_ns()
+                fut = waiters.pop(f"ping{msg.seq}", None)
+                if fut is not None:
+                    fut.set_result(None)
 
-        rtask = asyncio.create_task(reader())
+        rtask = asyncio.create_task(ch.dispatch(on_frame))
         nblk = -(-args.prompt_tokens // bs)
         prompt = list(range(1, args.prompt_tokens + 1))
         params = SamplingParams(max_tokens=1)
@@ -163,6 +179,7 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
                             sent_ns=sent[rid],
                         )
                     )
+                    ch.spin(args.spin_us / 1e6)  # as the prefill daemon's link does
                 await asyncio.wait_for(asyncio.gather(*futs), 30)
                 if r >= 2:
                     lat += [(released[k] - v) / 1000 for k, v in sent.items()]
@@ -172,15 +189,37 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
                 "p99_us": pct(lat, 0.99),
                 "mean_us": statistics.fmean(lat),
                 "decode_pull_p50_us": pct(pulls, 0.5) if pulls else 0.0,
+                "arrival_p50_us": pct(arrivals, 0.5) if arrivals else 0.0,
             }
             pulls.clear()
+            arrivals.clear()
+        # the floor: a PING → PONG round trip over the same link (no handoff work at all)
+        rtts: list[float] = []
+        for i in range(args.rounds + 2):
+            fut = loop.create_future()
+            waiters[f"ping{i}"] = fut
+            t0 = time.monotonic_ns()
+            await ch.send(Ping(seq=i, sent_ns=t0))
+            ch.spin(args.spin_us / 1e6)
+            await asyncio.wait_for(fut, 30)
+            if i >= 2:
+                rtts.append((released[f"ping{i}"] - t0) / 1000)
+        results["ping"] = {
+            "n": len(rtts),
+            "p50_us": pct(rtts, 0.5),
+            "p99_us": pct(rtts, 0.99),
+            "mean_us": statistics.fmean(rtts),
+            "decode_pull_p50_us": 0.0,
+            "arrival_p50_us": 0.0,
+        }
         rtask.cancel()
         ch.close()
         st = await client.status(sock)
         assert st.pool["free"] == st.pool["total"], f"decode leaked blocks: {st.pool}"
     finally:
-        decode.terminate()
-        decode.wait(timeout=30)
+        if decode is not None:
+            decode.terminate()
+            decode.wait(timeout=30)
     return {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
         "date": time.strftime("%Y-%m-%d"),
@@ -198,6 +237,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2000, help="handoffs at 1 in flight")
     ap.add_argument("--blocks", type=int, default=8192)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--spin-us",
+        type=int,
+        default=200,
+        help="the daemons' --spin-us, on both sides (0: sleep in epoll between frames)",
+    )
+    ap.add_argument(
+        "--decode-socket",
+        type=Path,
+        help="use a decode daemon already running there (e.g. under a profiler) instead of "
+        "starting one; it needs --num-blocks >= --blocks",
+    )
     args = ap.parse_args()
     sys.setswitchinterval(0.0002)  # as the daemons do
     res = daemon.run(lambda: run(args))  # uvloop, as the daemons use
@@ -206,11 +257,12 @@ def main() -> None:
     )
     print(
         f"{'in flight':>9} {'n':>6} {'p50 us':>8} {'p99 us':>8} {'mean us':>8} {'decode-side p50':>15}"
+        f" {'arrival p50':>11}"
     )
     for k, v in res["results"].items():
         print(
             f"{k:>9} {v['n']:>6} {v['p50_us']:>8.1f} {v['p99_us']:>8.1f} {v['mean_us']:>8.1f} "
-            f"{v['decode_pull_p50_us']:>15.1f}"
+            f"{v['decode_pull_p50_us']:>15.1f} {v['arrival_p50_us']:>11.1f}"
         )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))

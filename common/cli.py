@@ -94,6 +94,16 @@ _DAEMON_OPTIONS = [
         help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
     ),
     click.option(
+        "--spin-us",
+        show_envvar=True,
+        envvar="PDKV_SPIN_US",
+        default=200,
+        show_default=True,
+        type=click.IntRange(0, 100_000),
+        help="After a handoff, poll the link this many µs without sleeping: lower handoff "
+        "latency for a little CPU (0: always sleep in epoll).",
+    ),
+    click.option(
         "--drain-timeout",
         show_envvar=True,
         envvar="PDKV_DRAIN_TIMEOUT",
