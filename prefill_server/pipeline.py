@@ -213,7 +213,7 @@ class RequestPipeline:
                 sent_ns=req.handoff_sent_ns,
             )
             try:
-                await s.link.send(handoff)
+                await s.link.send(handoff, spin=True)
             except ConnectionError as exc:
                 # the frame did not get through whole, so the decode cannot act on it: the
                 # blocks and the event slot are ours again (freed by _cleanup, not quarantined)
