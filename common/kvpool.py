@@ -211,23 +211,26 @@ class KVPool:
 
     def _copy_few(self, src: KVPool, src_ids: list[int], dst_ids: list[int]) -> None:
         """copy_blocks_from for a few ids given as lists, between CPU pools: the same checks
-        in plain Python, where numpy's and torch's fixed costs would dominate."""
+        in plain Python (each a single C-level pass), where numpy's fixed costs would dominate."""
         if src._compat != self._compat:
             raise IpcError(
                 f"cannot copy blocks between incompatible pools: source {src._compat}"
                 f", destination {self._compat}"
             )
-        if len(src_ids) != len(dst_ids):
-            raise IpcError(f"{len(src_ids)} source block ids but {len(dst_ids)} destination ids")
+        n = len(dst_ids)
+        if len(src_ids) != n:
+            raise IpcError(f"{len(src_ids)} source block ids but {n} destination ids")
+        if not n:
+            return
         for ids, pool, what in ((src_ids, src, "source"), (dst_ids, self, "destination")):
-            if not all(type(i) is int for i in ids):
+            if set(map(type, ids)) != {int}:
                 raise IpcError(f"{what} block ids must be ints in a flat list, got {ids!r:.80}")
-            if ids and (min(ids) < 0 or max(ids) >= pool.num_blocks):
+            if min(ids) < 0 or max(ids) >= pool.num_blocks:
                 bad = [i for i in ids if not 0 <= i < pool.num_blocks]
                 raise IpcError(
                     f"{what} block ids {bad[:8]} out of range [0, {pool.num_blocks}) for this pool"
                 )
-        if len(set(dst_ids)) != len(dst_ids):
+        if len(set(dst_ids)) != n:
             raise IpcError(f"destination block ids repeat: {dst_ids}")
         self._memmove_runs(src, _runs_small(src_ids, dst_ids))
 

@@ -31,6 +31,7 @@ _SEGMENT_FIELDS = ("mem_handles", "event_handles")
 _ENCODER = msgspec.json.Encoder()
 _DECODERS = {t: msgspec.json.Decoder(cls) for t, cls in BY_TYPE.items()}
 _TYPES = {int(t): t for t in MsgType}  # a dict lookup, not an enum call, per frame
+_WITH_SEGMENTS = frozenset(t for t, cls in BY_TYPE.items() if hasattr(cls, "mem_handles"))
 
 
 class ConnectionClosed(PdkvError):
@@ -45,10 +46,11 @@ class ExactReader(Protocol):
 
 def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> bytes:
     """The whole frame of `msg`, ready to write."""
-    mem = getattr(msg, "mem_handles", b"")
-    ev = getattr(msg, "event_handles", b"")
-    if mem or ev:
-        msg = msgspec.structs.replace(msg, mem_handles=b"", event_handles=b"")
+    mem = ev = b""
+    if msg.TYPE in _WITH_SEGMENTS:
+        mem, ev = msg.mem_handles, msg.event_handles  # type: ignore[attr-defined]
+        if mem or ev:
+            msg = msgspec.structs.replace(msg, mem_handles=b"", event_handles=b"")
     meta = _ENCODER.encode(msg)
     if len(meta) > MAX_META_BYTES:
         raise ProtocolError(
@@ -58,15 +60,22 @@ def encode(msg: Message, *, version: int = PROTOCOL_VERSION) -> bytes:
         raise ProtocolError(
             f"{msg.TYPE.name} handle segments of {len(mem)}/{len(ev)} bytes too large"
         )
-    header = HEADER.pack(MAGIC, version, int(msg.TYPE), len(meta), len(mem), len(ev))
-    return b"".join((header, meta, mem, ev))
+    header = HEADER.pack(MAGIC, version, msg.TYPE, len(meta), len(mem), len(ev))
+    if mem or ev:
+        return b"".join((header, meta, mem, ev))
+    return header + meta
 
 
 def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
     """Validate a header; returns (type, meta_len, mem_len, event_len). ProtocolError otherwise."""
     if len(header) != HEADER_SIZE:
         raise ProtocolError(f"truncated header: {len(header)} of {HEADER_SIZE} bytes")
-    magic, version, mtype, meta_len, mem_len, ev_len = HEADER.unpack(header)
+    return _check_header(*HEADER.unpack(header))
+
+
+def _check_header(
+    magic: bytes, version: int, mtype: int, meta_len: int, mem_len: int, ev_len: int
+) -> tuple[MsgType, int, int, int]:
     if magic != MAGIC:
         raise ProtocolError(f"wrong magic {magic!r}, expected {MAGIC!r}: not a pdkv peer")
     if version not in SUPPORTED_VERSIONS:
@@ -77,14 +86,15 @@ def parse_header(header: bytes) -> tuple[MsgType, int, int, int]:
     msg_type = _TYPES.get(mtype)
     if msg_type is None:
         raise ProtocolError(f"unknown message type {mtype}")
-    for name, value, limit in (
-        ("metadata", meta_len, MAX_META_BYTES),
-        ("memory-handle", mem_len, MAX_MEM_BYTES),
-        ("event-handle", ev_len, MAX_EVENT_BYTES),
-    ):
-        if value > limit:
-            raise ProtocolError(f"{name} segment of {value} bytes exceeds the maximum {limit}")
-    if (mem_len or ev_len) and not hasattr(BY_TYPE[mtype], "mem_handles"):
+    if meta_len > MAX_META_BYTES or mem_len > MAX_MEM_BYTES or ev_len > MAX_EVENT_BYTES:
+        for name, value, limit in (
+            ("metadata", meta_len, MAX_META_BYTES),
+            ("memory-handle", mem_len, MAX_MEM_BYTES),
+            ("event-handle", ev_len, MAX_EVENT_BYTES),
+        ):
+            if value > limit:
+                raise ProtocolError(f"{name} segment of {value} bytes exceeds the maximum {limit}")
+    if (mem_len or ev_len) and msg_type not in _WITH_SEGMENTS:
         raise ProtocolError(
             f"{msg_type.name} carries no handle segments, header says {mem_len}/{ev_len}"
         )
@@ -101,8 +111,8 @@ def decode_body(
         raise ProtocolError(f"invalid {msg_type.name} metadata: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"{msg_type.name} metadata is not valid UTF-8 JSON: {exc}") from None
-    if hasattr(msg, "mem_handles"):
-        if msg.mem_handles or msg.event_handles:
+    if msg_type in _WITH_SEGMENTS:
+        if msg.mem_handles or msg.event_handles:  # type: ignore[attr-defined]
             raise ProtocolError(
                 f"{msg_type.name} handle bytes belong in the segments, not the JSON"
             )
@@ -129,12 +139,14 @@ def split_frame(buf: bytearray) -> tuple[Message, int] | None:
     body is waited for; ProtocolError as in read_frame."""
     if len(buf) < HEADER_SIZE:
         return None
-    msg_type, meta_len, mem_len, ev_len = parse_header(bytes(buf[:HEADER_SIZE]))
+    msg_type, meta_len, mem_len, ev_len = _check_header(*HEADER.unpack_from(buf))
     a = HEADER_SIZE + meta_len
-    b = a + mem_len
-    end = b + ev_len
+    end = a + mem_len + ev_len
     if len(buf) < end:
         return None
+    if a == end:  # no handle segments: the common case
+        return decode_body(msg_type, buf[HEADER_SIZE:a]), end
+    b = a + mem_len
     return decode_body(msg_type, buf[HEADER_SIZE:a], bytes(buf[a:b]), bytes(buf[b:end])), end
 
 
