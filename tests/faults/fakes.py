@@ -20,6 +20,8 @@ from common.protocol import (
     PROTOCOL_VERSION,
     Abort,
     ConnectionClosed,
+    Error,
+    ErrorCode,
     Handoff,
     Hello,
     HelloOk,
@@ -99,6 +101,8 @@ class FakeDecode:
         self.release = False
         self.accept = True
         self.deaf = False
+        self.no_capacity = False  # answer every HANDOFF with ERROR NO_CAPACITY
+        self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
         self.aborts: list[str] = []
         self.connections = 0
@@ -150,18 +154,23 @@ class FakeDecode:
                 os.close(fd)
             await ch.send(Registered(num_blocks=64))
             while True:
-                await self._on_message(ch, await ch.recv())
+                await self._on_message(ch, await ch.recv(), link_id)
         if self.deaf:  # hold the socket open: the daemon must find out from its own writes
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.Event().wait()
         ch.close()
 
-    async def _on_message(self, ch: FrameChannel, msg: Message) -> None:
+    async def _on_message(self, ch: FrameChannel, msg: Message, link_id: str) -> None:
         if isinstance(msg, Ping) and self.answer_pings:
             await ch.send(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Handoff):
             self.handoffs.append(msg)
-            if self.release:
+            self.handoff_links.append(link_id)
+            if self.no_capacity:
+                await ch.send(
+                    Error(code=ErrorCode.NO_CAPACITY, message="fake", request_id=msg.request_id)
+                )
+            elif self.release:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
         elif isinstance(msg, Abort):
             self.aborts.append(msg.request_id)
@@ -176,6 +185,15 @@ class FakeDecode:
             for ch in self.channels:
                 if not ch.closed:
                     ch.sock.shutdown(socket.SHUT_RD)
+
+        self.call(run())
+
+    def drop_all(self) -> None:
+        """Close every open connection (the daemon sees its link end; it may reconnect)."""
+
+        async def run() -> None:
+            for ch in self.channels:
+                ch.close()
 
         self.call(run())
 

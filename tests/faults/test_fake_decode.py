@@ -150,3 +150,47 @@ def test_handoff_written_to_a_just_dead_decode_gets_link_lost(fake_setup) -> Non
     assert status(pair.client_socket).inflight == 0
     fake.deaf, fake.accept = False, True
     poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link back up")
+
+
+def test_no_capacity_retry_after_a_link_loss_does_not_hand_off_freed_blocks(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    """The decode answers NO_CAPACITY, so the prefill retries; meanwhile the link drops (its
+    leases and blocks are freed) and comes straight back. The retry must end the request with
+    LINK_LOST, never hand the freed blocks to the new link."""
+    pair, fake = fake_setup
+    fake.accept, fake.answer_pings, fake.deaf = True, True, False
+    poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link up")
+    connects = status(pair.client_socket).links[0]["connects"]
+    fake.no_capacity = True
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def run() -> None:
+        task = asyncio.create_task(
+            client.generate(
+                pair.client_socket,
+                prompt_tokens=[9] * 20,
+                sampling=params,
+                request_id="nocap-1",
+                timeout=20,
+            )
+        )
+        while "nocap-1" not in [h.request_id for h in fake.handoffs]:
+            assert not task.done(), task
+            await asyncio.sleep(0.005)
+        fake.drop_all()
+        with pytest.raises(client.RequestFailed) as info:
+            await task
+        assert info.value.code == "LINK_LOST", str(info.value)
+
+    try:
+        asyncio.run(run())
+    finally:
+        fake.no_capacity = False
+    poll(lambda: status(pair.client_socket).links[0]["connects"] > connects, what="reconnected")
+    first_link = fake.handoff_links[[h.request_id for h in fake.handoffs].index("nocap-1")]
+    again = [
+        link
+        for h, link in zip(fake.handoffs, fake.handoff_links, strict=True)
+        if h.request_id == "nocap-1" and link != first_link
+    ]
+    assert again == [], "the retry handed freed blocks to the new link"
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free")
