@@ -53,6 +53,7 @@ class FrameChannel:
         self._ended: asyncio.Future[None] | None = None
         self._spin_until = 0.0  # see spin()
         self._spinning = False
+        self._wfut: asyncio.Future[None] | None = None  # a write waiting for the socket to drain
         self._loop.add_reader(self._fileno, self._on_readable)
 
     # ---- reading -------------------------------------------------------------------------------
@@ -170,6 +171,11 @@ class FrameChannel:
         except Exception as exc:  # a bad frame or a handler's refusal ends the channel
             self._error = exc
             self._stop_reading()
+        except BaseException as exc:  # e.g. a cancel: end dispatch, then let it propagate
+            self._error = RuntimeError(f"dispatch handler raised {exc!r}")
+            self._stop_reading()
+            self._end(self._error)
+            raise
         if self._error is not None or self._eof:
             self._end(self._error or self._eof_error())
 
@@ -296,15 +302,19 @@ class FrameChannel:
 
     async def _retry(self, op) -> int:  # type: ignore[no-untyped-def]
         while True:
+            if self._closed:
+                raise ConnectionError("channel closed")
             try:
                 return op()
             except (BlockingIOError, InterruptedError):
-                fut = self._loop.create_future()
-                self._loop.add_writer(self._fileno, fut.set_result, None)
+                fut = self._wfut = self._loop.create_future()
+                self._loop.add_writer(self._fileno, _resolve, fut)
                 try:
-                    await fut
+                    await fut  # close() fails it, after taking the writer off the loop
                 finally:
-                    self._loop.remove_writer(self._fileno)
+                    self._wfut = None
+                    if not self._closed:
+                        self._loop.remove_writer(self._fileno)
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
@@ -313,9 +323,15 @@ class FrameChannel:
             return
         self._closed = True
         self._stop_reading()
+        # a write waiting for the socket must come off the loop before the fd is closed (uvloop
+        # aborts the process on a closed fd it still polls) and must fail, not wait forever
+        if self._wfut is not None:
+            self._loop.remove_writer(self._fileno)
+            if not self._wfut.done():
+                self._wfut.set_exception(ConnectionError("channel closed during a write"))
+        self._end(ConnectionClosed("channel closed"))  # before _wake: closing is not a bad frame
         self._eof = True
         self._wake()
-        self._end(ConnectionClosed("channel closed"))
         while self._fds:
             os.close(self._fds.popleft())
         self.sock.close()
@@ -327,6 +343,11 @@ class FrameChannel:
     def peer_credentials(self) -> tuple[int, int, int]:
         """(pid, uid, gid) of the peer process, from SO_PEERCRED."""
         return peer_credentials(self.sock)
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _retrieve(task: asyncio.Task[None]) -> None:

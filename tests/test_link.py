@@ -6,6 +6,8 @@ import asyncio
 import os
 import random
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 
@@ -528,3 +530,79 @@ async def test_spin_delivers_and_stops_after_its_window(
     right.close()
     with pytest.raises(ConnectionClosed):
         await task
+
+
+_CLOSE_DURING_WRITE = """
+import asyncio, socket
+from common import daemon
+from common.link import FrameChannel
+from common.protocol import Error, ErrorCode, Ping
+
+async def main() -> int:
+    a, b = socket.socketpair()  # b is never read: the big frame waits for the socket
+    ch = FrameChannel(a)
+    big = Error(code=ErrorCode.INTERNAL, message="x" * 3_000_000, request_id="r")
+    task = asyncio.create_task(ch.send(big))
+    await asyncio.sleep(0.1)
+    assert not task.done(), "the send should be waiting for the socket"
+    ch.close()
+    (res,) = await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
+    print("write ended:", type(res).__name__)
+    b.close()
+    # the loop is still healthy, also for a socket that reuses the closed fd number
+    c, d = socket.socketpair()
+    left, right = FrameChannel(c), FrameChannel(d)
+    await left.send(Ping(seq=7))
+    print("next channel:", await asyncio.wait_for(right.recv(), 5))
+    left.close(), right.close()
+    return 0
+
+raise SystemExit(daemon.run(main))
+"""
+
+
+def test_close_while_a_write_waits_fails_that_write_and_the_loop_lives_on() -> None:
+    """Found in review: closing a channel whose write waited for the socket left the writer on
+    the loop; uvloop then aborted the whole process (asyncio hung the sender forever)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _CLOSE_DURING_WRITE], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "write ended: ConnectionError" in r.stdout, r.stdout
+    assert "next channel: Ping(seq=7" in r.stdout, r.stdout
+
+
+async def test_close_with_whole_frames_buffered_ends_dispatch_as_closed(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    """A handler that closes its channel while more frames wait: ConnectionClosed, not a
+    'closed inside a frame' protocol error."""
+    left, right = pair
+    seen: list[Message] = []
+
+    def handler(msg: Message) -> None:
+        seen.append(msg)
+        right.close()
+
+    await left.send_bytes(b"".join(encode(Ping(seq=i)) for i in range(3)))
+    with pytest.raises(ConnectionClosed):
+        await asyncio.wait_for(right.dispatch(handler), 5)
+    assert seen == [Ping(seq=0)]
+
+
+async def test_a_handler_that_raises_a_cancel_still_ends_dispatch(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    left, right = pair
+
+    def handler(msg: Message) -> None:
+        raise asyncio.CancelledError
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    task = asyncio.create_task(right.dispatch(handler))
+    await asyncio.sleep(0)
+    await left.send(Ping(seq=1))
+    with pytest.raises(RuntimeError, match="CancelledError"):
+        await asyncio.wait_for(task, 5)
