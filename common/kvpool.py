@@ -115,6 +115,17 @@ class KVPool:
         # costs ~8 µs per run in dispatch, memmove of a few KiB well under 1 µs
         self._addr = tensor.data_ptr() if tensor.device.type == "cpu" else 0
         self._block_nbytes = layout.block_nbytes
+        start = tensor.data_ptr()
+        self._span = (start, start + tensor.numel() * tensor.element_size())
+        self._dev = (tensor.device.type, tensor.device.index)
+
+    def _overlaps(self, src: KVPool) -> bool:
+        """True when src's memory and ours intersect on one device: the same pool, or two pool
+        objects over the same pages. Such a pull must take the snapshot path (gather, then
+        scatter), since a run copied early could overwrite a block a later run reads."""
+        return (
+            src._dev == self._dev and src._span[0] < self._span[1] and self._span[0] < src._span[1]
+        )
 
     @classmethod
     def create(cls, layout: PoolLayout, device: str | torch.device = "cpu") -> KVPool:
@@ -165,9 +176,9 @@ class KVPool:
         """Copy blocks src_ids[i] of `src` into blocks dst_ids[i] of this pool (the pull).
 
         Layouts must match except for num_blocks; ids must be in range, equally many, and the
-        destination ids distinct. Adjacent runs are copied as one slice each when that is cheaper
-        (see _run_limit), otherwise one gather + one scatter; a copy within one pool always takes
-        the gather path, which is safe when source and destination blocks overlap. On CUDA it is
+        destination ids distinct. Between distinct CPU pools, each run of adjacent ids is one
+        memmove; a copy within one pool (or between two pools over the same memory) takes one
+        gather + one scatter, which is safe when source and destination blocks overlap. On CUDA it is
         common.blockcopy.copy_blocks, queued on the current stream: the caller orders it after
         the producer's event and records an event (or synchronizes) before reading the result.
         """
@@ -175,8 +186,8 @@ class KVPool:
             type(src_ids) is list
             and type(dst_ids) is list
             and len(dst_ids) <= _SMALL
-            and src.tensor is not self.tensor
             and src.device.type == "cpu" == self.device.type
+            and not self._overlaps(src)
         ):
             self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in a few µs
             return
@@ -193,16 +204,17 @@ class KVPool:
             return
         if np.unique(d).size != d.size:
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
-        if src.tensor is not self.tensor and "cuda" in (self.device.type, src.device.type):
+        overlap = self._overlaps(src)
+        if not overlap and "cuda" in (self.device.type, src.device.type):
             from common.blockcopy import copy_blocks  # one kernel launch for the whole list
 
             copy_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
             return
         runs = _runs(s, d)
-        if src.tensor is not self.tensor and src._addr and self._addr:
+        if not overlap and src._addr and self._addr:
             self._memmove_runs(src, runs)
             return
-        if src.tensor is not self.tensor and len(runs) <= self._run_limit():
+        if not overlap and len(runs) <= self._run_limit():
             for s0, d0, n in runs:
                 self.tensor[d0 : d0 + n].copy_(src.tensor[s0 : s0 + n])
             return

@@ -198,3 +198,25 @@ def test_cuda_pool_pull_matches_per_block_reference(dtype: str) -> None:
     dst.copy_blocks_from(dst, [0, 1, 2], [1, 2, 3])  # within one pool, overlapping
     torch.cuda.synchronize()
     assert block_values(dst)[1:4] == expected[0:3]
+
+
+@pytest.mark.parametrize("n", [5, 40], ids=["few-ids", "many-ids"])
+def test_pull_between_two_pool_objects_over_the_same_memory_has_snapshot_semantics(n: int) -> None:
+    """Found in review: runs copied one after another by memmove read blocks an earlier run had
+    already overwritten when both pools view the same pages. Such a pull must read first."""
+    layout = PoolLayout(
+        num_blocks=2 * n + 2,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        block_size=16,
+        dtype="float32",
+    )
+    a = KVPool.create(layout)
+    for i in range(layout.num_blocks):
+        a.tensor[i].fill_(i)
+    b = KVPool(layout, a.tensor.view(layout.shape))  # a second pool object, same memory
+    src = [2 * i for i in range(n)]
+    dst = [2 * i + 2 for i in range(n)]  # each destination is the next run's source
+    b.copy_blocks_from(a, src, dst)
+    assert [int(b.tensor[d].flatten()[0]) for d in dst] == src

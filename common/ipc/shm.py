@@ -95,9 +95,11 @@ def _lookup(ptr: int, nbytes: int) -> tuple[int, int] | None:
     return mapping.fd, ptr - mapping.base
 
 
-#: Pools are mapped populated: every page is faulted in once, at creation or import, instead of
-#: on the first pull that touches it (a fresh pool's page faults tripled a 4-block pull's time).
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: A new pool is mapped populated: its pages are allocated and zeroed once, at start (~125 ms per
+#: GiB), instead of by the first pulls that write each block (a 2 MiB block is 512 page faults).
+#: An import maps without it: the exporter's pages exist already, a first touch only maps one, and
+#: populating a large pool would stall the decode's loop during REGISTER.
+_MAP_NEW = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_empty(shape: Sequence[int], dtype: torch.dtype, *, name: str = "pdkv") -> torch.Tensor:
@@ -115,7 +117,7 @@ def shm_empty(shape: Sequence[int], dtype: torch.dtype, *, name: str = "pdkv") -
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, _MAP_NEW, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
         raise
@@ -206,7 +208,7 @@ class ShmRegion(SharedRegion):
                     f"shared memory holds {size} bytes but the descriptor needs bytes "
                     f"[{desc.offset}, {desc.offset + desc.nbytes}); wrong fd or descriptor"
                 )
-            mm = mmap.mmap(fds[0], size, _MAP_FLAGS, mmap.PROT_READ | mmap.PROT_WRITE)
+            mm = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             for fd in fds:
                 os.close(fd)
