@@ -106,8 +106,20 @@ class DecodeRequests:
             task.add_done_callback(peer.pulls.discard)
         else:
             assert peer.pool is not None
-            self.rt.pool.copy_blocks_from(peer.pool, h.block_ids, blocks[: len(h.block_ids)])
+            try:
+                self.rt.pool.copy_blocks_from(peer.pool, h.block_ids, blocks[: len(h.block_ids)])
+            except Exception as exc:  # a bug: fail this request, keep the link and the blocks
+                self._pull_failed(peer, h, key, exc)
+                return
             self._pulled(peer, h, key, blocks, recv_ns)
+
+    def _pull_failed(self, peer: Peer, h: Handoff, key: str, exc: Exception) -> None:
+        log.error("pull_failed", request_id=h.request_id, link=peer.link_id, exc_info=exc)
+        self._pulling.pop(key, None)
+        self.seq_peer.pop(key, None)
+        if key in self.rt.allocator:
+            self.rt.allocator.free(key)
+        peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}"[:2000], h.request_id)
 
     async def _pull_async(
         self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int
@@ -115,11 +127,7 @@ class DecodeRequests:
         try:
             await self.puller.pull(peer, h.block_ids, blocks[: len(h.block_ids)], h.event_slot)
         except Exception as exc:
-            log.exception("pull_failed", request_id=h.request_id, link=peer.link_id)
-            self._pulling.pop(key, None)
-            self.seq_peer.pop(key, None)
-            self.rt.allocator.free(key)
-            peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", h.request_id)
+            self._pull_failed(peer, h, key, exc)
             return
         self._pulled(peer, h, key, blocks, recv_ns)
 

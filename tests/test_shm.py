@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -157,6 +158,32 @@ def test_open_refuses_dtype_and_shape_that_contradict_nbytes(exported: ShmRegion
     bad_open(exported, r"strides \(1, 4\) are not contiguous", strides=(1, 4))
     bad_open(exported, "offset 2 is not a multiple of the float32 item size 4", offset=2)
     bad_open(exported, "of kind 'cuda-raw' given to the shm backend", kind="cuda-raw")
+
+
+def test_pool_memfd_is_sealed_against_resizing(exported: ShmRegion) -> None:
+    """A peer that could shrink the memfd under our mapping would crash us (SIGBUS) on the next
+    read of the cut pages; the exporter seals the size and importers insist on it."""
+    fd = exported.fds()[0]
+    size = os.fstat(fd).st_size
+    for new_size in (0, size // 2, size * 2):
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, new_size)
+    assert os.fstat(fd).st_size == size
+
+
+def test_open_refuses_an_unsealed_memfd_and_a_plain_file(exported: ShmRegion) -> None:
+    size = os.fstat(exported.fds()[0]).st_size
+    unsealed = os.memfd_create("pdkv-unsealed")
+    os.ftruncate(unsealed, size)
+    with pytest.raises(IpcError, match="not sealed against shrinking"):
+        ShmRegion.open(exported.desc, [unsealed])
+    assert not fd_is_open(unsealed)
+    with tempfile.TemporaryFile() as fh:
+        fh.truncate(size)
+        plain = os.dup(fh.fileno())
+        with pytest.raises(IpcError, match="not a sealable memfd"):
+            ShmRegion.open(exported.desc, [plain])
+        assert not fd_is_open(plain)
 
 
 def test_open_needs_exactly_one_fd(exported: ShmRegion) -> None:

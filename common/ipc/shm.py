@@ -21,6 +21,7 @@ Lifetimes:
 from __future__ import annotations
 
 import bisect
+import fcntl
 import math
 import mmap
 import os
@@ -100,6 +101,26 @@ def _lookup(ptr: int, nbytes: int) -> tuple[int, int] | None:
 #: An import maps without it: the exporter's pages exist already, a first touch only maps one, and
 #: populating a large pool would stall the decode's loop during REGISTER.
 _MAP_NEW = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+#: The size of a pool's memfd is sealed: a peer that shrank it under our mapping would make our
+#: next read of the cut pages a SIGBUS, which kills the process (no exception to catch). Importers
+#: refuse a memfd without F_SEAL_SHRINK.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def _check_sealed(fd: int) -> None:
+    """IpcError unless `fd` is a memfd whose size can no longer shrink."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise IpcError(
+            f"the shared fd is not a sealable memfd ({exc.strerror}); export pools allocated "
+            "with shm_empty / KVPool.create"
+        ) from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise IpcError(
+            "the peer's memfd is not sealed against shrinking (F_SEAL_SHRINK): a shrink would "
+            "crash this process on its next pull; export pools allocated with shm_empty"
+        )
 
 
 def shm_empty(shape: Sequence[int], dtype: torch.dtype, *, name: str = "pdkv") -> torch.Tensor:
@@ -114,9 +135,10 @@ def shm_empty(shape: Sequence[int], dtype: torch.dtype, *, name: str = "pdkv") -
     dtype_name(dtype)  # refuse dtypes that cannot travel
     nbytes = math.prod(shape) * dtype.itemsize
     size = max(nbytes, 1)  # mmap cannot map 0 bytes
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mm = mmap.mmap(fd, size, _MAP_NEW, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)
@@ -202,6 +224,7 @@ class ShmRegion(SharedRegion):
                     f"descriptor offset {desc.offset} is not a multiple of the {desc.dtype} "
                     f"item size {itemsize}"
                 )
+            _check_sealed(fds[0])
             size = os.fstat(fds[0]).st_size
             if size < desc.offset + desc.nbytes:
                 raise IpcError(

@@ -251,7 +251,7 @@ async def _refused_register(path: str, hello: bytes, register: bytes, fd: int) -
 
 @pytest.mark.parametrize(
     ("case", "over"),
-    [("unknown kind", {"kind": "bogus"}), ("fd too small", {})],
+    [("unknown kind", {"kind": "bogus"}), ("fd too small", {}), ("unsealed memfd", {})],
 )
 def test_register_that_cannot_be_opened_is_refused_without_leaking(
     fpair: FaultPair, tiny, case, over
@@ -261,7 +261,13 @@ def test_register_that_cannot_be_opened_is_refused_without_leaking(
     before = fd_count(pid)
     try:
         hello = Fuzzer(fpair, fake).hello()
-        fd = os.memfd_create("small") if case == "fd too small" else os.dup(fake.region.fds()[0])
+        if case == "fd too small":
+            fd = os.memfd_create("small")
+        elif case == "unsealed memfd":  # the right size, but a shrink could crash the decode
+            fd = os.memfd_create("unsealed")
+            os.ftruncate(fd, os.fstat(fake.region.fds()[0]).st_size)
+        else:
+            fd = os.dup(fake.region.fds()[0])
         answer = asyncio.run(
             _refused_register(fpair.link_socket, hello, _register_with(fake, **over), fd)
         )
