@@ -236,6 +236,15 @@ def prefill() -> None:
     help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
 )
 @click.option(
+    "--max-prompt-tokens",
+    show_envvar=True,
+    envvar="PDKV_MAX_PROMPT_TOKENS",
+    default=8192,
+    show_default=True,
+    type=click.IntRange(1, 262_144),
+    help="Longest prompt accepted; longer ones get BAD_REQUEST.",
+)
+@click.option(
     "--event-slots",
     show_envvar=True,
     envvar="PDKV_EVENT_SLOTS",

@@ -47,10 +47,12 @@ async def stream(
     sampling: SamplingParams | None = None,
     request_id: str | None = None,
     timeout: float = 120.0,
+    text_deltas: bool = True,
 ) -> AsyncIterator[Tokens | Finish]:
     """Send one GENERATE and yield its TOKENS then FINISH; RequestFailed on ERROR.
 
-    Closing the generator early sends ABORT (the client went away).
+    With `text_deltas` (GENERATE's `stream`), each TOKENS carries its new text; without, TOKENS
+    carry ids only and FINISH the whole text. Closing the generator early sends ABORT.
     """
     rid = request_id or uuid.uuid4().hex[:16]
     channel = await asyncio.wait_for(connect(socket_path), timeout)
@@ -62,6 +64,7 @@ async def stream(
                 prompt=prompt,
                 prompt_tokens=prompt_tokens,
                 request_id=rid,
+                stream=text_deltas,
             )
         )
         while True:
@@ -84,7 +87,9 @@ async def stream(
 
 
 async def generate(socket_path: str, **kwargs) -> Result:  # type: ignore[no-untyped-def]
-    """Run one request to completion (see `stream` for the arguments)."""
+    """Run one request to completion (see `stream` for the arguments); the text is sent whole
+    at the end unless `text_deltas=True` is given."""
+    kwargs.setdefault("text_deltas", False)
     result: Result | None = None
     async for msg in stream(socket_path, **kwargs):
         if result is None:

@@ -214,6 +214,8 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
     if role == "prefill" and st["links"]:
         link = st["links"][0]
         line += f"  link {link['state']} (connects {link['connects']}, rtt {link['rtt_us']} us)"
+        if link["state"] != "up" and link.get("last_error"):
+            line += f"  last error: {link['last_error']}"
     elif role == "decode":
         line += f"  links {len(st['links'])}"
     return line
@@ -238,7 +240,9 @@ def generate(
 
     async def run() -> client.Result:
         result = client.Result(request_id="")
-        async for msg in client.stream(path, prompt=prompt, sampling=params, timeout=timeout):
+        async for msg in client.stream(
+            path, prompt=prompt, sampling=params, timeout=timeout, text_deltas=stream
+        ):
             result.request_id = msg.request_id
             result.text += msg.text
             if stream and msg.text:

@@ -251,9 +251,10 @@ class RequestPipeline:
 
     # ---- output --------------------------------------------------------------------------------
     def _tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
-        return Tokens(
-            request_id=req.request_id, tokens=new, text=self._text_delta(req, final=False)
-        )
+        """TOKENS for the client: with the new text when it streams, else ids only (the whole
+        text comes once, in FINISH, so the tokenizer runs once per request)."""
+        text = self._text_delta(req, final=False) if req.stream else ""
+        return Tokens(request_id=req.request_id, tokens=new, text=text)
 
     def _text_delta(self, req: PrefillRequest, *, final: bool) -> str:
         """Text of the tokens not yet turned into text, decoded with a few already-emitted tokens

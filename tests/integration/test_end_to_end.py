@@ -72,6 +72,34 @@ def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
     assert t["ttft_ms"] > 0 and t["handoff_us"] > 0 and t["total_ms"] >= t["ttft_ms"]
 
 
+def test_stream_flag_decides_where_the_text_travels(pair, tiny):
+    """stream=true: TOKENS carry the text as it grows; false: ids only, the whole text in FINISH.
+    Token ids and the text are the same either way."""
+    model, tok = tiny
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    prompt = "Where does the text go?"
+
+    async def frames(deltas: bool) -> list:
+        return [
+            m
+            async for m in client.stream(
+                pair.client_socket, prompt=prompt, sampling=params, text_deltas=deltas
+            )
+        ]
+
+    expected = reference.generate(model, tok.encode(prompt), params, block_size=BLOCK)
+    for deltas in (True, False):
+        got = asyncio.run(frames(deltas))
+        tokens = [t for m in got if isinstance(m, client.Tokens) for t in m.tokens]
+        assert tokens == expected, deltas
+        assert "".join(m.text for m in got) == tok.decode(expected), deltas
+        token_text = "".join(m.text for m in got if isinstance(m, client.Tokens))
+        if deltas:
+            assert token_text, "streamed TOKENS carried no text"
+        else:
+            assert token_text == "" and got[-1].text == tok.decode(expected)
+
+
 def test_max_tokens_one_finishes_without_handoff(pair, tiny):
     model, _ = tiny
     res = asyncio.run(
@@ -85,7 +113,11 @@ def test_max_tokens_one_finishes_without_handoff(pair, tiny):
     assert st.links[0]["handoffs"] == 0
 
 
-def test_bad_requests_get_clear_errors(pair):
+def test_bad_requests_get_clear_errors(pair_factory):
+    pair_factory.start("decode")
+    pair_factory.start("prefill", "--max-prompt-tokens", "64")
+    pair = pair_factory
+
     async def expect(code: str, **kw):
         with pytest.raises(client.RequestFailed) as info:
             await client.generate(pair.client_socket, **kw)
@@ -94,7 +126,13 @@ def test_bad_requests_get_clear_errors(pair):
 
     async def run():
         msg = await expect("BAD_REQUEST", prompt_tokens=[], sampling=SamplingParams())
-        assert "1.." in msg
+        assert "1..64" in msg
+        msg = await expect("BAD_REQUEST", prompt_tokens=[1] * 65, sampling=SamplingParams())
+        assert "65 tokens; allowed 1..64" in msg
+        at_limit = await client.generate(
+            pair.client_socket, prompt_tokens=[1] * 64, sampling=SamplingParams(max_tokens=2)
+        )
+        assert len(at_limit.tokens) == 2
         await expect("BAD_REQUEST", prompt_tokens=[999999], sampling=SamplingParams())
         await expect("BAD_REQUEST", prompt="x", prompt_tokens=[1], sampling=SamplingParams())
         msg = await expect("BAD_REQUEST", prompt="x", sampling=SamplingParams(max_tokens=0))
