@@ -2,10 +2,12 @@
 
 asyncio's streams cannot carry ancillary data, and the shm backend passes its memfd with the REGISTER
 frame, so the link uses this small channel instead: a reader callback drains the socket with
-recvmsg into a buffer (fds queued in arrival order), `readexactly` serves the frame decoder, and
-`send` writes whole frames under a lock so concurrent senders never interleave. Reading pauses when
-the buffer holds more than `max_buffer` bytes (backpressure), and every fd received beyond what the
-protocol expects is closed.
+recvmsg into a buffer (fds queued in arrival order). Frames leave the buffer either through `recv`
+(`readexactly` serves the frame decoder; reading pauses past `max_buffer` bytes) or, on an
+established link, through `dispatch(handler)`, which splits and handles them in the callback
+itself. `send` writes a whole frame at once when the socket is free, else in order behind the
+pending write, so concurrent senders never interleave; `spin` polls instead of sleeping while an
+answer is due. Every fd received beyond what the protocol expects is closed.
 """
 
 from __future__ import annotations
