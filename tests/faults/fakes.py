@@ -102,6 +102,7 @@ class FakeDecode:
         self.accept = True
         self.deaf = False
         self.no_capacity = False  # answer every HANDOFF with ERROR NO_CAPACITY
+        self.stalled = False  # after the handshake, read nothing more: the daemon's writes block
         self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
         self.aborts: list[str] = []
@@ -153,6 +154,9 @@ class FakeDecode:
             for fd in ch.take_fds(sum(r.num_fds for r in reg.regions)):
                 os.close(fd)
             await ch.send(Registered(num_blocks=64))
+            if self.stalled:  # a hung decode: its socket fills up, the peer's writes block
+                self._loop.remove_reader(ch.sock.fileno())
+                await asyncio.Event().wait()
             while True:
                 await self._on_message(ch, await ch.recv(), link_id)
         if self.deaf:  # hold the socket open: the daemon must find out from its own writes
