@@ -240,7 +240,7 @@ def main() -> None:
     ap.add_argument(
         "--spin-us",
         type=int,
-        default=200,
+        default=0,
         help="the daemons' --spin-us, on both sides (0: sleep in epoll between frames)",
     )
     ap.add_argument(

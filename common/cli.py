@@ -97,11 +97,11 @@ _DAEMON_OPTIONS = [
         "--spin-us",
         show_envvar=True,
         envvar="PDKV_SPIN_US",
-        default=200,
+        default=0,
         show_default=True,
         type=click.IntRange(0, 100_000),
-        help="After a handoff, poll the link this many µs without sleeping: lower handoff "
-        "latency for a little CPU (0: always sleep in epoll).",
+        help="After a handoff, poll the link this many µs without sleeping: lower latency for "
+        "back-to-back handoffs on a host with idle cores, worse on a busy one (0: off).",
     ),
     click.option(
         "--drain-timeout",

@@ -28,7 +28,7 @@ class DaemonConfig:
     heartbeat_timeout_s: float = 5.0
     drain_timeout_s: float = 10.0
     max_prompt_tokens: int = 8192
-    spin_us: int = 200  # poll a link without sleeping this long when an answer is due (0: never)
+    spin_us: int = 0  # poll a link without sleeping this long when an answer is due (0: never)
 
     @property
     def link_path(self) -> Path:
