@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import functools
 import os
 import socket
 import time
@@ -33,7 +34,13 @@ _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 class FrameChannel:
     """One connected SOCK_STREAM Unix socket, framed. Not thread-safe; one event loop."""
 
-    def __init__(self, sock: socket.socket, *, max_buffer: int = 8 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        sock: socket.socket,
+        *,
+        max_buffer: int = 8 * 1024 * 1024,
+        max_queued: int = 64 * 1024 * 1024,
+    ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
@@ -56,6 +63,8 @@ class FrameChannel:
         self._spin_until = 0.0  # see spin()
         self._spinning = False
         self._wfut: asyncio.Future[None] | None = None  # a write waiting for the socket to drain
+        self._queued = 0  # bytes given to write_nowait and not yet written
+        self._max_queued = max_queued
         self._loop.add_reader(self._fileno, self._on_readable)
 
     # ---- reading -------------------------------------------------------------------------------
@@ -270,8 +279,11 @@ class FrameChannel:
         """Send whole frames without awaiting: at once when the socket takes them and no earlier
         write is pending (the common case: no loop iteration between the decision and the
         syscall), else in order after the pending ones. A broken socket shows up on the read side.
+
+        A peer that does not read cannot make the queue grow without bound: past `max_queued`
+        bytes waiting, the channel fails (its reader sees ConnectionError) and drops the frame.
         """
-        if self._closed:
+        if self._closed or self._queued > self._max_queued:
             return
         if self._idle_writer():
             try:
@@ -283,8 +295,16 @@ class FrameChannel:
             if sent == len(data):
                 return
             data = data[sent:]
+        self._queued += len(data)
+        if self._queued > self._max_queued:
+            self.fail(ConnectionError(f"peer is not reading: {self._queued} bytes queued for it"))
+            return
         self._tail = self._loop.create_task(self._write(data, None))
         self._tail.add_done_callback(_retrieve)
+        self._tail.add_done_callback(functools.partial(self._unqueue, len(data)))
+
+    def _unqueue(self, n: int, _task: asyncio.Task[None]) -> None:
+        self._queued -= n
 
     async def drain(self) -> None:
         """Wait until every frame given to write_nowait has been written (or failed)."""

@@ -606,3 +606,20 @@ async def test_a_handler_that_raises_a_cancel_still_ends_dispatch(
     await left.send(Ping(seq=1))
     with pytest.raises(RuntimeError, match="CancelledError"):
         await asyncio.wait_for(task, 5)
+
+
+async def test_write_nowait_to_a_peer_that_never_reads_fails_the_channel_at_its_bound() -> None:
+    """The decode answers with write_nowait; a peer that stops reading must not make that queue
+    grow without bound: past max_queued the channel fails and its reader learns why."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ch = FrameChannel(a, max_queued=4 * 1024 * 1024)
+    try:
+        task = asyncio.create_task(ch.dispatch(lambda m: None))
+        frame = encode(_tokens_at_meta_size(512 * 1024))
+        for _ in range(64):  # 32 MiB offered; the socket takes a fraction, the rest queues
+            ch.write_nowait(frame)
+        with pytest.raises(ConnectionError, match="not reading"):
+            await asyncio.wait_for(task, 5)
+    finally:
+        ch.close()
+        b.close()
