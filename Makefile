@@ -49,6 +49,7 @@ format: install
 
 bench: install
 	$(PY) bench/cpu_handoff.py
+	$(PY) bench/daemon_handoff.py
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache $(VENV)
