@@ -21,7 +21,6 @@ from common.ipc.base import SharedRegion, backend_for
 from common.kvpool import KVPool, PoolLayout
 from common.link import FrameChannel
 from common.protocol import (
-    Error,
     ErrorCode,
     Handoff,
     Hello,
@@ -30,6 +29,7 @@ from common.protocol import (
     Register,
     Registered,
     encode,
+    make_error,
 )
 
 log = structlog.get_logger(__name__)
@@ -146,7 +146,7 @@ class Peer:
             self.channel.write_nowait(b"".join(encode(m) for m in msgs))
 
     def post_error(self, code: ErrorCode, message: str, request_id: str | None = None) -> None:
-        self.post(Error(code=code, message=message, request_id=request_id))
+        self.post(make_error(code, message, request_id))
 
     async def flush(self, timeout: float = 1.0) -> None:
         """Wait (bounded) until posted frames are written."""

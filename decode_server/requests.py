@@ -119,7 +119,7 @@ class DecodeRequests:
         self.seq_peer.pop(key, None)
         if key in self.rt.allocator:
             self.rt.allocator.free(key)
-        peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}"[:2000], h.request_id)
+        peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", h.request_id)
 
     async def _pull_async(
         self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int

@@ -124,7 +124,7 @@ class DecodeServer:
             await peer.flush()
         except Exception as exc:  # a bug: end this link only, loudly
             peer.log.exception("link_failed_internal")
-            peer.post_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"[:2000])
+            peer.post_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
             await peer.flush()
         finally:
             if peer.pulls:  # never unmap the peer's pool under a copy that still reads it

@@ -38,6 +38,7 @@ from common.protocol import (
     Status,
     StatusReply,
     Tokens,
+    make_error,
 )
 from common.runtime import check_free, remove_file, write_pidfile
 from prefill_server.link import DecodeLink
@@ -45,7 +46,6 @@ from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest
 
 log = structlog.get_logger(__name__)
-_MAX_ERROR_TEXT = 2000
 _PARTIAL_FRAME_TIMEOUT_S = 30.0
 
 
@@ -142,7 +142,7 @@ class PrefillServer:
                     rid = msg.request_id or uuid.uuid4().hex[:16]
                     if rid in mine:
                         await channel.send(
-                            _error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
+                            make_error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
                         )
                         continue
                     mine[rid] = self._spawn(self._run_request(channel, rid, msg), f"req-{rid}")
@@ -151,7 +151,7 @@ class PrefillServer:
                     task = mine.pop(msg.request_id, None)
                     if task is None:
                         await channel.send(
-                            _error(ErrorCode.CACHE_NOT_EXIST, "no such request", msg.request_id)
+                            make_error(ErrorCode.CACHE_NOT_EXIST, "no such request", msg.request_id)
                         )
                     else:
                         task.cancel()
@@ -162,7 +162,7 @@ class PrefillServer:
         except ProtocolError as exc:
             log.warning("client_protocol_error", error=str(exc))
             with contextlib.suppress(OSError):
-                await channel.send(_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
+                await channel.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
         except (ConnectionClosed, OSError):
             pass
         except TimeoutError as exc:
@@ -188,16 +188,16 @@ class PrefillServer:
                         return
         except RequestFailed as exc:
             rlog.warning("request_failed", code=exc.code, error=str(exc))
-            await _send_quietly(channel, _error(exc.code, str(exc), rid))
+            await _send_quietly(channel, make_error(exc.code, str(exc), rid))
         except (SamplingParamsError, PdkvError) as exc:
             rlog.warning("request_rejected", error=str(exc))
-            await _send_quietly(channel, _error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            await _send_quietly(channel, make_error(ErrorCode.BAD_REQUEST, str(exc), rid))
         except asyncio.CancelledError:
             rlog.info("request_cancelled")
         except Exception as exc:  # a bug must not leave the client waiting
             rlog.exception("request_internal_error")
             await _send_quietly(
-                channel, _error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
+                channel, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
             )
 
     # ---- link ----------------------------------------------------------------------------------
@@ -259,12 +259,6 @@ class PrefillServer:
             device=str(self.rt.device),
             backend=self.rt.backend,
         )
-
-
-def _error(code: ErrorCode, message: str, request_id: str | None = None) -> Error:
-    if len(message) > _MAX_ERROR_TEXT:  # an exception's text can be anything; a frame is bounded
-        message = message[: _MAX_ERROR_TEXT - 3] + "..."
-    return Error(code=code, message=message, request_id=request_id)
 
 
 async def _send_quietly(channel: FrameChannel, msg: Message) -> None:

@@ -35,6 +35,7 @@ from common.protocol.messages import (
     StatusReply,
     Tokens,
     Usage,
+    make_error,
 )
 from common.protocol.version import HISTORY, PROTOCOL_VERSION, fingerprint
 
@@ -69,6 +70,7 @@ __all__ = [
     "decode",
     "encode",
     "fingerprint",
+    "make_error",
     "read_frame",
     "split_frame",
 ]

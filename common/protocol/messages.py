@@ -242,6 +242,17 @@ class Error(Message, frozen=True):
     request_id: RequestId | None = None
 
 
+#: ERROR messages are cut to this many characters: an exception's text can be any size.
+MAX_ERROR_TEXT = 2000
+
+
+def make_error(code: ErrorCode, message: str, request_id: str | None = None) -> Error:
+    """An ERROR with `message` cut to MAX_ERROR_TEXT characters."""
+    if len(message) > MAX_ERROR_TEXT:
+        message = message[: MAX_ERROR_TEXT - 3] + "..."
+    return Error(code=code, message=message, request_id=request_id)
+
+
 class Ping(Message, frozen=True):
     TYPE = MsgType.PING
     seq: NonNeg

@@ -305,3 +305,15 @@ def test_error_request_id_may_be_null() -> None:
         raw_frame(int(MsgType.ERROR), b'{"code":"LINK_LOST","message":"m","request_id":null}')
     )
     assert msg.request_id is None
+
+
+def test_make_error_cuts_any_exception_text_to_a_bounded_frame() -> None:
+    from common.protocol import ErrorCode, MsgType, make_error
+    from common.protocol.messages import MAX_ERROR_TEXT
+
+    err = make_error(ErrorCode.INTERNAL, "x" * 10_000_000, "r1")
+    assert len(err.message) == MAX_ERROR_TEXT and err.message.endswith("...")
+    assert err.request_id == "r1"
+    assert decode(encode(err)) == err and err.TYPE == MsgType.ERROR
+    short = make_error(ErrorCode.BAD_REQUEST, "fine")
+    assert short.message == "fine" and short.request_id is None
