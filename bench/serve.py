@@ -203,6 +203,17 @@ def print_table(runs: list[dict]) -> None:
             print(f"    error: {err}")
 
 
+def same_output(runs: list[dict]) -> None:
+    """Print, per rate run on both targets, how many requests got the same tokens from each
+    (greedy: all of them where batching does not change the rounding, as on CPU in fp32)."""
+    by_key = {(r["target"], r["rate"]): r["requests"] for r in runs}
+    for rate in dict.fromkeys(r["rate"] for r in runs):
+        d, loc = by_key.get(("daemons", rate)), by_key.get(("local", rate))
+        if d and loc:
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(d, loc, strict=True))
+            print(f"same tokens from daemons and local at {rate:g}/s: {same}/{len(d)} requests")
+
+
 def plot(runs: list[dict], path: Path) -> None:
     """p99 TTFT and p99 ITL against the rate, one line per target (finite rates only)."""
     try:
@@ -254,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{header['machine']}; {date}"
     )
     print_table(runs)
+    same_output(runs)
     if args.sweep and any(math.isfinite(r) for r in args.rates):
         plot(runs, args.plot)
     if args.json:

@@ -2,9 +2,9 @@
 
 `own_pair` starts a decode then a prefill daemon through the real CLI in a fresh 0700 temp
 runtime dir (without waiting in between: they load their models side by side and the prefill's
-link retries until the decode listens), waits until the prefill reports its link up, and at the end stops the prefill then
-the decode (SIGTERM, SIGKILL after a timeout) and removes the directory, logs included; if the
-pair fails to come up, the error carries the tail of its logs. `daemon_stream` is one request
+link retries until the decode listens), waits until the prefill reports its link up, and at the
+end stops the prefill then the decode (SIGTERM, SIGKILL after a timeout) and removes the
+directory, logs included; if the pair fails to come up, the error carries the tail of its logs. `daemon_stream` is one request
 through `common.client`, yielding the token ids of each TOKENS frame as it arrives.
 """
 
@@ -59,11 +59,16 @@ async def wait_linked(sock: str, procs: list[subprocess.Popen], timeout: float =
     raise PairFailed(f"{sock} not ready in {timeout:.0f} s")
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 30) -> None:
-    if proc.poll() is None:
-        proc.terminate()
+def _stop(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM each in order (no waiting in between: the run is over, nothing is in flight),
+    then wait for all; SIGKILL what is still there after `timeout`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
         try:
-            proc.wait(timeout=timeout)
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -101,8 +106,7 @@ def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
             raise PairFailed(f"{e}\n{_log_tails(rt)}") from None
         yield sock
     finally:
-        for proc in reversed(procs):  # prefill first: it stops taking requests, then the decode
-            _stop(proc)
+        _stop(procs[::-1])  # prefill first: it stops taking requests, then the decode
         shutil.rmtree(rt, ignore_errors=True)
 
 

@@ -44,13 +44,17 @@ class RequestRecord:
     output_len: int
     start: float = 0.0
     token_times: list[float] = field(default_factory=list)  # one per frame of tokens
-    output_tokens: int = 0
+    tokens: list[int] = field(default_factory=list)
     end: float = 0.0
     error: str | None = None
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.output_tokens == self.output_len
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.tokens)
 
     def ttft(self) -> float:
         return self.token_times[0] - self.start
@@ -72,6 +76,7 @@ class RequestRecord:
             "ttft_ms": self.ttft() * 1e3 if ok else None,
             "e2e_ms": (self.end - self.start) * 1e3,
             "itl_ms": [x * 1e3 for x in self.itls()],
+            "tokens": self.tokens,
         }
 
 
@@ -128,7 +133,7 @@ async def run_load(
         try:
             async for tokens in open_stream(spec):
                 rec.token_times.append(time.perf_counter() - t0)
-                rec.output_tokens += len(tokens)
+                rec.tokens.extend(tokens)
         except Exception as e:  # a failed request is a result, not a crash of the bench
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = time.perf_counter() - t0

@@ -19,7 +19,7 @@ PROMPT, OUTPUT = "3:20", "2:6"
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cwd = tmp_path_factory.mktemp("elsewhere")  # not the repo: the script must find its way
     out = cwd / "serve.json"
-    argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "1"]
+    argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "0"]
     argv += ["--prompt-len", PROMPT, "--output-len", OUTPUT, "--seed", "3"]
     argv += ["--target", "both", "--device", "cpu", "--json", str(out)]
     tmp = tmp_path_factory.mktemp("tmp")  # where the bench makes its pair's runtime dir
@@ -28,6 +28,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not list(tmp.iterdir()), "the pair's runtime dir (sockets, logs) is removed"
     assert "TTFT p99" in proc.stdout and "daemons" in proc.stdout and "local" in proc.stdout
+    assert "same tokens from daemons and local at 50/s: 6/6 requests" in proc.stdout
     assert not list(cwd.glob("*.png")), "no plot without --sweep"
     return json.loads(out.read_text())
 
@@ -52,6 +53,11 @@ def test_every_request_completed_with_its_drawn_length(report: dict) -> None:
             assert len(q["itl_ms"]) == q["output_len"] - 1  # one frame per token
             assert 0 < q["ttft_ms"] <= q["e2e_ms"]
         assert s["output_tokens"] == sum(q["output_len"] for q in run["requests"])
+
+
+def test_greedy_output_is_the_same_through_both_targets(report: dict) -> None:
+    daemons, local = (r["requests"] for r in report["runs"])
+    assert [q["tokens"] for q in daemons] == [q["tokens"] for q in local]
 
 
 def test_summary_figures_are_consistent(report: dict) -> None:
