@@ -92,6 +92,15 @@ def machine() -> str:
     return desc
 
 
+def resolve_device(name: str) -> str:
+    """`auto` as the daemons read it: cuda:0 when CUDA works, else cpu."""
+    import torch
+
+    if name != "auto":
+        return name
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
 def vocab_size(model: str | None) -> int:
     """Prompt ids are drawn below this: the byte range for the tiny model, else the vocab."""
     from common.model.config import BYTE_VOCAB
@@ -162,9 +171,7 @@ def run_local(args: argparse.Namespace) -> list[dict]:
     from common.model import load_model
     from common.sampling_params import SamplingParams
 
-    device = args.device
-    if device == "auto":
-        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device)
     dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     threads = args.torch_threads or (1 if args.model is None else 0)
     if threads:
@@ -233,7 +240,11 @@ def plot(runs: list[dict], path: Path) -> None:
                 if r["target"] == target and math.isfinite(r["rate"])
             ]
             ax.plot(*zip(*pts, strict=True), marker="o", label=target)
+        rates = sorted({r["rate"] for r in runs if math.isfinite(r["rate"])})
         ax.set(title=title, xlabel="request rate (req/s)", ylabel="ms", xscale="log")
+        ax.set_xticks(rates, [f"{r:g}" for r in rates], minor=False)
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -255,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the daemons did not come up: {e}", file=sys.stderr)
         return 2
     header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
-    header |= {k: getattr(args, k) for k in ("device", "requests", "seed", "max_batch")}
+    header |= {"device": resolve_device(args.device)}
+    header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch")}
     header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
     header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
     print(
         f"serve bench: {args.requests} requests per rate, prompt {args.prompt_len[0]}:"
         f"{args.prompt_len[1]}, output {args.output_len[0]}:{args.output_len[1]} tokens, "
-        f"seed {args.seed}; model {header['model']}, device {args.device}; "
+        f"seed {args.seed}; model {header['model']}, device {header['device']}; "
         f"{header['machine']}; {date}"
     )
     print_table(runs)
