@@ -18,6 +18,7 @@ runner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import queue
 import threading
@@ -133,23 +134,23 @@ class LocalEngine:
 
     def _loop(self) -> None:
         while True:
-            idle = not self._waiting and not self._running
-            try:
-                item = self._inbox.get(block=idle)
-            except queue.Empty:
-                item = ...  # nothing new: keep stepping
-            while item is not ...:
+            for item in self._drain(block=not self._waiting and not self._running):
                 if item is None:
                     return self._fail_all("engine stopped")
                 self._accept(item)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = ...
             try:
                 self.step()
             except Exception as e:  # a model error ends every request, not the engine
                 self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _drain(self, block: bool) -> list[Sequence | None]:
+        """Everything in the inbox; waits for the first item only when `block` (engine idle)."""
+        items: list[Sequence | None] = []
+        with contextlib.suppress(queue.Empty):
+            items.append(self._inbox.get(block=block))
+            while True:
+                items.append(self._inbox.get_nowait())
+        return items
 
     def _accept(self, seq: Sequence) -> None:
         total = len(seq.prompt) + seq.params.max_tokens
