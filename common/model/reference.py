@@ -15,6 +15,7 @@ import torch
 
 from common.model.llama import LlamaModel
 from common.model.paged import slots_for
+from common.model.prefill import prefill_many
 from common.model.sampling import (
     SamplingParams,
     finish_reason,
@@ -48,7 +49,7 @@ def generate_batch(
 ) -> list[list[int]]:
     """`generate` for several prompts, decoded together as one continuously shrinking batch.
 
-    Every prompt is prefilled alone; then each step decodes every unfinished sequence in one
+    The prompts are prefilled together (varlen forwards, `prefill_many`); then each step decodes every unfinished sequence in one
     `decode_step`. A sequence's tokens must not depend on its batch mates (tests assert it).
     """
     n = len(prompts)
@@ -67,11 +68,9 @@ def generate_batch(
     # Sequence i owns blocks i, i+n, i+2n, ...: interleaved, so tables exercise real paging.
     tables = torch.arange(width * n).view(width, n).t().contiguous()  # [n, width]
 
-    outputs: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        slots = slots_for(tables[i], 0, len(prompt), block_size)
-        logits = model.prefill(torch.tensor(list(prompt)), slots, kv)
-        outputs.append([sample(logits, per_row[i], make_generator(per_row[i], 0))])
+    slots = [slots_for(tables[i], 0, len(prompt), block_size) for i, prompt in enumerate(prompts)]
+    logits = prefill_many(model, [torch.tensor(list(p)) for p in prompts], slots, kv)
+    outputs = [[sample(logits[i], p, make_generator(p, 0))] for i, p in enumerate(per_row)]
 
     active = [i for i in range(n) if finish_reason(outputs[i], per_row[i], stops) is None]
     while active:
