@@ -126,6 +126,8 @@ def bench_prefill(pd: Pdkv, hf) -> None:
     )
     many = random_prompts(16, 512, 2)
     report("pdkv 16x512 prefill together", timed(lambda: pd.prefill(many), 10), "ms")
+    same_total = random_prompts(16, 128, 2)
+    report("pdkv 16x128 prefill together", timed(lambda: pd.prefill(same_total), 10), "ms")
 
 
 def pdkv_step_ms(pd: Pdkv, b: int) -> float:
@@ -155,10 +157,26 @@ def hf_step_ms(hf, b: int) -> float:
     return timed(one, 20)
 
 
+def eager_step_ms(pd: Pdkv, b: int, kernels: bool) -> float:
+    """`decode_step` without graphs: Triton kernels launched one by one, or the torch path."""
+    pd.prefill(random_prompts(b, 512, 3))
+    tables = torch.from_numpy(pd.tables[:b]).cuda()
+    pos = torch.full((b,), 600, device="cuda")
+    slots = tables[torch.arange(b, device="cuda"), pos // BLOCK] * BLOCK + pos % BLOCK
+    args = (torch.full((b,), 5, device="cuda"), pos, slots, tables, pos + 1, pd.kv)
+    pd.model.use_kernels = kernels
+    try:
+        return timed(lambda: pd.model.decode_step(*args).argmax(-1).tolist(), 10)
+    finally:
+        pd.model.use_kernels = True
+
+
 def bench_steps(pd: Pdkv, hf) -> None:
     for b in (1, 16, 64):
         report(f"pdkv decode step b={b} ctx~512", pdkv_step_ms(pd, b), "ms")
         report(f"HF decode step b={b} ctx~512", hf_step_ms(hf, b), "ms")
+    report("pdkv decode step b=16, kernels without graphs", eager_step_ms(pd, 16, True), "ms")
+    report("pdkv decode step b=16, torch path (before)", eager_step_ms(pd, 16, False), "ms")
 
 
 def bench_throughput(pd: Pdkv, hf) -> None:
