@@ -222,29 +222,35 @@ def bench_floor(pd: Pdkv) -> None:
         report(f"floor of a step b={b} ctx 512 (weights + KV at copy bandwidth)", floor, "ms")
 
 
-def profile(pd: Pdkv, path: Path) -> None:
-    """Per-kernel device time of eager batch-16 decode forwards (the graph replays these)."""
+def _kernel_table(fn: Callable[[], object], reps: int) -> str:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    fn()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+
+
+def profile(pd: Pdkv, path: Path) -> None:
+    """Per-kernel device time of 5 eager batch-16 decode forwards (the graph replays these) and
+    of 3 prefills of a 2048-token prompt."""
     from common.model.fastpath import decode_forward
 
     n = 16
-    rows = torch.arange(n)
     tables = torch.from_numpy(pd.tables[:n]).cuda()
     pos = torch.full((n,), 600, device="cuda")
-    slots = tables[rows.cuda(), pos // BLOCK] * BLOCK + pos % BLOCK
+    slots = tables[torch.arange(n, device="cuda"), pos // BLOCK] * BLOCK + pos % BLOCK
     args = (torch.full((n,), 5, device="cuda"), pos, slots, tables, pos + 1, pd.kv)
-    with torch.inference_mode():
-        decode_forward(pd.model, *args)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                decode_forward(pd.model, *args)
-            torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    path.write_text(table)
-    print(table, flush=True)
+    decode = _kernel_table(lambda: decode_forward(pd.model, *args), 5)
+    prompt = random_prompts(1, 2048, 1)
+    prefill = _kernel_table(lambda: pd.prefill(prompt), 3)
+    text = f"decode b=16, 5 forwards\n{decode}\nprefill 2048, 3 forwards\n{prefill}"
+    path.write_text(text)
+    print(text, flush=True)
 
 
 def main() -> None:

@@ -11,6 +11,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _rotate_heads(base, heads, offs, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate heads [H] of one token in place (each head's halves at base + head * 2*HALF)."""
+    ptr = base + heads[:, None] * (2 * HALF) + offs[None, :]
+    x1 = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    dtype = base.dtype.element_ty
+    r1 = (x1 * cos - x2 * sin).to(dtype)
+    r2 = (x2 * cos + x1 * sin).to(dtype)
+    tl.store(ptr, r1, mask=mask)
+    tl.store(ptr + HALF, r2, mask=mask)
+    return r1, r2
+
+
+@triton.jit
 def _rope_store(
     qkv_ptr,
     pos_ptr,
@@ -27,43 +41,43 @@ def _rope_store(
     stride_kh,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    tok = tl.program_id(0)
-    head = tl.program_id(1)  # 0..Hq-1: a query head; Hq..Hq+Hkv-1: a KV head
+    tok = tl.program_id(0)  # one token: all its q heads, then its k heads (+ the store)
     pos = tl.load(pos_ptr + tok)
     offs = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * HALF + offs)
-    sin = tl.load(sin_ptr + pos * HALF + offs)
-    base = qkv_ptr + tok.to(tl.int64) * stride_qkv + head * (2 * HALF)
-    x1 = tl.load(base + offs).to(tl.float32)
-    x2 = tl.load(base + HALF + offs).to(tl.float32)
-    dtype = qkv_ptr.dtype.element_ty
-    r1 = (x1 * cos - x2 * sin).to(dtype)
-    r2 = (x2 * cos + x1 * sin).to(dtype)
-    tl.store(base + offs, r1)
-    tl.store(base + HALF + offs, r2)
-    if STORE:  # noqa: SIM102 (a constexpr and a runtime test)
-        if head >= NUM_HEADS:
-            slot = tl.load(slots_ptr + tok)
-            if slot >= 0:
-                kvh = head - NUM_HEADS
-                block = slot // BLOCK_SIZE
-                dst = (
-                    kv_ptr
-                    + block * stride_kb
-                    + layer * stride_kl
-                    + (slot % BLOCK_SIZE) * stride_kt
-                    + kvh * stride_kh
-                )
-                out_t = kv_ptr.dtype.element_ty
-                tl.store(dst + offs, r1.to(out_t))
-                tl.store(dst + HALF + offs, r2.to(out_t))
-                v_src = base + NUM_KV_HEADS * (2 * HALF)
-                tl.store(dst + stride_kkv + offs, tl.load(v_src + offs).to(out_t))
-                tl.store(dst + stride_kkv + HALF + offs, tl.load(v_src + HALF + offs).to(out_t))
+    cos = tl.load(cos_ptr + pos * HALF + offs)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs)[None, :]
+    base = qkv_ptr + tok.to(tl.int64) * stride_qkv
+    qh = tl.arange(0, HEADS_PAD)
+    _rotate_heads(base, qh, offs, cos, sin, (qh < NUM_HEADS)[:, None], HALF)
+    kh = tl.arange(0, KV_HEADS_PAD)
+    kmask = (kh < NUM_KV_HEADS)[:, None]
+    k_base = base + NUM_HEADS * (2 * HALF)
+    r1, r2 = _rotate_heads(k_base, kh, offs, cos, sin, kmask, HALF)
+    if STORE:
+        slot = tl.load(slots_ptr + tok)
+        if slot >= 0:
+            dst = (
+                kv_ptr
+                + (slot // BLOCK_SIZE) * stride_kb
+                + layer * stride_kl
+                + (slot % BLOCK_SIZE) * stride_kt
+                + kh[:, None] * stride_kh
+                + offs[None, :]
+            )
+            out_t = kv_ptr.dtype.element_ty
+            tl.store(dst, r1.to(out_t), mask=kmask)
+            tl.store(dst + HALF, r2.to(out_t), mask=kmask)
+            v_src = k_base + NUM_KV_HEADS * (2 * HALF) + kh[:, None] * (2 * HALF) + offs[None, :]
+            v1 = tl.load(v_src, mask=kmask, other=0.0)
+            v2 = tl.load(v_src + HALF, mask=kmask, other=0.0)
+            tl.store(dst + stride_kkv, v1.to(out_t), mask=kmask)
+            tl.store(dst + stride_kkv + HALF, v2.to(out_t), mask=kmask)
 
 
 def rope_and_store(
@@ -88,7 +102,7 @@ def rope_and_store(
     store = kv is not None
     kvt = kv if store else qkv
     strides = kv.stride()[:5] if store else (0, 0, 0, 0, 0)
-    _rope_store[(n, num_heads + num_kv_heads)](
+    _rope_store[(n,)](
         qkv,
         positions,
         cos,
@@ -100,10 +114,12 @@ def rope_and_store(
         *strides,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
+        HEADS_PAD=triton.next_power_of_2(num_heads),
+        KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half,
         BLOCK_SIZE=kv.shape[3] if store else 1,
         STORE=store,
-        num_warps=1,
+        num_warps=2 if num_heads * half <= 1024 else 4,
     )
 
 
