@@ -1,8 +1,9 @@
 """The single-process reference: prefill and decode in one process, no handoff.
 
 This is the correctness anchor: the disaggregated path's greedy output must equal `generate` token
-for token. It uses the same model entry points (`prefill`, `decode_step`), the same sampler, the
-same per-step seeding and the same stop rule (`finish_reason`) as the daemons, over its own small
+for token. It uses the same model forward (`prefill_batch`, `decode_step`; on CUDA the decode
+daemon replays that step's kernels from CUDA graphs), the same sampler, the same per-step seeding
+and the same stop rule (`finish_reason`) as the daemons, over its own small
 pool tensor whose block ids are interleaved between sequences so block tables are never trivially
 contiguous.
 """
@@ -49,8 +50,8 @@ def generate_batch(
 ) -> list[list[int]]:
     """`generate` for several prompts, decoded together as one continuously shrinking batch.
 
-    The prompts are prefilled together (varlen forwards, `prefill_many`); then each step decodes every unfinished sequence in one
-    `decode_step`. A sequence's tokens must not depend on its batch mates (tests assert it).
+    The prompts are prefilled together (varlen forwards, `prefill_many`); then each step decodes
+    every unfinished sequence in one `decode_step`. A sequence's tokens must not depend on its batch mates (tests assert it).
     """
     n = len(prompts)
     per_row = [params] * n if isinstance(params, SamplingParams) else list(params)
