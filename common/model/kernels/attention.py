@@ -21,6 +21,20 @@ PARTITION = 256  # context tokens per split of the paged-decode kernel
 
 
 @triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One tile of flash attention: fold keys k / values v [N, D] (where `keep` [M, N]) into the
+    running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _paged_decode_split(
     q_ptr,
     kv_ptr,
@@ -73,15 +87,8 @@ def _paged_decode_split(
         tok = head_base + block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
         k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        keep = valid[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
     part = (row * num_kv * GROUP + heads) * num_splits + split  # [GROUP_PAD]
     gmask = offs_g < GROUP
     tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
@@ -248,16 +255,8 @@ def _varlen_causal(
                 mask=nmask[:, None],
                 other=0.0,
             )
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
             keep = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
-            s = tl.where(keep, s * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp(s - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
