@@ -62,6 +62,19 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def _capture_runner(
+    model: Any, kv: torch.Tensor, stream: Any, max_batch: int, max_blocks: int
+) -> Any:
+    """Build the decode daemon's CUDA-graph runner (on the torch thread, on its stream)."""
+    from common.model.runner import DecodeRunner
+
+    with torch.cuda.stream(stream):
+        runner = DecodeRunner(model, kv, max_batch=max_batch, max_blocks=max_blocks)
+        runner.capture()
+    log.info("decode_graphs_captured", buckets=runner.buckets, max_blocks=max_blocks)
+    return runner
+
+
 @dataclass
 class ModelRuntime:
     model: Any
@@ -74,6 +87,7 @@ class ModelRuntime:
     fingerprint: str
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
+    runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
@@ -101,6 +115,11 @@ class ModelRuntime:
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
+        runner = None
+        if role == "decode" and stream is not None and model.use_kernels:
+            max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
+            args = (model, pool.tensor, stream, cfg.max_batch, min(max_blocks, cfg.num_blocks))
+            runner = executor.submit(_capture_runner, *args).result()
         log.info(
             "model_loaded",
             role=role,
@@ -122,6 +141,7 @@ class ModelRuntime:
             fp,
             executor,
             stream,
+            runner,
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
