@@ -15,6 +15,7 @@ class DaemonConfig:
 
     runtime_dir: Path = field(default_factory=default_runtime_dir)
     model: str | None = None  # None: the built-in tiny model
+    allow_byte_tokenizer: bool = False  # a checkpoint without tokenizer.json loads with bytes
     device: str = "auto"  # auto | cpu | cuda:N
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     ipc_backend: str = "auto"  # auto | shm | cuda-raw | cuda-torch

@@ -65,6 +65,7 @@ class DecodeLink:
         self.channel: FrameChannel | None = None
         self.link_id = ""
         self.ready = asyncio.Event()
+        self._attempted = asyncio.Event()  # set (and replaced) after each connection attempt
         self.connects = 0
         self.last_error = ""
         self.rtt_us = 0.0
@@ -88,6 +89,29 @@ class DecodeLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop("prefill daemon is shutting down")
 
+    async def wait_up(self, timeout: float) -> None:
+        """Return once the link is up; ConnectionError naming the last error if the next
+        connection attempt fails instead (at most the 2 s backoff away), or after `timeout`.
+        A request thus learns in seconds that the decode is absent or refuses the link
+        (INCOMPATIBLE), instead of waiting out its whole handoff timeout."""
+        if self.ready.is_set():
+            return
+        attempted = self._attempted
+        try:
+            async with asyncio.timeout(max(timeout, 0)):
+                await attempted.wait()
+        except TimeoutError:
+            pass
+        if not self.ready.is_set():
+            raise ConnectionError(
+                f"no link to the decode daemon ({self.last_error or 'not connected yet'}; "
+                "`pdkv status` shows the link)"
+            )
+
+    def _attempt_done(self) -> None:
+        self._attempted.set()
+        self._attempted = asyncio.Event()
+
     async def send(self, msg: Message, *, spin: bool = False) -> None:
         """Send on the live link; ConnectionError if there is none or the write fails. `spin`:
         an answer is due soon (RELEASE after HANDOFF), poll for it without sleeping a while.
@@ -110,7 +134,10 @@ class DecodeLink:
         backoff = 0.05
         while not self._stopping:
             try:
-                await self._connect_once()
+                try:
+                    await self._connect_once()
+                finally:
+                    self._attempt_done()
                 backoff = 0.05
                 await self._serve()
             except (OSError, ConnectionClosed, ProtocolError, LinkRefused, TimeoutError) as exc:
