@@ -102,7 +102,7 @@ def prefill() -> None:
 @click.option(
     "--client-socket",
     show_envvar=True,
-    envvar="PDKVCLIENT_SOCKET",
+    envvar="PDKV_CLIENT_SOCKET",
     default=None,
     type=click.Path(path_type=Path),
     help="Where clients connect [default: RUNTIME_DIR/prefill.sock].",
@@ -123,7 +123,8 @@ def prefill() -> None:
     default=30.0,
     show_default=True,
     type=float,
-    help="Seconds a request may wait for blocks, the link, or decode capacity.",
+    help="Seconds a request may wait for free blocks or decode capacity (a down link fails it "
+    "sooner: at the next failed reconnect).",
 )
 @click.option(
     "--max-pending",

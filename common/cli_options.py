@@ -173,7 +173,7 @@ def global_options(fn):  # type: ignore[no-untyped-def]
 CLIENT_SOCKET = click.option(
     "--client-socket",
     show_envvar=True,
-    envvar="PDKVCLIENT_SOCKET",
+    envvar="PDKV_CLIENT_SOCKET",
     default=None,
     type=click.Path(path_type=Path),
     help="The prefill daemon's client socket [default: RUNTIME_DIR/prefill.sock].",

@@ -56,3 +56,15 @@ def test_global_options_after_a_nested_subcommand(tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["decode", "start", "--runtime-dir", str(blocker)])
     assert result.exit_code == 3
     assert str(blocker) in result.output
+
+
+def test_environment_variables_are_named_after_their_options() -> None:
+    wrong = [
+        f"{path} {param.opts[0]}: {param.envvar}"
+        for path, cmd in _commands(cli)
+        for param in cmd.params
+        if isinstance(param, click.Option)
+        and param.envvar
+        and param.envvar != f"PDKV_{(param.name or '').upper()}"
+    ]
+    assert not wrong, wrong
