@@ -123,8 +123,8 @@ def prefill() -> None:
     default=30.0,
     show_default=True,
     type=float,
-    help="Seconds a request may wait for free blocks or decode capacity (a down link fails it "
-    "sooner: at the next failed reconnect).",
+    help="Seconds a request may wait for free blocks, decode capacity or a dropped link to come "
+    "back (a link that never came up or was refused fails it at the next failed reconnect).",
 )
 @click.option(
     "--max-pending",

@@ -57,7 +57,7 @@ class PrefillConfig(DaemonConfig):
     client_socket: Path | None = None
     event_slots: int = 64
     lease_timeout_s: float = 30.0
-    handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / decode capacity
+    handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
     max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
 
     @property
