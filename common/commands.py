@@ -293,7 +293,8 @@ def generate(
             newline=stream,
         )
     if as_json:
-        click.echo(json.dumps(_result_json(result), ensure_ascii=False))
+        # ASCII-only JSON: no raw control character (C0 or C1) reaches a terminal
+        click.echo(json.dumps(_result_json(result)))
     else:
         click.echo("" if stream else printable(result.text))
     return EXIT_OK

@@ -34,6 +34,7 @@ def test_json_from_stdin_has_ids_text_reason_and_timings(pair: Pair, tiny) -> No
     prompt = "Once upon a time\nthere was a cache"
     proc = _generate(pair, "-", "--json", "--max-tokens", "40", "--ignore-eos", stdin=prompt)
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.isascii()  # no raw control character, C1 included, reaches a terminal
     out = json.loads(proc.stdout)
     expected = reference.generate(
         model, tok.encode(prompt), SamplingParams(max_tokens=40, ignore_eos=True), block_size=16
