@@ -22,8 +22,9 @@ from common.allocator import BlockAllocator
 from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
-from common.model.loader import load_model
+from common.model.loader import load_model, resolve_dtype
 from common.protocol import fingerprint
+from common.throughput import Throughput
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -33,7 +34,10 @@ def resolve_device(name: str) -> torch.device:
     """`auto` → cuda:0 when CUDA works, else cpu; an unusable cuda:N is a clear error."""
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise PdkvError(f"--device {name}: expected auto, cpu or cuda:N") from None
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     if dev.type == "cuda":
@@ -93,12 +97,15 @@ class ModelRuntime:
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
         device = resolve_device(cfg.device)
         backend = resolve_backend(cfg.ipc_backend, device)
-        dtype_name = cfg.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-        dtype = getattr(torch, dtype_name)
+        default = "float32" if device.type == "cpu" else "bfloat16"
+        dtype = resolve_dtype(cfg.dtype or default, device, tiny=cfg.model is None)
+        dtype_name = str(dtype).removeprefix("torch.")  # bf16 and bfloat16 fingerprint alike
         threads = cfg.torch_threads or (1 if cfg.model is None else 0)
         if threads:
             torch.set_num_threads(threads)
-        model, tokenizer = load_model(cfg.model, device=device, dtype=dtype)
+        model, tokenizer = load_model(
+            cfg.model, device=device, dtype=dtype, allow_byte_tokenizer=cfg.allow_byte_tokenizer
+        )
         layers, kv_heads, head_dim = model.kv_layout_args()
         layout = PoolLayout(
             num_blocks=cfg.num_blocks,
@@ -158,6 +165,15 @@ class ModelRuntime:
     def pool_stats(self) -> dict[str, int]:
         a = self.allocator
         return {"total": a.total, "free": a.num_free, "owned": a.num_owned, "leased": a.num_leased}
+
+    def status_fields(self, throughput: Throughput) -> dict[str, Any]:
+        """STATUS_REPLY's model, dtype, requests served and tokens/s."""
+        return {
+            "model": self.model.fingerprint,
+            "dtype": self.layout.dtype,
+            "served": throughput.served,
+            "tokens_per_s": throughput.tokens_per_s(),
+        }
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

@@ -55,6 +55,7 @@ class Peer:
         self.events = None  # ImportedEventRing on CUDA, None on CPU
         self.connected_at = time.monotonic()
         self.handoffs = 0
+        self.greeted = False  # a HELLO was accepted: this connection is a link
         self.pulls: set[asyncio.Task[None]] = set()  # in-flight CUDA pulls from this peer's pool
         self._on_close = on_close
         self._closed = False
@@ -70,6 +71,7 @@ class Peer:
                 "block size and device kind",
             )
         self.pid, self.name = hello.pid, hello.name
+        self.greeted = True
         self.log = self.log.bind(peer_pid=hello.pid)
         return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
 
@@ -173,7 +175,8 @@ class Peer:
             region.close()
         self.regions.clear()
         self.channel.close()
-        self.log.info("peer_closed", handoffs=self.handoffs)
+        if self.greeted:  # a STATUS probe's connection is no link: health checks log nothing
+            self.log.info("peer_closed", handoffs=self.handoffs)
 
 
 __all__ = ["HandshakeError", "Peer", "ProtocolError"]

@@ -58,6 +58,9 @@ class DecodeServer:
         self._tasks.add(asyncio.create_task(accept, name="decode-accept"))
         log.info("decode_ready", socket=str(self.cfg.link_path), pid=os.getpid())
 
+    async def until_ready(self) -> None:
+        """Ready as soon as the link socket listens (start)."""
+
     async def shutdown(self) -> None:
         """Stop accepting, drain sequences under the timeout, answer the rest, close everything."""
         log.info("decode_draining", sequences=len(self.requests))
@@ -174,6 +177,7 @@ class DecodeServer:
             ],
             device=str(self.rt.device),
             backend=self.rt.backend,
+            **self.rt.status_fields(self.requests.throughput),
         )
 
 

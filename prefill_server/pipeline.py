@@ -120,6 +120,7 @@ class RequestPipeline:
         req = PrefillRequest(rid, prompt, sampling, stream=msg.stream)
         s.requests[rid] = req
         try:
+            await self._link_up(time.monotonic() + s.cfg.handoff_timeout_s)
             blocks = await self._allocate(req)
             await self._acquire_slot(req, time.monotonic() + s.cfg.handoff_timeout_s)
             first = await s.rt.run(
@@ -145,17 +146,30 @@ class RequestPipeline:
             raise RequestFailed(
                 ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens"
             )
+        if not (msg.prompt or msg.prompt_tokens):  # "" would still encode to BOS alone
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt is empty")
         tokens = rt.tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
-        assert tokens is not None
+        if not tokens:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt encodes to no tokens")
         limit = self.s.cfg.max_prompt_tokens
-        if not 0 < len(tokens) <= limit:
+        if len(tokens) > limit:
             raise RequestFailed(
-                ErrorCode.BAD_REQUEST, f"prompt has {len(tokens)} tokens; allowed 1..{limit}"
+                ErrorCode.BAD_REQUEST,
+                f"prompt has {len(tokens)} tokens, more than the {limit} allowed "
+                "(--max-prompt-tokens of the prefill daemon)",
             )
         vocab = rt.model.config.vocab_size
         if max(tokens) >= vocab:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab}")
         return list(tokens)
+
+    async def _link_up(self, deadline: float) -> None:
+        """LINK_LOST unless the link is up or comes up at the next connection attempt: no
+        prefill work for a request that cannot be handed off."""
+        try:
+            await self.s.link.wait_up(deadline - time.monotonic())
+        except ConnectionError as exc:
+            raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
 
     async def _allocate(self, req: PrefillRequest) -> list[int]:
         alloc, bs = self.s.rt.allocator, self.s.rt.layout.block_size
@@ -186,16 +200,7 @@ class RequestPipeline:
         deadline = time.monotonic() + s.cfg.handoff_timeout_s
         backoff = 0.005
         while True:
-            left = deadline - time.monotonic()
-            try:
-                async with asyncio.timeout(max(left, 0)):
-                    await s.link.ready.wait()
-            except TimeoutError:
-                raise RequestFailed(
-                    ErrorCode.LINK_LOST,
-                    f"no link to the decode daemon within {s.cfg.handoff_timeout_s}s "
-                    f"({s.link.last_error or 'never connected'})",
-                ) from None
+            await self._link_up(deadline)
             if not req.handed_off:
                 s.rt.allocator.lease(
                     req.request_id, s.link.link_id, time.monotonic() + s.cfg.lease_timeout_s
@@ -285,7 +290,7 @@ class RequestPipeline:
             completion_tokens=len(req.generated),
             **timings,
         )
-        self.s.served += 1
+        self.s.throughput.add(len(req.generated), requests=1)
         return Finish(
             request_id=req.request_id,
             reason=reason,

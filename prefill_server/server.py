@@ -41,6 +41,7 @@ from common.protocol import (
     make_error,
 )
 from common.runtime import check_free, remove_file, write_pidfile
+from common.throughput import Throughput
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest
@@ -74,7 +75,7 @@ class PrefillServer:
         self._listen: socket.socket | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.stopping = False
-        self.served = 0
+        self.throughput = Throughput()  # finished requests and their tokens, for status
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -91,6 +92,10 @@ class PrefillServer:
         self._spawn(accept, "prefill-accept")
         self._spawn(self._lease_reaper(), "lease-reaper")
         log.info("prefill_ready", socket=str(self.cfg.client_path), pid=os.getpid())
+
+    async def until_ready(self) -> None:
+        """Ready once the client socket listens (start) and the link to the decode is up."""
+        await self.link.ready.wait()
 
     async def shutdown(self) -> None:
         """Stop accepting, drain in-flight requests under the timeout, fail the rest, close."""
@@ -120,7 +125,7 @@ class PrefillServer:
         if self.events is not None:
             self.events.close()
         remove_file(self.cfg.pidfile)
-        log.info("prefill_stopped", served=self.served)
+        log.info("prefill_stopped", served=self.throughput.served)
 
     def _spawn(self, coro, name: str) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
         task = asyncio.create_task(coro, name=name)
@@ -258,6 +263,7 @@ class PrefillServer:
             ],
             device=str(self.rt.device),
             backend=self.rt.backend,
+            **self.rt.status_fields(self.throughput),
         )
 
 
