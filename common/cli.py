@@ -122,6 +122,24 @@ _DAEMON_OPTIONS = [
         help="A link silent this long is dead.",
     ),
     click.option(
+        "--max-connections",
+        show_envvar=True,
+        envvar="PDKV_MAX_CONNECTIONS",
+        default=1024,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Most open connections on the daemon's socket; more are refused with NO_CAPACITY.",
+    ),
+    click.option(
+        "--frame-timeout",
+        show_envvar=True,
+        envvar="PDKV_FRAME_TIMEOUT",
+        default=30.0,
+        show_default=True,
+        type=click.FloatRange(0.1),
+        help="Seconds a frame may take to arrive whole; a slower sender is disconnected.",
+    ),
+    click.option(
         "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
     ),
 ]
@@ -234,6 +252,24 @@ def prefill() -> None:
     show_default=True,
     type=click.IntRange(1),
     help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
+)
+@click.option(
+    "--client-idle-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_IDLE_TIMEOUT",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client connection may stay open with no request in flight and no frame sent.",
+)
+@click.option(
+    "--client-write-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_WRITE_TIMEOUT",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client may leave its stream unread; then its requests are aborted.",
 )
 @click.option(
     "--max-prompt-tokens",

@@ -23,7 +23,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model
-from common.protocol import fingerprint
+from common.protocol import compat_fields, fingerprint
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -74,6 +74,13 @@ class ModelRuntime:
     fingerprint: str
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
+
+    @property
+    def compat(self) -> dict[str, Any]:
+        """What the fingerprint hashes, in the clear (sent in HELLO, compared by the decode)."""
+        return compat_fields(
+            model_id=self.model.fingerprint, layout=self.layout.to_wire(), backend=self.backend
+        )
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
