@@ -14,14 +14,17 @@ import msgspec
 import pytest
 
 from common import client
+from common.errors import ProtocolError
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import (
     PROTOCOL_VERSION,
+    ConnectionClosed,
     Error,
     ErrorCode,
     Generate,
     Hello,
+    Ping,
     Register,
     Status,
     decode,
@@ -85,6 +88,7 @@ def lpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
         *("--client-write-timeout", "1", "--max-connections", "200"),
     ]
     pair.extra["decode"] = ["--frame-timeout", "1"]
+
     pair.start_both()
     yield pair
     pair.kill_all()
@@ -183,18 +187,31 @@ def test_a_trickled_frame_is_cut_at_the_frame_deadline(lpair):
     assert served(lpair)
 
 
-def test_a_trickled_frame_on_the_link_is_cut_too(lpair):
-    hello = encode(Hello(protocol_version=PROTOCOL_VERSION, fingerprint="x", backend="shm", pid=1))
-    s = connect(lpair.link_socket)
-    start = time.monotonic()
-    with pytest.raises((BrokenPipeError, ConnectionResetError)):
-        for i in range(len(hello)):
-            s.send(hello[i : i + 1])
-            time.sleep(0.1)
-            if time.monotonic() - start > 60:
-                break
-        s.send(b"x")  # whole frame sent in time would be answered, not cut
-    s.close()
+def test_a_trickled_frame_on_an_established_link_is_cut_too(lpair, tiny):
+    fake = FakePrefill(tiny[0])
+    ping = encode(Ping(seq=1))
+
+    async def trickle() -> bool:
+        await fake.link(lpair.link_socket)
+        ch = fake.channel
+        assert ch is not None
+        for _ in range(10):  # ~3 s a frame, a byte every 0.1 s: never silent for long
+            for i in range(len(ping)):
+                try:
+                    await ch.send_bytes(ping[i : i + 1])
+                except OSError:
+                    return True
+                await asyncio.sleep(0.1)
+            try:  # the PONG, unless the decode cut the link
+                await asyncio.wait_for(ch.recv(), 5)
+            except (ConnectionClosed, OSError, ProtocolError):
+                return True
+        return False
+
+    try:
+        assert asyncio.run(trickle()), "a frame trickled past --frame-timeout was never cut"
+    finally:
+        fake.close()
 
 
 def test_idle_client_connections_are_closed(lpair):
