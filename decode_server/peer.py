@@ -13,6 +13,7 @@ import itertools
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -20,7 +21,9 @@ from common.errors import PdkvError, ProtocolError
 from common.ipc.base import SharedRegion, backend_for
 from common.kvpool import KVPool, PoolLayout
 from common.link import FrameChannel
+from common.logs import clip
 from common.protocol import (
+    PROTOCOL_VERSION,
     ErrorCode,
     Handoff,
     Hello,
@@ -28,6 +31,7 @@ from common.protocol import (
     Message,
     Register,
     Registered,
+    compat_diff,
     encode,
     make_error,
 )
@@ -62,15 +66,23 @@ class Peer:
         self.log = log.bind(link=self.link_id)
 
     # ---- handshake -----------------------------------------------------------------------------
-    def check_hello(self, hello: Hello, fingerprint: str, backend: str) -> HelloOk:
-        if hello.fingerprint != fingerprint:
+    def check_hello(self, hello: Hello, fingerprint: str, compat: dict[str, Any]) -> HelloOk:
+        """HELLO_OK, or INCOMPATIBLE naming both protocol versions or the fields that differ."""
+        if hello.protocol_version != PROTOCOL_VERSION:
             raise HandshakeError(
                 ErrorCode.INCOMPATIBLE,
-                f"fingerprint {hello.fingerprint} (backend {hello.backend}) does not match ours "
-                f"{fingerprint} (backend {backend}): both daemons need the same model, dtype, "
-                "block size and device kind",
+                f"protocol version {hello.protocol_version} (prefill) ≠ {PROTOCOL_VERSION} "
+                "(decode): run the same pdkv version on both daemons",
             )
-        self.pid, self.name = hello.pid, hello.name
+        if hello.fingerprint != fingerprint:
+            diff = compat_diff(compat, hello.compat) or "fields not sent"
+            raise HandshakeError(
+                ErrorCode.INCOMPATIBLE,
+                f"the prefill's model or pool does not match this decode's: {diff} "
+                f"(prefill ≠ decode; fingerprint {clip(hello.fingerprint, 64)} ≠ {fingerprint}): "
+                "both daemons need the same model, dtype, block size and device kind",
+            )
+        self.pid, self.name = hello.pid, clip(hello.name, 64)
         self.greeted = True
         self.log = self.log.bind(peer_pid=hello.pid)
         return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
@@ -80,6 +92,9 @@ class Peer:
         try:
             layout = PoolLayout.from_wire(reg.layout)
             descs = reg.descriptors()
+            event_handles = reg.event_handle_list()
+            if event_handles and device.type != "cuda":
+                raise ValueError("event handles on a CPU link (the frame is the signal there)")
         except (PdkvError, ValueError) as exc:
             raise HandshakeError(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
         if layout.compat_fields() != local.compat_fields():
@@ -103,10 +118,15 @@ class Peer:
             raise HandshakeError(
                 ErrorCode.BAD_REQUEST, f"cannot open the peer's pool: {exc}"
             ) from exc
-        if reg.event_count:
+        if event_handles:
             from common.ipc.events import ImportedEventRing
 
-            self.events = ImportedEventRing.open(reg.event_handle_list(), device)
+            try:
+                self.events = ImportedEventRing.open(event_handles, device)
+            except (PdkvError, RuntimeError, ValueError) as exc:
+                raise HandshakeError(
+                    ErrorCode.BAD_REQUEST, f"cannot open the peer's event handles: {exc}"
+                ) from exc
         self.log.info("peer_registered", backend=descs[0].kind, num_blocks=layout.num_blocks)
         return Registered(num_blocks=local.num_blocks)
 

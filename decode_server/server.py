@@ -37,11 +37,12 @@ log = structlog.get_logger(__name__)
 
 
 class DecodeServer:
-    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime) -> None:
+    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
         self.cfg = cfg
         self._spin_s = cfg.spin_us / 1e6
         self.rt = rt
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch)
+        self._stop = stop
+        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, on_fatal=self._fatal)
         self.peers: dict[str, Peer] = {}
         self.started = time.monotonic()
         self._listen: socket.socket | None = None
@@ -53,7 +54,12 @@ class DecodeServer:
         write_pidfile(self.cfg.pidfile)
         self.requests.engine.start()
         accept = daemon.accept_loop(
-            self._listen, self.cfg.uids(), self._serve_conn, self._tasks, name="link"
+            self._listen,
+            self.cfg.uids(),
+            self._serve_conn,
+            self._tasks,
+            name="link",
+            max_connections=self.cfg.max_connections,
         )
         self._tasks.add(asyncio.create_task(accept, name="decode-accept"))
         log.info("decode_ready", socket=str(self.cfg.link_path), pid=os.getpid())
@@ -61,17 +67,26 @@ class DecodeServer:
     async def until_ready(self) -> None:
         """Ready as soon as the link socket listens (start)."""
 
+    def _fatal(self, exc: BaseException) -> None:
+        """The batching loop died: nothing here decodes any more, so the daemon ends (non-zero)."""
+        self._stop.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
+
     async def shutdown(self) -> None:
-        """Stop accepting, drain sequences under the timeout, answer the rest, close everything."""
-        log.info("decode_draining", sequences=len(self.requests))
+        """Stop accepting, drain sequences under the timeout (not when the decode loop is dead:
+        nothing would finish), answer the rest, close everything."""
+        failure = self.requests.engine.failure
+        log.info("decode_draining", sequences=len(self.requests), failed=failure is not None)
         if self._listen is not None:
             self._listen.close()
             remove_file(self.cfg.link_path)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while len(self.requests) and time.monotonic() < deadline:
+        while failure is None and len(self.requests) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
+        code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
+        if failure is not None:
+            code, why = ErrorCode.INTERNAL, "decode daemon failed and is exiting (see its log)"
         for seq in self.requests.engine.sequences():
-            self.requests.drop(seq, ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down")
+            self.requests.drop(seq, code, why)
         for peer in list(self.peers.values()):
             await peer.flush()
             peer.close()
@@ -97,14 +112,17 @@ class DecodeServer:
                 return
             if not isinstance(first, Hello):
                 raise ProtocolError(f"expected HELLO first, got {first.TYPE.name}")
-            peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.backend))
+            peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.compat))
             async with asyncio.timeout(timeout):
                 reg = await channel.recv()
             if not isinstance(reg, Register):
                 raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
             peer.post(peer.import_pool(reg, self.rt.layout, self.rt.device))
+            channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
             self.peers[peer.link_id] = peer
-            watchdog = asyncio.create_task(channel.watch_idle(timeout))
+            watchdog = asyncio.create_task(
+                channel.watch_idle(timeout, frame_timeout=self.cfg.frame_timeout_s)
+            )
             try:
                 await channel.dispatch(lambda msg: self._dispatch(peer, msg))
             finally:
@@ -186,6 +204,6 @@ async def serve(cfg: DecodeConfig) -> int:
     check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "decode"),
-        lambda rt: DecodeServer(cfg, rt),
+        lambda rt, stop: DecodeServer(cfg, rt, stop),
         ModelRuntime.close,
     )

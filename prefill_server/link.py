@@ -47,6 +47,7 @@ class DecodeLink:
         cfg: PrefillConfig,
         *,
         fingerprint: str,
+        compat: dict,
         backend: str,
         layout_wire: dict,
         region: SharedRegion,
@@ -56,6 +57,7 @@ class DecodeLink:
     ) -> None:
         self.cfg = cfg
         self.fingerprint = fingerprint
+        self.compat = compat
         self.backend = backend
         self.layout_wire = layout_wire
         self.region = region
@@ -167,6 +169,7 @@ class DecodeLink:
                 backend=self.backend,
                 pid=os.getpid(),
                 name="prefill",
+                compat=self.compat,
             )
         )
         async with asyncio.timeout(timeout):

@@ -17,6 +17,7 @@ def _link(tmp_path, lost: list[str]) -> DecodeLink:
     return DecodeLink(
         cfg,
         fingerprint="x",
+        compat={},
         backend="shm",
         layout_wire={},
         region=region,
