@@ -7,6 +7,7 @@ its request). The pidfile is removed on the way out.
 
 from __future__ import annotations
 
+import signal
 import socket
 
 import structlog
@@ -61,6 +62,10 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         decode=str(cfg.decode_path),
         api_key=cfg.api_key is not None,
     )
+    # uvicorn handles SIGTERM/SIGINT while it serves, then restores the previous handlers and
+    # raises the signal again: with these no-op handlers that ends in a clean exit 0, not -15.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
