@@ -18,6 +18,7 @@ from common.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_STOP_STRINGS = 4
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -71,12 +72,19 @@ def decode(cls: type[RequestT], body: bytes) -> RequestT:
     try:
         req = _decoders[cls].decode(body)
     except msgspec.ValidationError as exc:
-        match = _PATH.search(str(exc))
-        raise bad_field(match.group(1) if match else None, str(exc)) from None  # type: ignore[arg-type]
+        raise bad_field(_param_of(str(exc)), str(exc)) from None
     except msgspec.DecodeError as exc:
         raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     _refuse_unsupported(req)
     return req
+
+
+def _param_of(message: str) -> str:
+    """The field a msgspec error names: `$.a.b` in its path, plus a missing field's name."""
+    path = _PATH.search(message)
+    missing = _MISSING.search(message)
+    parts = [m.group(1) for m in (path, missing) if m is not None and m.group(1)]
+    return ".".join(parts)
 
 
 def _refuse_unsupported(req: _Request) -> None:

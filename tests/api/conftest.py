@@ -53,9 +53,9 @@ class ApiProc:
         """GET `path`: (status, headers, body), also for error statuses."""
         try:
             with urllib.request.urlopen(self.url + path, timeout=10) as r:
-                return r.status, dict(r.headers), r.read()
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
         except urllib.error.HTTPError as exc:
-            return exc.code, dict(exc.headers), exc.read()
+            return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
     def stop(self) -> int:
         if self.proc.poll() is None:
