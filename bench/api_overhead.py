@@ -122,20 +122,32 @@ async def http(api: Http, max_tokens: int) -> tuple[float, float]:
     return first - t0, (end - first) / (max_tokens - 1)
 
 
-async def measure(rt: Path, url: str, requests: int, warmup: int, max_tokens: int) -> dict:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (from /proc, clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def measure(
+    rt: Path, url: str, requests: int, warmup: int, max_tokens: int, api_pid: int
+) -> dict:
     sock = str(rt / "prefill.sock")
     await wait_up(sock, url)
     got: dict[str, list[float]] = {
         k: [] for k in ("raw_ttft", "raw_tpot", "http_ttft", "http_tpot")
     }
     async with Http(int(url.rsplit(":", 1)[1])) as api:
-        for i in range(warmup + requests):
+        for _ in range(warmup):
+            await raw(sock, max_tokens)
+            await http(api, max_tokens)
+        cpu0 = cpu_s(api_pid)
+        for _ in range(requests):
             r = await raw(sock, max_tokens)
             h = await http(api, max_tokens)
-            if i >= warmup:
-                keys = ("raw_ttft", "raw_tpot", "http_ttft", "http_tpot")
-                for key, v in zip(keys, (*r, *h), strict=True):
-                    got[key].append(v * 1e6)
+            keys = ("raw_ttft", "raw_tpot", "http_ttft", "http_tpot")
+            for key, v in zip(keys, (*r, *h), strict=True):
+                got[key].append(v * 1e6)
+        got["api_cpu_us_per_request"] = [(cpu_s(api_pid) - cpu0) / requests * 1e6]
     return got
 
 
@@ -160,12 +172,20 @@ def main() -> None:
     ]
     try:
         got = asyncio.run(
-            measure(rt, f"http://127.0.0.1:{port}", args.requests, args.warmup, args.max_tokens)
+            measure(
+                rt,
+                f"http://127.0.0.1:{port}",
+                args.requests,
+                args.warmup,
+                args.max_tokens,
+                procs[2].pid,
+            )
         )
     finally:
         for p in reversed(procs):
             p.terminate()
             p.wait(timeout=30)
+    api_cpu = got.pop("api_cpu_us_per_request")[0]
     stats = {k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in got.items()}
     res = {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}",
@@ -173,6 +193,7 @@ def main() -> None:
         "requests": args.requests,
         "max_tokens": args.max_tokens,
         "results_us": stats,
+        "api_cpu_us_per_request": api_cpu,
         "added_us": {
             f"{m}_{q}": stats[f"http_{m}"][q] - stats[f"raw_{m}"][q]
             for m in ("ttft", "tpot")
@@ -187,6 +208,7 @@ def main() -> None:
         for q in ("p50", "p99"):
             r, h = stats[f"raw_{m}"][q], stats[f"http_{m}"][q]
             print(f"  {name:9} {q}: raw {r:9.1f} us   http {h:9.1f} us   added {h - r:8.1f} us")
+    print(f"  API process CPU: {api_cpu:.0f} us per request ({args.max_tokens} tokens)")
     if args.out:
         args.out.write_text(json.dumps(res, indent=2))
 
