@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from starlette.responses import Response
 
+from api_server.sse import json_response
 from common.protocol import ErrorCode
 
 # code → (HTTP status, OpenAI error type); codes not listed are 500 internal errors.
@@ -19,8 +20,15 @@ _STATUS: dict[ErrorCode, tuple[int, str]] = {
     ErrorCode.LINK_LOST: (503, "service_unavailable"),
     ErrorCode.WAIT_TIMEOUT: (504, "timeout"),
 }
-
-
+# HTTP status → the `outcome` label of pdkv_api_requests_total.
+_OUTCOMES = {
+    400: "bad_request",
+    401: "unauthorized",
+    404: "bad_request",
+    429: "no_capacity",
+    503: "unavailable",
+    504: "timeout",
+}
 # Fields a daemon's BAD_REQUEST message may start with (the message names the field first).
 _FIELDS = frozenset({"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed"})
 
@@ -49,12 +57,7 @@ class ApiError(Exception):
     @property
     def outcome(self) -> str:
         """The metrics label of this failure."""
-        return {
-            400: "bad_request",
-            401: "unauthorized",
-            404: "bad_request",
-            429: "no_capacity",
-        }.get(self.status, {503: "unavailable", 504: "timeout"}.get(self.status, "error"))
+        return _OUTCOMES.get(self.status, "error")
 
     def body(self) -> dict:
         return {
@@ -67,8 +70,6 @@ class ApiError(Exception):
         }
 
     def response(self) -> Response:
-        from api_server.sse import json_response
-
         headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"

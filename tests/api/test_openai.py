@@ -4,6 +4,7 @@ stop strings, usage, metrics, a client that goes away, and 64 concurrent streams
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -193,9 +194,7 @@ def test_client_disconnect_mid_stream_frees_blocks(stack: Stack) -> None:
         stream=True,
         extra_body={"ignore_eos": True},
     )
-    for i, _ in enumerate(stream):
-        if i == 3:
-            break
+    chunks = [next(stream) for _ in range(4)]
     busy = stack.statuses()
     assert busy["decode"].inflight == 1 and busy["decode"].pool["owned"] > 0
     stream.close()  # the HTTP connection goes away mid-stream
@@ -205,6 +204,13 @@ def test_client_disconnect_mid_stream_frees_blocks(stack: Stack) -> None:
         metrics(stack)["pdkv_api_requests_total{endpoint=completions,outcome=client_disconnect}"]
         >= 1
     )
+    # Aborted, not run to its end: the prefill cancelled it and never finished it.
+    events = [
+        line["event"]
+        for line in map(json.loads, stack.pair.daemons["prefill"].log_text().splitlines())
+        if line.get("request_id") == chunks[0].id
+    ]
+    assert "request_cancelled" in events and "request_finished" not in events, events
 
 
 def test_64_concurrent_streams_leave_no_blocks_or_fds(stack: Stack) -> None:
