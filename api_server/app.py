@@ -25,6 +25,7 @@ from api_server.errors import ApiError, bad_field
 from api_server.metrics import CONTENT_TYPE, Metrics
 from api_server.sse import json_response
 from api_server.tokens import PromptCounter
+from api_server.upstream import Upstream
 from common import client
 from common.errors import PdkvError
 from common.protocol import StatusReply
@@ -41,6 +42,7 @@ class Api:
         self.template = ChatTemplate.for_model(cfg.model)
         self.counter = PromptCounter(cfg.model)
         self.metrics = Metrics()
+        self.upstream = Upstream(str(cfg.prefill_path))
         self.created = int(time.time())
         self._key = cfg.api_key.encode() if cfg.api_key else None
 
@@ -172,7 +174,7 @@ class Api:
         )
         events = generation.run(
             job,
-            socket_path=str(self.cfg.prefill_path),
+            upstream=self.upstream,
             timeout=self.cfg.request_timeout_s,
             retry_after=self.cfg.retry_after_s,
             metrics=self.metrics,

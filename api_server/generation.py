@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from api_server.errors import ApiError, from_daemon, timed_out, unavailable
 from api_server.metrics import Metrics
 from api_server.tokens import PromptCounter
+from api_server.upstream import Upstream
 from common import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
@@ -77,7 +78,7 @@ class StopCutter:
 async def run(
     job: Job,
     *,
-    socket_path: str,
+    upstream: Upstream,
     timeout: float,
     retry_after: int,
     metrics: Metrics,
@@ -91,8 +92,7 @@ async def run(
     cutter = StopCutter(job.stops)
     started = last = time.perf_counter()
     completion = 0
-    stream = client.stream(
-        socket_path,
+    stream = upstream.stream(
         prompt=job.prompt,
         prompt_tokens=job.prompt_tokens,
         sampling=job.sampling,
@@ -133,7 +133,7 @@ async def run(
         raise timed_out(timeout) from None
     except (OSError, PdkvError) as exc:
         raise unavailable(
-            f"the prefill daemon at {socket_path} is not answering ({type(exc).__name__}: {exc})",
+            f"the prefill daemon at {upstream.path} is not answering ({type(exc).__name__}: {exc})",
             retry_after=retry_after,
         ) from None
     finally:

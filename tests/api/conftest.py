@@ -36,13 +36,19 @@ class ApiProc:
     port: int
     log: Path
     api_key: str = "unused"
+    _client: openai.OpenAI | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def sync_client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=self.api_key, max_retries=0, **kw)
+    def sync_client(self) -> openai.OpenAI:
+        """One client per API process, closed by stop() (an unclosed one leaks its socket)."""
+        if self._client is None:
+            self._client = openai.OpenAI(
+                base_url=self.url + "/v1", api_key=self.api_key, max_retries=0
+            )
+        return self._client
 
     def async_client(self, **kw) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(
@@ -58,6 +64,8 @@ class ApiProc:
             return exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read()
 
     def stop(self) -> int:
+        if self._client is not None:
+            self._client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=30)

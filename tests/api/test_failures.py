@@ -56,11 +56,11 @@ def test_no_capacity_is_429_with_retry_after_and_the_holder_frees_on_disconnect(
 
 
 def test_api_key_is_required_and_checked(tight: Stack) -> None:
-    no_key = openai.OpenAI(base_url=tight.api.url + "/v1", api_key="wrong", max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
-        no_key.models.list()
-    with pytest.raises(openai.AuthenticationError):
-        no_key.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    with openai.OpenAI(base_url=tight.api.url + "/v1", api_key="wrong", max_retries=0) as no_key:
+        with pytest.raises(openai.AuthenticationError):
+            no_key.models.list()
+        with pytest.raises(openai.AuthenticationError):
+            no_key.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert [m.id for m in tight.api.sync_client().models.list()] == [MODEL]
     assert tight.api.get("/health")[0] == 200  # probes need no key
 
@@ -74,9 +74,11 @@ def test_health_is_503_with_the_reason_when_a_daemon_is_down(tight: Stack) -> No
     assert status == 200 and b'pdkv_daemon_up{role="decode"} 0.0' in body
 
 
-def test_no_prefill_daemon_is_503(tmp_path_factory: pytest.TempPathFactory) -> None:
-    runtime = short_runtime(tmp_path_factory)
-    api = start_api(runtime)
+def test_no_prefill_is_503_and_the_api_reconnects_when_it_comes_back(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    pair = Pair(short_runtime(tmp_path_factory))
+    api = start_api(pair.runtime)
     try:
         with pytest.raises(openai.InternalServerError) as info:
             api.sync_client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
@@ -84,8 +86,15 @@ def test_no_prefill_daemon_is_503(tmp_path_factory: pytest.TempPathFactory) -> N
         assert info.value.response.headers["retry-after"] == "1"
         status, _, body = api.get("/health")
         assert status == 503 and b"prefill daemon" in body and b"decode daemon" in body
+        pair.start("decode")
+        for _ in range(2):  # first start, then a restart: the API's connection to it is stale
+            pair.start("prefill")
+            out = api.sync_client().completions.create(model=MODEL, prompt="hi", max_tokens=2)
+            assert out.usage.completion_tokens == 2
+            assert pair.daemons["prefill"].stop() == 0
     finally:
         assert api.stop() == 0
+        pair.kill_all()
 
 
 def _silent_listener(path: Path) -> socket.socket:
