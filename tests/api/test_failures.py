@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import MODEL, Stack, openai, short_runtime, start_api
+from tests.api.conftest import MODEL, Stack, free_port, openai, short_runtime, start_api
 from tests.integration.conftest import Pair
 
 
@@ -157,3 +158,24 @@ def test_non_loopback_address_without_key_is_refused(tmp_path: Path) -> None:
     )
     assert out.returncode == 3
     assert "--api-key" in out.stderr
+
+
+def test_background_start_status_and_stop(tmp_path_factory: pytest.TempPathFactory) -> None:
+    runtime = short_runtime(tmp_path_factory)
+    port = free_port()
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(runtime), *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    started = cli("api", "start", "--background", "--port", str(port))
+    assert started.returncode == 0, started.stderr
+    assert f"http://127.0.0.1:{port}/v1" in started.stdout
+    again = cli("api", "start", "--background", "--port", str(port))
+    assert again.returncode == 3 and "already running" in again.stderr
+    status = cli("status", "--json")
+    pid = json.loads(status.stdout)["api"]["pid"]
+    assert status.returncode == 1  # the daemons are down; the API does not count
+    stopped = cli("stop", "api")
+    assert stopped.returncode == 0 and f"api: stopped (pid {pid})" in stopped.stdout
+    assert not (runtime / "api.pid").exists()
