@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import socket
 
+import prometheus_client
 import structlog
 import uvicorn
 
@@ -38,6 +39,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
     """Serve until stopped; 0 after a clean stop. StartupError when it cannot start."""
+    prometheus_client.disable_created_metrics()  # no `_created` series beside every counter
     try:
         api = Api(cfg)
     except TemplateError as exc:
