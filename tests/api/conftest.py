@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -138,15 +139,24 @@ def short_runtime(factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """decode + prefill (--max-prompt-tokens 256) + the API, shared by a module's tests."""
-    pair = Pair(short_runtime(tmp_path_factory))
+@contextlib.contextmanager
+def running_stack(
+    factory: pytest.TempPathFactory, *prefill_args: str, api_key: str | None = None
+) -> Iterator[Stack]:
+    """decode + prefill (with `prefill_args`) + the API, in a fresh runtime dir."""
+    pair = Pair(short_runtime(factory))
     try:
         pair.start("decode")
-        pair.start("prefill", "--max-prompt-tokens", "256")
-        api = start_api(pair.runtime)
+        pair.start("prefill", *prefill_args)
+        api = start_api(pair.runtime, api_key=api_key)
         yield Stack(pair, api)
         assert api.stop() == 0
     finally:
         pair.kill_all()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The stack shared by a module's tests; prompts of at most 256 tokens."""
+    with running_stack(tmp_path_factory, "--max-prompt-tokens", "256") as s:
+        yield s

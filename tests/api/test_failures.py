@@ -13,22 +13,23 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import MODEL, Stack, free_port, openai, short_runtime, start_api
+from tests.api.conftest import (
+    MODEL,
+    Stack,
+    free_port,
+    openai,
+    running_stack,
+    short_runtime,
+    start_api,
+)
 from tests.integration.conftest import Pair
 
 
 @pytest.fixture(scope="module")
 def tight(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A prefill that holds one request at a time (--max-pending 1), its decode, and the API."""
-    pair = Pair(short_runtime(tmp_path_factory))
-    try:
-        pair.start("decode")
-        pair.start("prefill", "--max-pending", "1")
-        api = start_api(pair.runtime, api_key="s3cret")
-        yield Stack(pair, api)
-        assert api.stop() == 0
-    finally:
-        pair.kill_all()
+    """A prefill that holds one request at a time (--max-pending 1); the API wants a key."""
+    with running_stack(tmp_path_factory, "--max-pending", "1", api_key="s3cret") as s:
+        yield s
 
 
 def test_no_capacity_is_429_with_retry_after_and_the_holder_frees_on_disconnect(
