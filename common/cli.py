@@ -178,15 +178,104 @@ def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyp
 
 
 @cli.command()
-@click.argument("which", type=click.Choice(["prefill", "decode", "all"]), default="all")
+@click.argument("which", type=click.Choice(["prefill", "decode", "api", "all"]), default="all")
 @click.option(
     "--timeout", default=30.0, show_default=True, help="Seconds to wait for each daemon to exit."
 )
 @global_options
 @click.pass_obj
 def stop(g: commands.Globals, which: str, timeout: float) -> None:
-    """Stop daemons started with --background (SIGTERM, graceful drain)."""
+    """Stop daemons (and the API) started with --background (SIGTERM, graceful drain)."""
     raise SystemExit(commands.stop(g, which=which, timeout=timeout))
+
+
+@cli.group()
+def api() -> None:
+    """The OpenAI-compatible HTTP API and Prometheus metrics, in front of the prefill daemon."""
+
+
+@api.command("start")
+@click.option(
+    "--host",
+    show_envvar=True,
+    envvar="PDKV_API_HOST",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on; one other than loopback needs --api-key.",
+)
+@click.option(
+    "--port",
+    show_envvar=True,
+    envvar="PDKV_API_PORT",
+    default=8000,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+)
+@click.option(
+    "--api-key",
+    show_envvar=True,
+    envvar="PDKV_API_KEY",
+    default=None,
+    help="Clients must send `Authorization: Bearer KEY` to /v1/*.",
+)
+@click.option(
+    "--model",
+    show_envvar=True,
+    envvar="PDKV_MODEL",
+    default=None,
+    metavar="DIR",
+    type=click.Path(path_type=Path),
+    help="The daemons' checkpoint dir, for its chat template and name; default: tiny model.",
+)
+@click.option(
+    "--served-model-name",
+    show_envvar=True,
+    envvar="PDKV_SERVED_MODEL_NAME",
+    default=None,
+    help="Model id in /v1/models and requests [default: the checkpoint dir's name, or pdkv-tiny].",
+)
+@click.option(
+    "--client-socket",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="The prefill daemon's client socket.",
+)
+@click.option(
+    "--link-socket",
+    show_envvar=True,
+    envvar="PDKV_LINK_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="The decode daemon's socket (for health and metrics).",
+)
+@click.option(
+    "--request-timeout",
+    "request_timeout_s",
+    show_envvar=True,
+    envvar="PDKV_REQUEST_TIMEOUT",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(0.0, min_open=True),
+    help="Seconds to wait for each answer from the daemons before a 504.",
+)
+@click.option(
+    "--drain-timeout",
+    show_envvar=True,
+    envvar="PDKV_DRAIN_TIMEOUT",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Seconds to finish open responses on SIGTERM.",
+)
+@click.option(
+    "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
+)
+@click.pass_obj
+def api_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
+    """Start the HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    raise SystemExit(commands.start_api(g, **opts))
 
 
 @cli.command()

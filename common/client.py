@@ -80,10 +80,12 @@ async def stream(
             if done:
                 return
     finally:
-        if not done and not channel.closed:
-            with contextlib.suppress(OSError):
-                await channel.send(Abort(request_id=rid))
-        channel.close()
+        try:
+            if not done and not channel.closed:
+                with contextlib.suppress(OSError):
+                    await channel.send(Abort(request_id=rid))
+        finally:
+            channel.close()  # also when the ABORT's send is cancelled: closing aborts too
 
 
 async def generate(socket_path: str, **kwargs) -> Result:  # type: ignore[no-untyped-def]

@@ -150,9 +150,11 @@ def _tail(path: Path, offset: int, lines: int = 20) -> str:
 def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
     """SIGTERM each daemon named by its pidfile and wait for it to exit."""
     code = EXIT_OK
-    for role in ("prefill", "decode") if which == "all" else (which,):
+    for role in ("api", "prefill", "decode") if which == "all" else (which,):
         pidfile = g.runtime_dir / f"{role}.pid"
         pid = read_pid(pidfile)
+        if pid is None and role == "api" and which == "all":
+            continue  # the API is optional: `pdkv stop` names it only when it ran
         if pid is None:
             remove_file(pidfile)  # stale or absent
             click.echo(f"{role}: not running")
@@ -211,11 +213,14 @@ def status(
             out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
         except (OSError, TimeoutError, PdkvError) as exc:
             out[role] = {"role": role, "down": f"{type(exc).__name__}: {exc}", "socket": str(path)}
+    api_pid = read_pid(g.runtime_dir / "api.pid")  # optional: not part of the exit code
     if as_json:
-        click.echo(json.dumps(out, indent=2))
+        click.echo(json.dumps({**out, **({"api": {"pid": api_pid}} if api_pid else {})}, indent=2))
     else:
         for role, st in out.items():
             click.echo(_status_line(role, st))
+        if api_pid:
+            click.echo(f"{'api':8} up    pid {api_pid}  (pdkv stop api)")
     return EXIT_OK if healthy(out) else EXIT_FAIL
 
 
@@ -341,6 +346,13 @@ _CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] i
 def printable(text: str) -> str:
     """`text` with control characters (ESC, CR, BEL, ...) escaped as \\xNN."""
     return text.translate(_CONTROL)
+
+
+def start_api(g: Globals, **opts: Any) -> int:
+    """Run the HTTP API (api_server) in the foreground, or detached with background=True."""
+    from api_server import launch
+
+    return launch.start(g.runtime_dir, log_format=g.log_format, log_level=g.log_level, **opts)
 
 
 def demo(g: Globals, **opts: Any) -> int:

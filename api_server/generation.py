@@ -1,0 +1,143 @@
+"""One request's run through the daemons, as the HTTP layer needs it: text deltas with `stop`
+strings cut out, then a Done with the finish reason and usage. Failures become ApiErrors.
+
+A request that meets one of its stop strings ends there: the generator closes the daemon stream,
+which sends ABORT, so the daemons free its blocks at once instead of generating to max_tokens.
+Closing this generator early (a client that went away) does the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from api_server.errors import ApiError, from_daemon, timed_out, unavailable
+from api_server.metrics import Metrics
+from api_server.tokens import PromptCounter
+from api_server.upstream import Upstream
+from common import client
+from common.errors import PdkvError
+from common.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What one HTTP request asks the daemons for. `request_id` is also the daemons' id."""
+
+    request_id: str
+    sampling: SamplingParams
+    prompt: str | None = None
+    prompt_tokens: list[int] | None = None
+    stops: list[str] = field(default_factory=list)
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a request: OpenAI's finish_reason (`stop` or `length`) and its usage."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class StopCutter:
+    """Finds the first stop string in a stream of text deltas and holds back any tail of the
+    text that could still be the start of one, so no part of a stop string is ever emitted."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to emit, True when a stop string was found: the text ends before it)."""
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, at the end of a request that met no stop string."""
+        text, self.held = self.held, ""
+        return text
+
+
+async def run(
+    job: Job,
+    *,
+    upstream: Upstream,
+    timeout: float,
+    retry_after: int,
+    metrics: Metrics,
+    counter: PromptCounter,
+) -> AsyncIterator[str | Done]:
+    """Yield `job`'s text deltas (non-empty strings) then one Done; ApiError on failure.
+
+    Non-streamed jobs without stop strings ask the daemon for the whole text at the end (one
+    detokenization); the rest ask for text with every TOKENS frame.
+    """
+    cutter = StopCutter(job.stops)
+    started = last = time.perf_counter()
+    completion = 0
+    stream = upstream.stream(
+        prompt=job.prompt,
+        prompt_tokens=job.prompt_tokens,
+        sampling=job.sampling,
+        request_id=job.request_id,
+        timeout=timeout,
+        text_deltas=job.stream or bool(job.stops),
+    )
+    metrics.inflight.inc()
+    try:
+        async with contextlib.aclosing(stream) as msgs:
+            async for msg in msgs:
+                now = time.perf_counter()
+                if isinstance(msg, client.Tokens) and msg.tokens:
+                    if completion == 0:
+                        metrics.ttft.observe(now - started)
+                    else:
+                        metrics.itl.observe((now - last) / len(msg.tokens))
+                    last = now
+                    completion += len(msg.tokens)
+                text, hit = cutter.feed(msg.text)
+                if text:
+                    yield text
+                if hit:
+                    prompt = counter.count(job.prompt, job.prompt_tokens)
+                    yield Done("stop", prompt, completion)
+                    return
+                if isinstance(msg, client.Finish):
+                    if tail := cutter.flush():
+                        yield tail
+                    if handoff_us := msg.timings.get("handoff_us"):  # 0: ended before a handoff
+                        metrics.handoff.observe(handoff_us / 1e6)
+                    reason = "length" if msg.reason == "length" else "stop"
+                    yield Done(reason, msg.usage.prompt_tokens, msg.usage.completion_tokens)
+                    return
+    except client.RequestFailed as exc:
+        raise from_daemon(exc.code, str(exc).split(": ", 1)[-1], retry_after=retry_after) from None
+    except TimeoutError:
+        raise timed_out(timeout) from None
+    except (OSError, PdkvError) as exc:
+        raise unavailable(
+            f"the prefill daemon at {upstream.path} is not answering ({type(exc).__name__}: {exc})",
+            retry_after=retry_after,
+        ) from None
+    finally:
+        metrics.inflight.dec()
+    raise ApiError(
+        503, "the prefill daemon ended the request without FINISH", type="service_unavailable"
+    )

@@ -1,0 +1,103 @@
+"""`pdkv api start`: build the ApiConfig from CLI options, then serve in the foreground or detach
+a child and return once it answers HTTP. The API key reaches a detached child through its
+environment (PDKV_API_KEY), never its command line, which any local user can read."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import click
+
+from api_server.config import ApiConfig
+from common import logs
+from common.runtime import StartupError, ensure_runtime_dir, read_pid
+
+EXIT_OK, EXIT_STARTUP = 0, 3
+READY_TIMEOUT_S = 60.0
+
+
+def start(
+    runtime_dir: Path, *, log_format: str, log_level: str, background: bool = False, **opts: Any
+) -> int:
+    """Serve the API (foreground) or start it detached; exit code 3 when it cannot start."""
+    drain_timeout = opts.pop("drain_timeout", 10.0)
+    try:
+        cfg = ApiConfig(runtime_dir=runtime_dir, **opts)
+        ensure_runtime_dir(runtime_dir)
+    except (StartupError, OSError) as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_STARTUP
+    if background:
+        return _detach(cfg, log_level=log_level, drain_timeout=drain_timeout)
+    logs.configure(log_format, log_level)  # type: ignore[arg-type]
+    from api_server.server import run
+
+    try:
+        return run(cfg, drain_timeout_s=drain_timeout)
+    except StartupError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return EXIT_STARTUP
+
+
+def _detach(cfg: ApiConfig, *, log_level: str, drain_timeout: float) -> int:
+    pid = read_pid(cfg.pidfile)
+    if pid is not None:
+        click.echo(f"error: api already running (pid {pid}); `pdkv stop api` first", err=True)
+        return EXIT_STARTUP
+    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(cfg.runtime_dir)]
+    argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
+    argv += ["--host", cfg.host, "--port", str(cfg.port), "--drain-timeout", str(drain_timeout)]
+    argv += ["--request-timeout", str(cfg.request_timeout_s)]
+    for flag, value in (
+        ("--client-socket", cfg.client_socket),
+        ("--link-socket", cfg.link_socket),
+        ("--model", cfg.model),
+        ("--served-model-name", cfg.served_model_name),
+    ):
+        if value is not None:
+            argv += [flag, str(value)]
+    env = dict(os.environ)
+    env.pop("PDKV_API_KEY", None)
+    if cfg.api_key:
+        env["PDKV_API_KEY"] = cfg.api_key
+    log_path = cfg.runtime_dir / "api.log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            env=env,
+            start_new_session=True,
+        )
+    url = f"http://{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.port}"
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            click.echo(f"error: api exited with {proc.returncode}; see {log_path}", err=True)
+            return EXIT_STARTUP
+        if _answers(url, cfg.api_key):
+            click.echo(f"api started (pid {proc.pid}), {url}/v1, log {log_path}")
+            return EXIT_OK
+        time.sleep(0.1)
+    click.echo(f"error: api did not answer in {READY_TIMEOUT_S:g} s; log {log_path}", err=True)
+    return EXIT_STARTUP
+
+
+def _answers(url: str, api_key: str | None) -> bool:
+    """True when GET /v1/models answers 200."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(
+            urllib.request.Request(url + "/v1/models", headers=headers), timeout=1
+        ) as r:
+            return r.status == 200
+    except (OSError, urllib.error.URLError):
+        return False

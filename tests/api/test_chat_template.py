@@ -1,0 +1,99 @@
+"""Chat templates render the text transformers' apply_chat_template renders (less the BOS the
+daemon's tokenizer adds itself), and the default template is the documented one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from api_server.chat import DEFAULT_TEMPLATE, ChatTemplate, TemplateError
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+# A Llama-2-style template: BOS, a system message folded into the first user turn, loop
+# controls, raise_exception on a bad role order, and tojson.
+LLAMA2_STYLE = (
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"
+    "{% set messages = messages[1:] %}{% else %}{% set system = false %}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{% if loop.index0 == 0 and system %}{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n'"
+    " + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + content.strip() + ' ' + eos_token }}{% endif %}"
+    "{% if message.get('name') %}{% continue %}{% endif %}"
+    "{% endfor %}{{ '' | tojson }}"
+)
+MESSAGES = [
+    {"role": "system", "content": "Answer in French."},
+    {"role": "user", "content": "Hello  there"},
+    {"role": "assistant", "content": "Bonjour"},
+    {"role": "user", "content": "Ça va ?"},
+]
+
+
+def write_checkpoint_tokenizer(path: Path, template: str | None) -> None:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.save(str(path / "tokenizer.json"))
+    config = {
+        "bos_token": "<s>",
+        "eos_token": {
+            "__type": "AddedToken",
+            "content": "</s>",
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "single_word": False,
+            "special": True,
+        },
+        "unk_token": "<unk>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    if template is not None:
+        config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def test_checkpoint_template_renders_as_transformers(tmp_path: Path) -> None:
+    write_checkpoint_tokenizer(tmp_path, LLAMA2_STYLE)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    theirs = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    ours = ChatTemplate.for_model(tmp_path).render(MESSAGES)
+    assert theirs.startswith("<s>[INST] <<SYS>>")
+    assert ours == theirs.removeprefix("<s>")
+
+
+def test_template_errors_are_template_errors(tmp_path: Path) -> None:
+    write_checkpoint_tokenizer(tmp_path, LLAMA2_STYLE)
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        ChatTemplate.for_model(tmp_path).render([{"role": "assistant", "content": "x"}])
+    with pytest.raises(TemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_checkpoint_without_template_and_tiny_model_use_the_default(tmp_path: Path) -> None:
+    write_checkpoint_tokenizer(tmp_path, None)
+    for template in (ChatTemplate.for_model(tmp_path), ChatTemplate.for_model(None)):
+        assert template.is_default
+        assert template.render(MESSAGES[:2]) == (
+            "<|system|>\nAnswer in French.\n<|user|>\nHello  there\n<|assistant|>\n"
+        )
+    assert ChatTemplate(DEFAULT_TEMPLATE).is_default
+
+
+def test_named_templates_and_jinja_file(tmp_path: Path) -> None:
+    write_checkpoint_tokenizer(tmp_path, None)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = [
+        {"name": "tool_use", "template": "T"},
+        {"name": "default", "template": "D"},
+    ]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert ChatTemplate.for_model(tmp_path).render(MESSAGES) == "D"
+    (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
+    assert ChatTemplate.for_model(tmp_path).render(MESSAGES) == "4"
