@@ -77,7 +77,9 @@ class Pdkv:
     """The loaded model, one pool, one graph runner; rows get blocks 1.. in order of use."""
 
     def __init__(self, path: Path, rows: int) -> None:
-        self.model, _ = load_model(path, device="cuda:0", dtype=torch.bfloat16)
+        self.model, _ = load_model(
+            path, device="cuda:0", dtype=torch.bfloat16, allow_byte_tokenizer=True
+        )
         self.kv = self.model.new_kv_cache(rows * MAX_BLOCKS + 1, BLOCK)
         self.runner = DecodeRunner(self.model, self.kv, max_batch=rows, max_blocks=MAX_BLOCKS)
         t0 = time.perf_counter()

@@ -7,12 +7,12 @@ internals. Requests come in from the asyncio side; one engine thread runs steps,
 1. admit waiting requests in arrival order while the batch has room, their blocks are free and the
    step's prefill token budget lasts (the first always goes): prefill each alone, sample its first
    token and hand it to the client at once;
-2. one `decode_step` over every running sequence; each new token is handed over as it is sampled.
+2. one decode step over every running sequence (on CUDA with the kernels, replayed from the same
+   CUDA-graph runner the decode daemon uses); each new token is handed over as it is sampled.
 
 Blocks for prompt + max_tokens are reserved at admission, so a running sequence never waits for
 memory. Tokens reach the loop through `call_soon_threadsafe`, one call per token, as the daemons
-send one TOKENS frame per token. All model calls are in `ModelRunner`, to be swapped for a faster
-runner.
+send one TOKENS frame per token. All model calls are in `ModelRunner`.
 """
 
 from __future__ import annotations
@@ -52,8 +52,18 @@ class Sequence:
 class ModelRunner:
     """The engine's only calls into the model: a prefill of one sequence, a decode step of many."""
 
-    def __init__(self, model: LlamaModel, kv: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self, model: LlamaModel, kv: torch.Tensor, block_size: int, max_batch: int
+    ) -> None:
         self.model, self.kv, self.block_size = model, kv, block_size
+        self.graphs = None  # on CUDA with the kernels: the decode daemon's CUDA-graph runner
+        if model.device.type == "cuda" and model.use_kernels:
+            from common.model.runner import DecodeRunner
+
+            max_pos = model.config.max_position_embeddings
+            max_blocks = min(-(-max_pos // block_size), kv.shape[0])
+            self.graphs = DecodeRunner(model, kv, max_batch=max_batch, max_blocks=max_blocks)
+            self.graphs.capture()
 
     def prefill(self, seq: Sequence) -> torch.Tensor:
         """Logits [vocab] of the prompt's last position; the prompt's KV lands in its blocks."""
@@ -69,6 +79,9 @@ class ModelRunner:
         pos = torch.tensor(positions)
         slots = tables.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
         tokens = torch.tensor([s.generated[-1] for s in seqs])
+        if self.graphs is not None and self.graphs.bucket_for(len(seqs)):
+            args = (tokens.tolist(), positions, slots.tolist(), tables.numpy())
+            return self.graphs.run(*args)[1]  # replayed as the decode daemon does
         return self.model.decode_step(tokens, pos, slots, tables, pos + 1, self.kv)
 
 
@@ -90,7 +103,7 @@ class LocalEngine:
         layout = PoolLayout(num_blocks, layers, heads, dim, block_size, dtype)
         self.pool = KVPool.create(layout, device=model.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.runner = ModelRunner(model, self.pool.tensor, block_size)
+        self.runner = ModelRunner(model, self.pool.tensor, block_size, max_batch)
         self.max_batch, self.prefill_tokens, self.block_size = max_batch, prefill_tokens, block_size
         self._max_len = model.config.max_position_embeddings
         self._stops = frozenset(model.config.stop_token_ids)

@@ -151,6 +151,8 @@ def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
     for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
         if value:
             common += [opt, str(value)]
+    if args.model:  # prompts are token ids: a checkpoint without tokenizer.json serves as well
+        common += ["--allow-byte-tokenizer"]
     if args.torch_threads:
         common += ["--torch-threads", str(args.torch_threads)]
     with own_pair(common, ["--max-batch", str(args.max_batch)]) as sock:
@@ -177,7 +179,7 @@ def run_local(args: argparse.Namespace) -> list[dict]:
     if threads:
         torch.set_num_threads(threads)
     t = time.perf_counter()
-    model, _ = load_model(args.model, device=device, dtype=dtype)
+    model, _ = load_model(args.model, device=device, dtype=dtype, allow_byte_tokenizer=True)
     print(f"  local model loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     engine = LocalEngine(
         model, num_blocks=args.num_blocks, block_size=args.block_size, max_batch=args.max_batch

@@ -81,7 +81,7 @@ def test_kernel_path_greedy_equals_transformers_on_the_gpu(tmp_path: Path) -> No
     spec.loader.exec_module(helpers)
 
     hf = helpers.save_hf_llama(tmp_path).to("cuda")
-    model, _ = load_model(tmp_path, device="cuda", dtype=torch.float32)
+    model, _ = load_model(tmp_path, device="cuda", dtype=torch.float32, allow_byte_tokenizer=True)
     assert model.use_kernels
     prompt = [1, 17, 250, 3, 99, 42, 7, 128, 64, 5, 11, 290, 33]
     with torch.no_grad():
