@@ -259,12 +259,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path("engine_results.json"))
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument(
+        "--save-checkpoint",
+        type=Path,
+        metavar="DIR",
+        help="write the random checkpoint here and keep it (e.g. for bench/serve.py --model DIR)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
+        ckpt = args.save_checkpoint or Path(tmp)
         t0 = time.perf_counter()
-        hf = build_checkpoint(Path(tmp))
+        hf = build_checkpoint(ckpt)
         report("build + save checkpoint", time.perf_counter() - t0, "s")
-        pd = Pdkv(Path(tmp), 256)
+        pd = Pdkv(ckpt, 256)
         bench_floor(pd)
         bench_prefill(pd, hf)
         bench_steps(pd, hf)
