@@ -28,6 +28,8 @@ def start(
 ) -> int:
     """Serve the API (foreground) or start it detached; exit code 3 when it cannot start."""
     drain_timeout = opts.pop("drain_timeout", 10.0)
+    if "request_timeout" in opts:  # the CLI's name; the config's field counts seconds
+        opts["request_timeout_s"] = opts.pop("request_timeout")
     try:
         cfg = ApiConfig(runtime_dir=runtime_dir, **opts)
         ensure_runtime_dir(runtime_dir)

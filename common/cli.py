@@ -210,6 +210,7 @@ def api() -> None:
     default=8000,
     show_default=True,
     type=click.IntRange(0, 65535),
+    help="TCP port to listen on (0: any free port).",
 )
 @click.option(
     "--api-key",
@@ -252,9 +253,8 @@ def api() -> None:
 )
 @click.option(
     "--request-timeout",
-    "request_timeout_s",
     show_envvar=True,
-    envvar="PDKV_REQUEST_TIMEOUT",
+    envvar="PDKV_API_REQUEST_TIMEOUT",
     default=120.0,
     show_default=True,
     type=click.FloatRange(0.0, min_open=True),

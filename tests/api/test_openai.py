@@ -59,6 +59,7 @@ def test_greedy_completion_equals_pdkv_generate(stack: Stack) -> None:
             "--max-tokens",
             "12",
             "--ignore-eos",
+            "--json",  # the text exactly (plain output escapes control characters)
             PROMPT,
         ],
         capture_output=True,
@@ -66,7 +67,7 @@ def test_greedy_completion_equals_pdkv_generate(stack: Stack) -> None:
         timeout=60,
         check=True,
     )
-    expected = cli.stdout.decode("utf-8").removesuffix("\n")
+    expected = json.loads(cli.stdout)["text"]
     out = stack.api.sync_client().completions.create(
         model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
     )
