@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.blockids import block_id_array
 from common.cuda import cuda_errors, ext, has_extension, stream_ptr
 from common.errors import IpcError
 
@@ -35,10 +36,7 @@ def _check(dst: torch.Tensor, src: torch.Tensor, n_dst: int, n_src: int) -> None
 
 
 def _ids(ids: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
-    t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
-        raise IpcError(f"{what} block ids out of range [0, {limit}): {t.tolist()[:16]}")
-    return t
+    return torch.from_numpy(block_id_array(ids, limit, what))
 
 
 def copy_blocks(

@@ -32,7 +32,8 @@ import msgspec
 import torch
 
 from common.errors import IpcError, PdkvError
-from common.ipc.base import RegionDescriptor, SharedRegion, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
 
 _ids = itertools.count(1)

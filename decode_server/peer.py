@@ -17,7 +17,8 @@ from collections.abc import Callable
 import structlog
 
 from common.errors import PdkvError, ProtocolError
-from common.ipc.base import SharedRegion, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import SharedRegion
 from common.kvpool import KVPool, PoolLayout
 from common.link import FrameChannel
 from common.protocol import (

@@ -21,7 +21,7 @@ import torch
 from common import daemon
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
-from common.ipc.base import backend_for
+from common.ipc.backends import backend_for
 from common.ipc.events import event_ring
 from common.link import FrameChannel
 from common.model.sampling import SamplingParamsError

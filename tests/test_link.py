@@ -235,7 +235,7 @@ async def test_register_with_a_real_shm_region_shares_memory(
     """The REGISTER path end to end: export a pool, send descriptor + fds, open, write, read."""
     import torch
 
-    from common.ipc.base import backend_for
+    from common.ipc.backends import backend_for
     from common.ipc.shm import shm_empty
 
     left, right = pair
