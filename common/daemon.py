@@ -20,8 +20,8 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from common.link import peer_credentials
-from common.runtime import claim_socket_path
+from common.channel import peer_credentials
+from common.rundir import claim_socket_path
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")

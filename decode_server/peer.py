@@ -20,7 +20,7 @@ from common.errors import PdkvError, ProtocolError
 from common.ipc.backends import backend_for
 from common.ipc.base import SharedRegion
 from common.kvpool import KVPool, PoolLayout
-from common.link import FrameChannel
+from common.channel import FrameChannel
 from common.protocol import (
     ErrorCode,
     Handoff,

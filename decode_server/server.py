@@ -14,7 +14,7 @@ import structlog
 from common import daemon
 from common.config import DecodeConfig
 from common.errors import PdkvError, ProtocolError
-from common.link import FrameChannel
+from common.channel import FrameChannel
 from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
@@ -29,7 +29,7 @@ from common.protocol import (
     Status,
     StatusReply,
 )
-from common.runtime import check_free, remove_file, write_pidfile
+from common.rundir import check_free, remove_file, write_pidfile
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 

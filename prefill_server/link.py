@@ -20,7 +20,7 @@ import structlog
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
 from common.ipc.base import SharedRegion
-from common.link import FrameChannel, connect
+from common.channel import FrameChannel, connect
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,

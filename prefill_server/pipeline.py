@@ -30,7 +30,7 @@ from common.protocol import (
     Tokens,
     Usage,
 )
-from prefill_server.engine import run_prefill
+from prefill_server.forward import run_prefill
 from prefill_server.request import PrefillRequest
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
 from common.ipc.backends import backend_for
 from common.ipc.events import event_ring
-from common.link import FrameChannel
+from common.channel import FrameChannel
 from common.model.sampling import SamplingParamsError
 from common.modelrt import ModelRuntime
 from common.protocol import (
@@ -40,7 +40,7 @@ from common.protocol import (
     Tokens,
     make_error,
 )
-from common.runtime import check_free, remove_file, write_pidfile
+from common.rundir import check_free, remove_file, write_pidfile
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestFailed, RequestPipeline
 from prefill_server.request import PrefillRequest

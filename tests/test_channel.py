@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from common.errors import PdkvError, ProtocolError
-from common.link import MAX_FDS_PER_MSG, FrameChannel, connect
+from common.channel import MAX_FDS_PER_MSG, FrameChannel, connect
 from common.protocol import (
     HEADER_SIZE,
     MAX_META_BYTES,
@@ -535,7 +535,7 @@ async def test_spin_delivers_and_stops_after_its_window(
 _CLOSE_DURING_WRITE = """
 import asyncio, socket
 from common import daemon
-from common.link import FrameChannel
+from common.channel import FrameChannel
 from common.protocol import Error, ErrorCode, Ping
 
 async def main() -> int:

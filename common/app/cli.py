@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from common import commands
-from common.runtime import default_runtime_dir
+from common.app import commands
+from common.rundir import default_runtime_dir
 
 _DAEMON_OPTIONS = [
     click.option(

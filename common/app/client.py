@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import PdkvError, ProtocolError
-from common.link import connect
+from common.channel import connect
 from common.protocol import Abort, Error, ErrorCode, Finish, Generate, Status, StatusReply, Tokens
 from common.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from common import client
+from common.app import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
 
@@ -42,7 +42,7 @@ def _spawn(
     argv = [
         sys.executable,
         "-m",
-        "common.cli",
+        "common.app.cli",
         "--runtime-dir",
         str(runtime),
         "--log-format",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common import client
+from common.app import client
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Pair:
         argv = [
             sys.executable,
             "-m",
-            "common.cli",
+            "common.app.cli",
             "--runtime-dir",
             str(self.runtime),
             "--log-format",
