@@ -28,9 +28,9 @@ import torch
 
 from common import daemon
 from common.app import client
+from common.channel import connect
 from common.ipc.shm import ShmRegion
 from common.kvpool import KVPool, PoolLayout
-from common.channel import connect
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import (

@@ -1,16 +1,17 @@
 """The decode daemon's continuous-batching loop.
 
 Sequences join and leave at step boundaries: `add` queues a sequence, and the loop takes every
-queued sequence into the batch before the next step; a finished sequence frees its blocks right
-after the step that finished it. Each step runs on the torch thread; the loop itself never blocks.
-Emission is through `on_tokens(seq, token)` / `on_finish(seq)` callbacks, called on the loop.
+queued sequence into the batch (up to `max_batch`) before the next step; a sequence that finished
+leaves the batch after the step that finished it. Each step runs on the torch thread; the loop
+itself never blocks. After each step, `on_step(results)` gets every (sequence, new token) pair of
+that step, on the loop; the engine owns no blocks: whoever removes or finishes a sequence frees
+them (DecodeRequests).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 import structlog
@@ -114,7 +115,3 @@ class DecodeEngine:
             )
             generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
             return sample_batch(logits, [s.sampling for s in batch], generators)
-
-
-def monotonic_us() -> float:
-    return time.monotonic_ns() / 1000.0

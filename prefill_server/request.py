@@ -6,13 +6,23 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from common.errors import PdkvError
 from common.model.sampling import SamplingParams
-from common.protocol import Message
+from common.protocol import ErrorCode, Message
+
+
+class RequestFailed(PdkvError):
+    """A request ends with an ERROR frame of `code` to its client."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(eq=False)
 class PrefillRequest:
-    """Created by the front door; the link routes the decode's answers into `inbox`."""
+    """Created by RequestPipeline.run; the pipeline routes the decode's answers (from the link)
+    into `inbox`."""
 
     request_id: str
     prompt_tokens: list[int]
@@ -20,7 +30,6 @@ class PrefillRequest:
     stream: bool = True
     inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
-    first_token: int = -1
     generated: list[int] = field(default_factory=list)
     text_tokens: int = 0  # generated tokens already turned into text for the client
     ttft_ms: float = 0.0

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.errors import PdkvError, ProtocolError
 from common.channel import MAX_FDS_PER_MSG, FrameChannel, connect
+from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     HEADER_SIZE,
     MAX_META_BYTES,

@@ -14,7 +14,7 @@ from common.ipc.base import _BACKENDS, SharedRegion
 def backend_for(kind: str) -> type[SharedRegion]:
     """The backend class for `kind`; IpcError naming the available kinds otherwise."""
     if kind not in _BACKENDS:
-        import common.ipc.shm  # noqa: F401
+        import common.ipc.shm
 
         if kind.startswith("cuda"):
             try:

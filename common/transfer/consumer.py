@@ -34,6 +34,7 @@ from common.ipc.events import ImportedEventRing
 from common.kvpool import KVPool, PoolLayout
 from common.model.paged import blocks_for
 from common.protocol import ErrorCode, Handoff, Register
+from common.transfer.regions import open_region
 
 log = structlog.get_logger(__name__)
 PullDone = Callable[[BaseException | None], None]
@@ -65,32 +66,38 @@ class KVConsumer:
 
     @classmethod
     def open(
-        cls, reg: Register, fds: list[int], local: KVPool, stream: torch.cuda.Stream | None = None
+        cls,
+        reg: Register,
+        take_fds: Callable[[int], list[int]],
+        local: KVPool,
+        stream: torch.cuda.Stream | None = None,
     ) -> KVConsumer:
         """Open the peer's pool (the first and only region of REGISTER) and event ring.
-        Takes over `fds`. `stream`: the pull stream on CUDA, None on CPU."""
+        `take_fds(n)` gives the fds that came with the frame, taken once REGISTER's own checks
+        passed (from then on they are closed here or owned by the mapping). `stream`: the pull
+        stream on CUDA, None on CPU."""
         try:
             layout = PoolLayout.from_wire(reg.layout)
             descs = reg.descriptors()
         except (PdkvError, ValueError) as exc:
-            _close_fds(fds)
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
         mine, theirs = local.layout.compat_fields(), layout.compat_fields()
         if theirs != mine:
-            _close_fds(fds)
             raise TransferRefused(
                 ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
             )
         if len(descs) != 1:
-            _close_fds(fds)
-            raise TransferRefused(ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}")
+            raise TransferRefused(
+                ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}"
+            )
+        fds = take_fds(sum(r.num_fds for r in reg.regions))
         try:
-            backend = backend_for(descs[0].kind)
+            backend_for(descs[0].kind)  # an unknown kind is INCOMPATIBLE, not a bad REGISTER
         except PdkvError as exc:
             _close_fds(fds)
             raise TransferRefused(ErrorCode.INCOMPATIBLE, str(exc)) from exc
         try:
-            region = backend.open_for(descs[0], fds, local.device)  # owns the fds from here on
+            region = open_region(descs[0], fds, local.device)  # owns the fds from here on
         except PdkvError as exc:
             raise TransferRefused(
                 ErrorCode.BAD_REQUEST, f"cannot open the peer's pool: {exc}"

@@ -24,10 +24,10 @@ import structlog
 import torch
 
 from common.allocator import BlockAllocator
-from common.ipc.backends import backend_for
 from common.ipc.events import EventRing
 from common.kvpool import KVPool
 from common.protocol import Register
+from common.transfer.regions import export_region
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,7 @@ class KVProducer:
         device = pool.device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # CUDA calls from the loop thread: export, events
-        self.region = backend_for(backend).export(pool.tensor)
+        self.region = export_region(pool.tensor, backend)
         self.events = EventRing.create(event_slots, device) if device.type == "cuda" else None
         self._quarantine: set[int] = set()
 

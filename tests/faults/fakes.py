@@ -13,9 +13,9 @@ import socket
 import threading
 from pathlib import Path
 
+from common.channel import FrameChannel, connect
 from common.ipc.shm import ShmRegion
 from common.kvpool import KVPool, PoolLayout
-from common.channel import FrameChannel, connect
 from common.protocol import (
     PROTOCOL_VERSION,
     Abort,
