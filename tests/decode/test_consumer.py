@@ -86,13 +86,8 @@ def test_a_register_of_another_layout_is_incompatible_before_any_fd_is_taken(sid
     _, fds = side.producer.register()
     wrong = Register.build(other.to_wire(), [side.producer.region.desc], [len(fds)], [])
     taken: list[int] = []
-
-    def take(n: int) -> list[int]:
-        taken.extend(os.dup(fd) for fd in fds[:n])
-        return taken
-
     with pytest.raises(TransferRefused) as info:
-        KVConsumer.open(wrong, take, KVPool.create(rt.layout))
+        KVConsumer.open(wrong, _taker(fds, taken), KVPool.create(rt.layout))
     assert info.value.code == ErrorCode.INCOMPATIBLE
     assert taken == []  # refused before any fd was taken: the channel still owns them
 
@@ -104,13 +99,8 @@ def test_an_unknown_backend_kind_closes_the_taken_fds(side: Side, rt):
     desc = msgspec.structs.replace(side.producer.region.desc, kind="nixl")
     bad = Register.build(rt.layout.to_wire(), [desc], [len(fds)], [])
     taken: list[int] = []
-
-    def take(n: int) -> list[int]:
-        taken.extend(os.dup(fd) for fd in fds[:n])
-        return taken
-
     with pytest.raises(TransferRefused) as info:
-        KVConsumer.open(bad, take, KVPool.create(rt.layout))
+        KVConsumer.open(bad, _taker(fds, taken), KVPool.create(rt.layout))
     assert info.value.code == ErrorCode.INCOMPATIBLE
     assert taken and all(_closed(fd) for fd in taken)
 
@@ -130,3 +120,13 @@ def _closed(fd: int) -> bool:
     except OSError:
         return True
     return False
+
+
+def _taker(fds: list[int], taken: list[int]):  # type: ignore[no-untyped-def]
+    """take_fds as the channel gives them (duplicates, as SCM_RIGHTS makes), noting each."""
+
+    def take(n: int) -> list[int]:
+        taken.extend(os.dup(fd) for fd in fds[:n])
+        return taken
+
+    return take
