@@ -38,7 +38,7 @@ from common.transfer import KVProducer
 from prefill_server.forward import run_prefill
 from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
-from prefill_server.request import PrefillRequest, RequestFailed
+from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -127,7 +127,9 @@ class RequestPipeline:
                 f"{len(self.requests)} requests in flight, the limit is {self.cfg.max_pending} "
                 "(retry later, or raise --max-pending)",
             )
-        prompt = self._prompt(msg)
+        prompt = prompt_tokens(
+            msg, self.rt.tokenizer, self.rt.model.config.vocab_size, self.cfg.max_prompt_tokens
+        )
         sampling = msg.sampling.validate().with_seed()
         req = PrefillRequest(rid, prompt, sampling, stream=msg.stream)
         self.requests[rid] = req
@@ -150,25 +152,6 @@ class RequestPipeline:
                 yield out
         finally:
             self._cleanup(req)
-
-    def _prompt(self, msg: Generate) -> list[int]:
-        if (msg.prompt is None) == (msg.prompt_tokens is None):
-            raise RequestFailed(
-                ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens"
-            )
-        tokens = (
-            self.rt.tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
-        )
-        assert tokens is not None
-        limit = self.cfg.max_prompt_tokens
-        if not 0 < len(tokens) <= limit:
-            raise RequestFailed(
-                ErrorCode.BAD_REQUEST, f"prompt has {len(tokens)} tokens; allowed 1..{limit}"
-            )
-        vocab = self.rt.model.config.vocab_size
-        if max(tokens) >= vocab:
-            raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab}")
-        return list(tokens)
 
     async def _wait_capacity(self, deadline: float) -> bool:
         """Wait until capacity changes or `deadline`; False once the deadline has passed."""

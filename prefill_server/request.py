@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.errors import PdkvError
 from common.model.sampling import SamplingParams
-from common.protocol import ErrorCode, Message
+from common.protocol import ErrorCode, Generate, Message
 
 
 class RequestFailed(PdkvError):
@@ -40,3 +41,19 @@ class PrefillRequest:
     done: bool = False  # the decode finished or failed it: nothing to abort
     link_id: str = ""
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
+
+
+def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) -> list[int]:
+    """The prompt of a GENERATE as token ids: exactly one of prompt or prompt_tokens, 1..limit
+    tokens, every id < vocab_size; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
+    if (msg.prompt is None) == (msg.prompt_tokens is None):
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens")
+    tokens = tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
+    assert tokens is not None
+    if not 0 < len(tokens) <= limit:
+        raise RequestFailed(
+            ErrorCode.BAD_REQUEST, f"prompt has {len(tokens)} tokens; allowed 1..{limit}"
+        )
+    if max(tokens) >= vocab_size:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab_size}")
+    return list(tokens)
