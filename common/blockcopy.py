@@ -57,6 +57,19 @@ def copy_blocks(
     d_ids = _ids(dst_ids, dst.shape[0], "dst")
     s_ids = _ids(src_ids, src.shape[0], "src")
     _check(dst, src, d_ids.numel(), s_ids.numel())
+    copy_checked_blocks(dst, src, d_ids, s_ids, stream)
+
+
+def copy_checked_blocks(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    d_ids: torch.Tensor,
+    s_ids: torch.Tensor,
+    stream: torch.cuda.Stream | int | None = None,
+) -> None:
+    """copy_blocks for a caller that has checked everything already (KVPool.copy_blocks_from):
+    pools of one block shape and dtype, contiguous; ids as equally long 1-D int64 CPU tensors,
+    in range. Nothing is checked again here."""
     if d_ids.numel() == 0:
         return
     if dst.is_cuda and src.is_cuda and has_extension():

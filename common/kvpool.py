@@ -212,9 +212,9 @@ class KVPool:
             self.tensor.index_copy_(0, torch.from_numpy(d).to(self.device), picked.to(self.device))
             return
         if not overlap and self.device.type == "cuda":
-            from common.blockcopy import copy_blocks  # one kernel launch for the whole list
+            from common.blockcopy import copy_checked_blocks  # one kernel launch for the list
 
-            copy_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
+            copy_checked_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
             return
         runs = _runs(s, d)
         if not overlap and src._addr and self._addr:
