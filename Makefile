@@ -50,6 +50,7 @@ format: install
 bench: install
 	$(PY) bench/cpu_handoff.py
 	$(PY) bench/daemon_handoff.py
+	$(PY) bench/serve.py --requests 50 --rate 20
 
 clean:
 	rm -rf build .pytest_cache .ruff_cache $(VENV)

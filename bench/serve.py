@@ -1,0 +1,290 @@
+"""Serving benchmark in the shape of vLLM's benchmark_serving: the daemons against one process.
+
+Open-loop Poisson arrivals at `--rate` requests/s (inf: all at once), prompt and output lengths
+drawn uniformly from `--prompt-len` / `--output-len` with `--seed`, random prompt token ids, EOS
+ignored so every request produces its drawn number of tokens (greedy). Per request: TTFT (arrival
+→ first token), inter-token latencies (ITL, between token frames) and end-to-end latency; per run
+p50/p99 of each, request and output-token throughput.
+
+Targets (`--target`, default both, the same workload replayed on each):
+  daemons  a decode + prefill pair of its own on temporary sockets (stopped and removed at the
+           end), or running daemons given by --client-socket / --runtime-dir; the client is
+           common.client, every TOKENS frame timestamped on arrival;
+  local    one process, one engine thread doing continuous batching (bench/local_engine.py) on
+           the same model, device and pool size.
+
+`--sweep 1,2,4,8` runs every rate and plots p99 TTFT and p99 ITL against the rate (matplotlib, when
+installed). `--json OUT` writes every figure, per request included. Warm-up requests run first on
+each target and are not counted. Exit status 1 when any request failed.
+
+    python bench/serve.py --requests 50 --rate 20
+    python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 1,2,4,8,16 --json serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current directory
+
+import serve_load as load  # noqa: E402
+from serve_daemons import PairFailed, daemon_stream, own_pair, wait_linked  # noqa: E402
+
+from common import logs  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=50, help="requests per rate (default 50)")
+    ap.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf = all at once")
+    ap.add_argument("--sweep", type=_rates, help="comma-separated rates, e.g. 1,2,4,8 (not --rate)")
+    ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
+    ap.add_argument("--output-len", type=load.parse_range, default=(8, 64), metavar="MIN:MAX")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--target", choices=["daemons", "local", "both"], default="both")
+    ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N (both targets)")
+    ap.add_argument("--dtype", help="default float32 on CPU, bfloat16 on CUDA (as the daemons)")
+    ap.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (both targets)")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=64, help="most sequences per decode step")
+    ap.add_argument("--torch-threads", type=int, default=0, help="0: 1 for tiny, else torch's")
+    ap.add_argument("--client-socket", help="use the running prefill daemon on this socket")
+    ap.add_argument("--runtime-dir", help="use the running daemons of this runtime dir")
+    ap.add_argument("--warmup", type=int, default=2, help="uncounted requests per target first")
+    ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
+    ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
+    ap.add_argument("--plot", type=Path, default=Path("serve_sweep.png"), help="sweep's PNG")
+    args = ap.parse_args(argv)
+    if args.requests < 1 or args.rate <= 0:
+        ap.error("--requests must be >= 1 and --rate > 0")
+    args.rates = args.sweep or [args.rate]
+    return args
+
+
+def _rates(text: str) -> list[float]:
+    rates = [float(x) for x in text.split(",") if x.strip()]
+    if not rates or min(rates) <= 0:
+        raise argparse.ArgumentTypeError("rates must be > 0 (inf allowed)")
+    return rates
+
+
+def machine() -> str:
+    desc = f"{platform.node()}, {os.cpu_count()} cores, {platform.machine()}"
+    with contextlib.suppress(Exception):
+        import torch
+
+        if torch.cuda.is_available():
+            desc += f", {torch.cuda.get_device_name()}"
+    return desc
+
+
+def resolve_device(name: str) -> str:
+    """`auto` as the daemons read it: cuda:0 when CUDA works, else cpu."""
+    import torch
+
+    if name != "auto":
+        return name
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def vocab_size(model: str | None) -> int:
+    """Prompt ids are drawn below this: the byte range for the tiny model, else the vocab."""
+    from common.model.config import BYTE_VOCAB
+    from common.model.loader import read_config
+
+    return BYTE_VOCAB if model is None else read_config(Path(model).expanduser()).vocab_size
+
+
+def run_target(name: str, open_stream: load.OpenStream, args: argparse.Namespace) -> list[dict]:
+    """Warm up, then replay the workload of every rate on one target; one result per rate."""
+    vocab = vocab_size(args.model)
+    warm = load.make_workload(
+        args.warmup, math.inf, args.prompt_len, args.output_len, vocab, args.seed + 7919
+    )
+    for spec in warm:  # one after another: first-call costs, not load
+        asyncio.run(load.run_load([spec], open_stream, label=f"{name} warm-up"))
+    results = []
+    for rate in args.rates:
+        specs = load.make_workload(
+            args.requests, rate, args.prompt_len, args.output_len, vocab, args.seed
+        )
+        label = f"{name} @ {rate:g}/s"
+        print(f"  {label}: {len(specs)} requests", file=sys.stderr, flush=True)
+        records, duration = asyncio.run(
+            load.run_load(specs, open_stream, label=label, progress_s=args.progress)
+        )
+        results.append(
+            {
+                "target": name,
+                "rate": rate,
+                "summary": load.summarize(records, duration),
+                "requests": [r.to_json() for r in records],
+            }
+        )
+    return results
+
+
+@contextlib.contextmanager
+def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
+    """The prefill's client socket: the given running daemons, or a pair of our own."""
+    if args.client_socket or args.runtime_dir:
+        sock = args.client_socket or str(Path(args.runtime_dir) / "prefill.sock")
+        asyncio.run(wait_linked(sock, [], timeout=10))
+        yield sock
+        return
+    common = ["--device", args.device, "--num-blocks", str(args.num_blocks)]
+    common += ["--block-size", str(args.block_size)]
+    for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
+        if value:
+            common += [opt, str(value)]
+    if args.torch_threads:
+        common += ["--torch-threads", str(args.torch_threads)]
+    with own_pair(common, ["--max-batch", str(args.max_batch)]) as sock:
+        yield sock
+
+
+def run_daemons(args: argparse.Namespace) -> list[dict]:
+    t = time.perf_counter()
+    with daemons_socket(args) as sock:
+        print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        return run_target("daemons", lambda s: daemon_stream(sock, s.prompt, s.output_len), args)
+
+
+def run_local(args: argparse.Namespace) -> list[dict]:
+    import torch
+    from local_engine import LocalEngine
+
+    from common.model import load_model
+    from common.sampling_params import SamplingParams
+
+    device = resolve_device(args.device)
+    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
+    threads = args.torch_threads or (1 if args.model is None else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    t = time.perf_counter()
+    model, _ = load_model(args.model, device=device, dtype=dtype)
+    print(f"  local model loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    engine = LocalEngine(
+        model, num_blocks=args.num_blocks, block_size=args.block_size, max_batch=args.max_batch
+    )
+    with engine:
+        return run_target(
+            "local",
+            lambda s: engine.stream(s.prompt, SamplingParams(s.output_len, ignore_eos=True)),
+            args,
+        )
+
+
+def _ms(d: dict, key: str) -> str:
+    v = d[key]
+    return f"{v:9.1f}" if v is not None else f"{'-':>9}"
+
+
+def print_table(runs: list[dict]) -> None:
+    head = f"{'target':8} {'rate/s':>7} {'done':>9} {'req/s':>7} {'out tok/s':>9}"
+    head += "".join(f" {m + ' ' + q:>9}" for m in ("TTFT", "ITL", "E2E") for q in ("p50", "p99"))
+    print(head + "   (latencies in ms)")
+    for run in runs:
+        s = run["summary"]
+        line = f"{run['target']:8} {run['rate']:7g} {s['completed']:>4}/{s['requests']:<4}"
+        line += f" {s['request_throughput']:7.2f} {s['output_throughput']:9.1f}"
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            line += _ms(s[key], "p50") + _ms(s[key], "p99")
+        print(line)
+        for err in s["errors"]:
+            print(f"    error: {err}")
+
+
+def same_output(runs: list[dict]) -> None:
+    """Print, per rate run on both targets, how many requests got the same tokens from each
+    (greedy: all of them where batching does not change the rounding, as on CPU in fp32)."""
+    by_key = {(r["target"], r["rate"]): r["requests"] for r in runs}
+    for rate in dict.fromkeys(r["rate"] for r in runs):
+        d, loc = by_key.get(("daemons", rate)), by_key.get(("local", rate))
+        if d and loc:
+            same = sum(a["tokens"] == b["tokens"] for a, b in zip(d, loc, strict=True))
+            print(f"same tokens from daemons and local at {rate:g}/s: {same}/{len(d)} requests")
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    """p99 TTFT and p99 ITL against the rate, one line per target (finite rates only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib); figures above")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in zip(axes, ("ttft_ms", "itl_ms"), ("p99 TTFT", "p99 ITL"), strict=True):
+        for target in sorted({r["target"] for r in runs}):
+            pts = [
+                (r["rate"], r["summary"][key]["p99"])
+                for r in runs
+                if r["target"] == target and math.isfinite(r["rate"])
+            ]
+            ax.plot(*zip(*pts, strict=True), marker="o", label=target)
+        rates = sorted({r["rate"] for r in runs if math.isfinite(r["rate"])})
+        ax.set(title=title, xlabel="request rate (req/s)", ylabel="ms", xscale="log")
+        ax.set_xticks(rates, [f"{r:g}" for r in rates], minor=False)
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logs.configure("console", "WARNING")
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    runs: list[dict] = []
+    try:
+        if args.target in ("daemons", "both"):
+            runs += run_daemons(args)
+        if args.target in ("local", "both"):
+            runs += run_local(args)
+    except PairFailed as e:
+        print(f"the daemons did not come up: {e}", file=sys.stderr)
+        return 2
+    header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
+    header |= {"device": resolve_device(args.device)}
+    header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch")}
+    header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
+    header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
+    print(
+        f"serve bench: {args.requests} requests per rate, prompt {args.prompt_len[0]}:"
+        f"{args.prompt_len[1]}, output {args.output_len[0]}:{args.output_len[1]} tokens, "
+        f"seed {args.seed}; model {header['model']}, device {header['device']}; "
+        f"{header['machine']}; {date}"
+    )
+    print_table(runs)
+    same_output(runs)
+    if args.sweep and any(math.isfinite(r) for r in args.rates):
+        plot(runs, args.plot)
+    if args.json:
+        finite = [{**r, "rate": r["rate"] if math.isfinite(r["rate"]) else "inf"} for r in runs]
+        args.json.write_text(json.dumps({**header, "runs": finite}, indent=1, allow_nan=False))
+    return 1 if any(r["summary"]["failed"] for r in runs) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

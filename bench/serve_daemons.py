@@ -1,0 +1,122 @@
+"""The daemons target of bench/serve.py: a pair of its own on temporary sockets, or running ones.
+
+`own_pair` starts a decode then a prefill daemon through the real CLI in a fresh 0700 temp
+runtime dir (without waiting in between: they load their models side by side and the prefill's
+link retries until the decode listens), waits until the prefill reports its link up, and at the
+end stops the prefill then the decode (SIGTERM, SIGKILL after a timeout) and removes the
+directory, logs included; if the pair fails to come up, the error carries the tail of its logs. `daemon_stream` is one request
+through `common.client`, yielding the token ids of each TOKENS frame as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+from common import client
+from common.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+_SOCK_MAX = 100  # AF_UNIX paths are limited to 108 bytes
+
+
+class PairFailed(RuntimeError):
+    """The daemons did not come up; the message holds the tail of their logs."""
+
+
+def _start(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(rt)]
+    argv += ["--log-format", "json", "--log-level", "WARNING", role, "start", *opts]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    )
+    with open(rt / f"{role}.log", "ab") as log:
+        return subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
+
+
+async def wait_linked(sock: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
+    """Return once the prefill daemon on `sock` answers STATUS with its link up; PairFailed when
+    one of `procs` exits or the time is up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise PairFailed(f"a daemon exited (codes {[p.poll() for p in procs]})")
+        with contextlib.suppress(OSError, TimeoutError, client.PdkvError):
+            st = await client.status(sock, timeout=1)
+            if st.links and st.links[0]["state"] == "up":
+                return
+        await asyncio.sleep(0.05)
+    raise PairFailed(f"{sock} not ready in {timeout:.0f} s")
+
+
+def _stop(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+    """SIGTERM each in order (no waiting in between: the run is over, nothing is in flight),
+    then wait for all; SIGKILL what is still there after `timeout`."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _log_tails(rt: Path) -> str:
+    return "\n".join(
+        f"--- {log.name}\n{log.read_text(errors='replace')[-1500:]}"
+        for log in sorted(rt.glob("*.log"))
+    )
+
+
+def _temp_runtime_dir() -> Path:
+    base = tempfile.gettempdir()
+    if len(base) + len("/pdkv-serve-xxxxxxxx/prefill.sock") > _SOCK_MAX:
+        base = "/tmp"
+    rt = Path(tempfile.mkdtemp(prefix="pdkv-serve-", dir=base))
+    os.chmod(rt, 0o700)
+    return rt
+
+
+@contextlib.contextmanager
+def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
+    """Start a linked pair (see the module docstring) and yield the prefill's client socket."""
+    rt = _temp_runtime_dir()
+    procs: list[subprocess.Popen] = []
+    try:
+        # both load their model at once; the prefill's link retries until the decode listens
+        procs.append(_start(rt, "decode", common_opts + decode_opts))
+        procs.append(_start(rt, "prefill", common_opts))
+        sock = str(rt / "prefill.sock")
+        try:
+            asyncio.run(wait_linked(sock, procs))
+        except PairFailed as e:
+            raise PairFailed(f"{e}\n{_log_tails(rt)}") from None
+        yield sock
+    finally:
+        _stop(procs[::-1])  # prefill first: it stops taking requests, then the decode
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+async def daemon_stream(
+    sock: str, prompt: list[int], output_len: int, timeout: float = 600
+) -> AsyncIterator[list[int]]:
+    """One greedy request of exactly `output_len` tokens (ignore_eos); yields each frame's ids."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    async for msg in client.stream(
+        sock, prompt_tokens=prompt, sampling=params, timeout=timeout, text_deltas=False
+    ):
+        if isinstance(msg, client.Tokens) and msg.tokens:
+            yield msg.tokens

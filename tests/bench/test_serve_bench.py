@@ -1,0 +1,71 @@
+"""bench/serve.py for real: its own daemon pair and the in-process engine, tiny model, a handful
+of requests; checks the JSON it writes (what ran, not how fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SERVE = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
+PROMPT, OUTPUT = "3:20", "2:6"
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    cwd = tmp_path_factory.mktemp("elsewhere")  # not the repo: the script must find its way
+    out = cwd / "serve.json"
+    argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "0"]
+    argv += ["--prompt-len", PROMPT, "--output-len", OUTPUT, "--seed", "3"]
+    argv += ["--target", "both", "--device", "cpu", "--json", str(out)]
+    tmp = tmp_path_factory.mktemp("tmp")  # where the bench makes its pair's runtime dir
+    env = dict(os.environ, TMPDIR=str(tmp))
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not list(tmp.iterdir()), "the pair's runtime dir (sockets, logs) is removed"
+    assert "TTFT p99" in proc.stdout and "daemons" in proc.stdout and "local" in proc.stdout
+    assert "same tokens from daemons and local at 50/s: 6/6 requests" in proc.stdout
+    assert not list(cwd.glob("*.png")), "no plot without --sweep"
+    return json.loads(out.read_text())
+
+
+def test_both_targets_ran_the_same_workload(report: dict) -> None:
+    assert [(r["target"], r["rate"]) for r in report["runs"]] == [("daemons", 50), ("local", 50)]
+    daemons, local = (r["requests"] for r in report["runs"])
+    drawn = [(q["prompt_len"], q["output_len"]) for q in daemons]
+    assert drawn == [(q["prompt_len"], q["output_len"]) for q in local]
+    assert len(drawn) == 6 and len(set(drawn)) > 1, "lengths are drawn, not fixed"
+    for p, o in drawn:
+        assert 3 <= p <= 20 and 2 <= o <= 6
+
+
+def test_every_request_completed_with_its_drawn_length(report: dict) -> None:
+    for run in report["runs"]:
+        s = run["summary"]
+        assert (s["requests"], s["completed"], s["failed"]) == (6, 6, 0), s["errors"]
+        for q in run["requests"]:
+            assert q["ok"] and q["error"] is None
+            assert q["output_tokens"] == q["output_len"], q
+            assert len(q["itl_ms"]) == q["output_len"] - 1  # one frame per token
+            assert 0 < q["ttft_ms"] <= q["e2e_ms"]
+        assert s["output_tokens"] == sum(q["output_len"] for q in run["requests"])
+
+
+def test_greedy_output_is_the_same_through_both_targets(report: dict) -> None:
+    daemons, local = (r["requests"] for r in report["runs"])
+    assert [q["tokens"] for q in daemons] == [q["tokens"] for q in local]
+
+
+def test_summary_figures_are_consistent(report: dict) -> None:
+    for run in report["runs"]:
+        s = run["summary"]
+        for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+            d = s[key]
+            assert 0 <= d["p50"] <= d["p99"], (run["target"], key, d)
+        assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"] + 1e-9
+        assert s["request_throughput"] > 0 and s["output_throughput"] > 0
+        assert s["duration_s"] > 0
