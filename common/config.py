@@ -15,6 +15,7 @@ class DaemonConfig:
 
     runtime_dir: Path = field(default_factory=default_runtime_dir)
     model: str | None = None  # None: the built-in tiny model
+    allow_byte_tokenizer: bool = False  # a checkpoint without tokenizer.json loads with bytes
     device: str = "auto"  # auto | cpu | cuda:N
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     ipc_backend: str = "auto"  # auto | shm | cuda-raw | cuda-torch
@@ -56,7 +57,7 @@ class PrefillConfig(DaemonConfig):
     client_socket: Path | None = None
     event_slots: int = 64
     lease_timeout_s: float = 30.0
-    handoff_timeout_s: float = 30.0  # how long a request may wait for the link / decode capacity
+    handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
     max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
 
     @property

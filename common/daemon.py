@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 import structlog
 
 from common.channel import peer_credentials
+from common.notify import notify
 from common.rundir import claim_socket_path
 
 log = structlog.get_logger(__name__)
@@ -108,6 +109,10 @@ def peer_allowed(sock: socket.socket, allowed_uids: frozenset[int], **ctx: Any) 
 class Server(Protocol):
     async def start(self) -> None: ...
 
+    async def until_ready(self) -> None:
+        """Return once the daemon serves (after start): systemd then gets READY=1."""
+        ...
+
     async def shutdown(self) -> None: ...
 
 
@@ -115,7 +120,9 @@ async def serve_until_stopped(
     load: Callable[[], R], make_server: Callable[[R], Server], close: Callable[[R], None]
 ) -> int:
     """The daemon's life: signals armed first, then load (off the loop), start, wait for the
-    stop flag, shut down. A SIGTERM during a long model load ends the daemon cleanly (exit 0)."""
+    stop flag, shut down. A SIGTERM during a long model load ends the daemon cleanly (exit 0).
+    Under systemd (Type=notify) READY=1 goes out once `server.until_ready()` returns, STOPPING=1
+    when the drain begins."""
     stop = StopFlag()
     stop.install()
     try:
@@ -126,11 +133,19 @@ async def serve_until_stopped(
             return 0
         server = make_server(loaded)
         await server.start()
+        ready = asyncio.create_task(_notify_ready(server), name="sd-notify-ready")
         await stop.event.wait()
+        ready.cancel()
+        notify("STOPPING=1", "STATUS=draining")
         await server.shutdown()
         return 0
     finally:
         stop.uninstall()
+
+
+async def _notify_ready(server: Server) -> None:
+    await server.until_ready()
+    notify("READY=1", "STATUS=serving")
 
 
 async def accept_loop(

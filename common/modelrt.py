@@ -22,8 +22,9 @@ from common.allocator import BlockAllocator
 from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
-from common.model.loader import load_model
+from common.model.loader import load_model, resolve_dtype
 from common.protocol import fingerprint
+from common.throughput import Throughput
 from common.transfer.regions import default_backend
 
 log = structlog.get_logger(__name__)
@@ -34,7 +35,10 @@ def resolve_device(name: str) -> torch.device:
     """`auto` → cuda:0 when CUDA works, else cpu; an unusable cuda:N is a clear error."""
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise PdkvError(f"--device {name}: expected auto, cpu or cuda:N") from None
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", 0)
     if dev.type == "cuda":
@@ -59,6 +63,19 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
+def _capture_runner(
+    model: Any, kv: torch.Tensor, stream: Any, max_batch: int, max_blocks: int
+) -> Any:
+    """Build the decode daemon's CUDA-graph runner (on the torch thread, on its stream)."""
+    from common.model.runner import DecodeRunner
+
+    with torch.cuda.stream(stream):
+        runner = DecodeRunner(model, kv, max_batch=max_batch, max_blocks=max_blocks)
+        runner.capture()
+    log.info("decode_graphs_captured", buckets=runner.buckets, max_blocks=max_blocks)
+    return runner
+
+
 @dataclass
 class ModelRuntime:
     model: Any
@@ -71,17 +88,21 @@ class ModelRuntime:
     fingerprint: str
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
+    runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
         device = resolve_device(cfg.device)
         backend = resolve_backend(cfg.ipc_backend, device)
-        dtype_name = cfg.dtype or ("float32" if device.type == "cpu" else "bfloat16")
-        dtype = getattr(torch, dtype_name)
+        default = "float32" if device.type == "cpu" else "bfloat16"
+        dtype = resolve_dtype(cfg.dtype or default, device, tiny=cfg.model is None)
+        dtype_name = str(dtype).removeprefix("torch.")  # bf16 and bfloat16 fingerprint alike
         threads = cfg.torch_threads or (1 if cfg.model is None else 0)
         if threads:
             torch.set_num_threads(threads)
-        model, tokenizer = load_model(cfg.model, device=device, dtype=dtype)
+        model, tokenizer = load_model(
+            cfg.model, device=device, dtype=dtype, allow_byte_tokenizer=cfg.allow_byte_tokenizer
+        )
         layers, kv_heads, head_dim = model.kv_layout_args()
         layout = PoolLayout(
             num_blocks=cfg.num_blocks,
@@ -98,6 +119,11 @@ class ModelRuntime:
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
+        runner = None
+        if role == "decode" and stream is not None and model.use_kernels:
+            max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
+            args = (model, pool.tensor, stream, cfg.max_batch, min(max_blocks, cfg.num_blocks))
+            runner = executor.submit(_capture_runner, *args).result()
         log.info(
             "model_loaded",
             role=role,
@@ -119,6 +145,7 @@ class ModelRuntime:
             fp,
             executor,
             stream,
+            runner,
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
@@ -135,6 +162,15 @@ class ModelRuntime:
     def pool_stats(self) -> dict[str, int]:
         a = self.allocator
         return {"total": a.total, "free": a.num_free, "owned": a.num_owned, "leased": a.num_leased}
+
+    def status_fields(self, throughput: Throughput) -> dict[str, Any]:
+        """STATUS_REPLY's model, dtype, requests served and tokens/s."""
+        return {
+            "model": self.model.fingerprint,
+            "dtype": self.layout.dtype,
+            "served": throughput.served,
+            "tokens_per_s": throughput.tokens_per_s(),
+        }
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)

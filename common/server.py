@@ -8,8 +8,8 @@ await every task; close the model runtime and the subclass's parts; remove the p
 and the model load around it are `common.daemon.serve_until_stopped`'s.
 
 A subclass gives: `role`, the socket path, `serve_connection(sock)`, `in_flight()`,
-`end_remaining()`, `links()` for STATUS, and optionally `start_parts()`, `refuse_new()`,
-`close_parts()` and `log_stopped()`.
+`end_remaining()`, `links()` and `throughput` for STATUS, and optionally `start_parts()`,
+`until_ready()` (systemd's READY=1), `refuse_new()`, `close_parts()` and `log_stopped()`.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from common.config import DaemonConfig
 from common.modelrt import ModelRuntime
 from common.protocol import StatusReply
 from common.rundir import remove_file, write_pidfile
+from common.throughput import Throughput
 
 log = structlog.get_logger(__name__)
 
@@ -59,6 +60,14 @@ class DaemonServer:
 
     def links(self) -> list[dict[str, Any]]:
         raise NotImplementedError
+
+    @property
+    def throughput(self) -> Throughput:
+        """Requests finished and tokens generated, for STATUS."""
+        raise NotImplementedError
+
+    async def until_ready(self) -> None:
+        """Return once the daemon serves (after start): systemd then gets READY=1."""
 
     def refuse_new(self) -> None:
         """The drain begins: refuse new work from now on."""
@@ -125,4 +134,5 @@ class DaemonServer:
             links=self.links(),
             device=str(self.rt.device),
             backend=self.rt.backend,
+            **self.rt.status_fields(self.throughput),
         )

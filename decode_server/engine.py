@@ -97,6 +97,18 @@ class DecodeEngine:
         """One decode step for `batch` (torch thread): returns each sequence's next token."""
         dev = self.rt.device
         width = max(len(s.blocks) for s in batch)
+        generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
+        runner = self.rt.runner
+        if runner is not None and runner.bucket_for(len(batch)) and width <= runner.max_blocks:
+            with self.rt.on_stream():  # replay the CUDA graph of this batch size
+                return runner.step(
+                    [s.generated[-1] for s in batch],
+                    [s.position for s in batch],
+                    [s.slot() for s in batch],
+                    [s.blocks for s in batch],
+                    [s.sampling for s in batch],
+                    generators,
+                )
         tables = torch.zeros((len(batch), width), dtype=torch.long)
         for i, s in enumerate(batch):
             tables[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
@@ -113,5 +125,4 @@ class DecodeEngine:
                 seq_lens.to(dev),
                 self.rt.pool.tensor,
             )
-            generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
             return sample_batch(logits, [s.sampling for s in batch], generators)

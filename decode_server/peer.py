@@ -54,6 +54,7 @@ class Peer:
         self.consumer: KVConsumer | None = None  # from REGISTER on
         self.connected_at = time.monotonic()
         self.handoffs = 0
+        self.greeted = False  # a HELLO was accepted: this connection is a link
         self._closed = False
         self.log = log.bind(link=self.link_id)
 
@@ -67,6 +68,7 @@ class Peer:
                 "block size and device kind",
             )
         self.pid, self.name = hello.pid, hello.name
+        self.greeted = True
         self.log = self.log.bind(peer_pid=hello.pid)
         return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
 
@@ -122,7 +124,8 @@ class Peer:
         if self.consumer is not None:
             self.consumer.close()
         self.channel.close()
-        self.log.info("peer_closed", handoffs=self.handoffs)
+        if self.greeted:  # a STATUS probe's connection is no link: health checks log nothing
+            self.log.info("peer_closed", handoffs=self.handoffs)
 
 
 __all__ = ["HandshakeError", "Peer"]

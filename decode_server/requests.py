@@ -15,6 +15,7 @@ import structlog
 from common.errors import OutOfBlocks, PdkvError
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode, Finish, Handoff, Message, Release, Tokens, Usage
+from common.throughput import Throughput
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
@@ -30,6 +31,7 @@ class DecodeRequests:
         self.seq_peer: dict[str, Peer] = {}  # key -> the link the sequence came from
         self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
         self.handoffs = 0
+        self.throughput = Throughput()  # tokens decoded, sequences finished: for status
 
     def __len__(self) -> int:
         return len(self.engine)
@@ -157,6 +159,8 @@ class DecodeRequests:
     def _on_step(self, results: list[tuple[Sequence, int]]) -> None:
         """After a step: each link gets its sequences' TOKENS (and FINISHes) in one write."""
         out: dict[str, tuple[Peer, list[Message]]] = {}
+        finished = sum(1 for seq, _ in results if seq.finish_reason)
+        self.throughput.add(len(results), requests=finished)
         for seq, tok in results:
             peer = self.seq_peer.get(seq.key)
             if peer is None:

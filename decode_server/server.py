@@ -36,6 +36,7 @@ from common.protocol import (
 )
 from common.rundir import check_free
 from common.server import DaemonServer
+from common.throughput import Throughput
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 
@@ -71,6 +72,10 @@ class DecodeServer(DaemonServer):
             await peer.flush()
             await self._end_link(peer)
         await self.requests.engine.stop()
+
+    @property
+    def throughput(self) -> Throughput:
+        return self.requests.throughput
 
     def links(self) -> list[dict[str, Any]]:
         now = time.monotonic()

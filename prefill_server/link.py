@@ -62,6 +62,8 @@ class DecodeLink:
         self.channel: FrameChannel | None = None
         self.link_id = ""
         self.ready = asyncio.Event()
+        self._attempted = asyncio.Event()  # set (and replaced) after each connection attempt
+        self.refused = False  # the last attempt was refused by the decode (e.g. INCOMPATIBLE)
         self.connects = 0
         self.last_error = ""
         self.rtt_us = 0.0
@@ -85,6 +87,31 @@ class DecodeLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop("prefill daemon is shutting down")
 
+    async def wait_up(self, timeout: float) -> None:
+        """Return once the link is up, else ConnectionError naming the last error: after
+        `timeout` if the link was up before and dropped (a decode restart: worth waiting for),
+        but as soon as the next connection attempt fails (at most the 2 s backoff away) if it
+        never came up or the decode refused it (INCOMPATIBLE): a prefill started without its
+        decode, or a mismatched pair, answers in seconds instead of after the whole timeout."""
+        if self.ready.is_set():
+            return
+        transient = self.connects > 0 and not self.refused
+        awaited = self.ready if transient else self._attempted
+        try:
+            async with asyncio.timeout(max(timeout, 0)):
+                await awaited.wait()
+        except TimeoutError:
+            pass
+        if not self.ready.is_set():
+            raise ConnectionError(
+                f"no link to the decode daemon ({self.last_error or 'not connected yet'}; "
+                "`pdkv status` shows the link)"
+            )
+
+    def _attempt_done(self) -> None:
+        self._attempted.set()
+        self._attempted = asyncio.Event()
+
     async def send(self, msg: Message, *, spin: bool = False) -> None:
         """Send on the live link; ConnectionError if there is none or the write fails. `spin`:
         an answer is due soon (RELEASE after HANDOFF), poll for it without sleeping a while.
@@ -107,11 +134,15 @@ class DecodeLink:
         backoff = 0.05
         while not self._stopping:
             try:
-                await self._connect_once()
+                try:
+                    await self._connect_once()
+                finally:
+                    self._attempt_done()
                 backoff = 0.05
                 await self._serve()
             except (OSError, ConnectionClosed, ProtocolError, LinkRefused, TimeoutError) as exc:
                 self.last_error = f"{type(exc).__name__}: {exc}"
+                self.refused = isinstance(exc, LinkRefused)
                 level = "warning" if self.connects else "info"
                 if not self._stopping:
                     getattr(log, level)("decode_link_down", error=self.last_error, retry_s=backoff)
@@ -151,6 +182,7 @@ class DecodeLink:
             raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
         self.link_id = ok.link_id
         self.connects += 1
+        self.refused = False
         self.ready.set()
         log.info("decode_link_up", link=self.link_id, decode_pid=ok.pid, connects=self.connects)
 

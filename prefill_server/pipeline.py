@@ -34,6 +34,7 @@ from common.protocol import (
     Release,
     Tokens,
 )
+from common.throughput import Throughput
 from common.transfer import KVProducer
 from prefill_server.forward import run_prefill
 from prefill_server.link import DecodeLink
@@ -53,7 +54,7 @@ class RequestPipeline:
         self.link = link
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}
-        self.served = 0
+        self.throughput = Throughput()  # finished requests and their tokens, for status
         self.stopping = False  # set by the server's shutdown: new requests are refused
         self._freed = asyncio.Event()
 
@@ -135,6 +136,7 @@ class RequestPipeline:
         self.requests[rid] = req
         rt = self.rt
         try:
+            await self._link_up(time.monotonic() + self.cfg.handoff_timeout_s)
             blocks = await self._allocate(req)
             await self._acquire_slot(req, time.monotonic() + self.cfg.handoff_timeout_s)
             first = await rt.run(
@@ -152,6 +154,14 @@ class RequestPipeline:
                 yield out
         finally:
             self._cleanup(req)
+
+    async def _link_up(self, deadline: float) -> None:
+        """LINK_LOST unless the link is up or comes up at the next connection attempt: no
+        prefill work for a request that cannot be handed off."""
+        try:
+            await self.link.wait_up(deadline - time.monotonic())
+        except ConnectionError as exc:
+            raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
 
     async def _wait_capacity(self, deadline: float) -> bool:
         """Wait until capacity changes or `deadline`; False once the deadline has passed."""
@@ -197,16 +207,7 @@ class RequestPipeline:
         deadline = time.monotonic() + self.cfg.handoff_timeout_s
         backoff = 0.005
         while True:
-            left = deadline - time.monotonic()
-            try:
-                async with asyncio.timeout(max(left, 0)):
-                    await link.ready.wait()
-            except TimeoutError:
-                raise RequestFailed(
-                    ErrorCode.LINK_LOST,
-                    f"no link to the decode daemon within {self.cfg.handoff_timeout_s}s "
-                    f"({link.last_error or 'never connected'})",
-                ) from None
+            await self._link_up(deadline)
             if not req.handed_off:
                 lease_end = time.monotonic() + self.cfg.lease_timeout_s
                 self.producer.lease(req.request_id, link.link_id, lease_end)
@@ -260,7 +261,7 @@ class RequestPipeline:
             msg = await req.inbox.get()
 
     def _finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
-        self.served += 1
+        self.throughput.add(len(req.generated), requests=1)
         return self.output.finish(req, reason, decode_timings)
 
     def _cleanup(self, req: PrefillRequest) -> None:

@@ -44,15 +44,20 @@ class PrefillRequest:
 
 
 def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) -> list[int]:
-    """The prompt of a GENERATE as token ids: exactly one of prompt or prompt_tokens, 1..limit
-    tokens, every id < vocab_size; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
+    """The prompt of a GENERATE as token ids: exactly one of prompt or prompt_tokens, not empty,
+    1..limit tokens, every id < vocab_size; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
     if (msg.prompt is None) == (msg.prompt_tokens is None):
         raise RequestFailed(ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens")
+    if not (msg.prompt or msg.prompt_tokens):  # "" would still encode to BOS alone
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt is empty")
     tokens = tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
-    assert tokens is not None
-    if not 0 < len(tokens) <= limit:
+    if not tokens:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt encodes to no tokens")
+    if len(tokens) > limit:
         raise RequestFailed(
-            ErrorCode.BAD_REQUEST, f"prompt has {len(tokens)} tokens; allowed 1..{limit}"
+            ErrorCode.BAD_REQUEST,
+            f"prompt has {len(tokens)} tokens, more than the {limit} allowed "
+            "(--max-prompt-tokens of the prefill daemon)",
         )
     if max(tokens) >= vocab_size:
         raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab_size}")

@@ -35,6 +35,7 @@ from common.protocol import (
 )
 from common.rundir import check_free
 from common.server import DaemonServer
+from common.throughput import Throughput
 from common.transfer import KVProducer
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestPipeline
@@ -85,8 +86,16 @@ class PrefillServer(DaemonServer):
     def close_parts(self) -> None:
         self.producer.close()
 
+    async def until_ready(self) -> None:
+        """Ready once the client socket listens (start) and the link to the decode is up."""
+        await self.link.ready.wait()
+
+    @property
+    def throughput(self) -> Throughput:
+        return self.pipeline.throughput
+
     def log_stopped(self) -> dict[str, Any]:
-        return {"served": self.pipeline.served}
+        return {"served": self.pipeline.throughput.served}
 
     def links(self) -> list[dict[str, Any]]:
         link = self.link

@@ -1,139 +1,33 @@
-"""`pdkv` command line: a thin click shim over keyword-only functions (see common/commands.py).
+"""`pdkv` command line: a thin click shim over keyword-only functions (see common/app/commands.py).
 
-Every option can also come from a PDKV_* environment variable (named in --help). Exit codes:
-0 success, 1 failure, 2 usage error, 3 startup failure (e.g. socket owned by a live daemon).
+Every option can also come from a PDKV_* environment variable (named in --help). The global
+options (--runtime-dir, --log-format, --log-level) are accepted before or after the subcommand.
+Exit codes (docs/operations.md): 0 success, 1 failure (`status`: not healthy), 2 usage error,
+3 startup failure (bad --model/--device/--dtype, socket owned by a live daemon).
 """
 
 from __future__ import annotations
 
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import click
 
 from common.app import commands
+from common.app.cli_options import (
+    CLIENT_SOCKET,
+    LOG_FORMATS,
+    LOG_LEVEL_HELP,
+    RUNTIME_DIR_HELP,
+    daemon_options,
+    global_options,
+)
 from common.rundir import default_runtime_dir
-
-_DAEMON_OPTIONS = [
-    click.option(
-        "--model",
-        show_envvar=True,
-        envvar="PDKV_MODEL",
-        default=None,
-        metavar="DIR",
-        help="Hugging Face checkpoint dir (config.json + *.safetensors); default: built-in tiny model.",
-    ),
-    click.option(
-        "--device",
-        show_envvar=True,
-        envvar="PDKV_DEVICE",
-        default="auto",
-        show_default=True,
-        help="auto, cpu or cuda:N (auto: cuda:0 when CUDA works, else cpu).",
-    ),
-    click.option(
-        "--dtype",
-        show_envvar=True,
-        envvar="PDKV_DTYPE",
-        default=None,
-        help="Model and KV dtype (float32, bfloat16, float16); default float32 on CPU, bfloat16 on CUDA.",
-    ),
-    click.option(
-        "--ipc-backend",
-        show_envvar=True,
-        envvar="PDKV_IPC_BACKEND",
-        default="auto",
-        show_default=True,
-        type=click.Choice(["auto", "shm", "cuda-raw", "cuda-torch"]),
-    ),
-    click.option(
-        "--num-blocks",
-        show_envvar=True,
-        envvar="PDKV_NUM_BLOCKS",
-        default=1024,
-        show_default=True,
-        type=click.IntRange(1),
-        help="KV pool size in blocks.",
-    ),
-    click.option(
-        "--block-size",
-        show_envvar=True,
-        envvar="PDKV_BLOCK_SIZE",
-        default=16,
-        show_default=True,
-        type=click.IntRange(1),
-        help="Tokens per KV block (must match on both daemons).",
-    ),
-    click.option(
-        "--link-socket",
-        show_envvar=True,
-        envvar="PDKV_LINK_SOCKET",
-        default=None,
-        type=click.Path(path_type=Path),
-        help="The decode daemon's link socket [default: RUNTIME_DIR/decode.sock].",
-    ),
-    click.option(
-        "--socket-group",
-        show_envvar=True,
-        envvar="PDKV_SOCKET_GROUP",
-        default=None,
-        help="Make sockets 0660 owned by this group (default 0600).",
-    ),
-    click.option(
-        "--allowed-uids",
-        show_envvar=True,
-        envvar="PDKV_ALLOWED_UIDS",
-        default="",
-        help="Comma-separated uids allowed to connect besides our own.",
-    ),
-    click.option(
-        "--torch-threads",
-        show_envvar=True,
-        envvar="PDKV_TORCH_THREADS",
-        default=0,
-        type=click.IntRange(0),
-        help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
-    ),
-    click.option(
-        "--spin-us",
-        show_envvar=True,
-        envvar="PDKV_SPIN_US",
-        default=0,
-        show_default=True,
-        type=click.IntRange(0, 100_000),
-        help="After a handoff, poll the link this many µs without sleeping: lower latency for "
-        "back-to-back handoffs on a host with idle cores, worse on a busy one (0: off).",
-    ),
-    click.option(
-        "--drain-timeout",
-        show_envvar=True,
-        envvar="PDKV_DRAIN_TIMEOUT",
-        default=10.0,
-        show_default=True,
-        type=float,
-        help="Seconds to finish in-flight work on SIGTERM.",
-    ),
-    click.option(
-        "--heartbeat-timeout",
-        show_envvar=True,
-        envvar="PDKV_HEARTBEAT_TIMEOUT",
-        default=5.0,
-        show_default=True,
-        type=float,
-        help="A link silent this long is dead.",
-    ),
-    click.option(
-        "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
-    ),
-]
-
-
-def daemon_options(fn):  # type: ignore[no-untyped-def]
-    for opt in reversed(_DAEMON_OPTIONS):
-        fn = opt(fn)
-    return fn
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(metadata.version("pdkv"), "--version", "-V", prog_name="pdkv")
 @click.option(
     "--runtime-dir",
     show_envvar=True,
@@ -141,7 +35,7 @@ def daemon_options(fn):  # type: ignore[no-untyped-def]
     type=click.Path(path_type=Path),
     default=default_runtime_dir,
     show_default="$XDG_RUNTIME_DIR/pdkv or /tmp/pdkv-$UID",
-    help="Sockets, pidfiles and logs live here (created 0700).",
+    help=RUNTIME_DIR_HELP,
 )
 @click.option(
     "--log-format",
@@ -149,11 +43,16 @@ def daemon_options(fn):  # type: ignore[no-untyped-def]
     envvar="PDKV_LOG_FORMAT",
     default="auto",
     show_default=True,
-    type=click.Choice(["auto", "console", "json"]),
+    type=LOG_FORMATS,
     help="auto: console on a terminal, JSON otherwise.",
 )
 @click.option(
-    "--log-level", show_envvar=True, envvar="PDKV_LOG_LEVEL", default="INFO", show_default=True
+    "--log-level",
+    show_envvar=True,
+    envvar="PDKV_LOG_LEVEL",
+    default="INFO",
+    show_default=True,
+    help=LOG_LEVEL_HELP,
 )
 @click.pass_context
 def cli(ctx: click.Context, runtime_dir: Path, log_format: str, log_level: str) -> None:
@@ -224,7 +123,8 @@ def prefill() -> None:
     default=30.0,
     show_default=True,
     type=float,
-    help="Seconds a request may wait for blocks, the link, or decode capacity.",
+    help="Seconds a request may wait for free blocks, decode capacity or a dropped link to come "
+    "back (a link that never came up or was refused fails it at the next failed reconnect).",
 )
 @click.option(
     "--max-pending",
@@ -264,6 +164,7 @@ def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyp
 @click.option(
     "--timeout", default=30.0, show_default=True, help="Seconds to wait for each daemon to exit."
 )
+@global_options
 @click.pass_obj
 def stop(g: commands.Globals, which: str, timeout: float) -> None:
     """Stop daemons started with --background (SIGTERM, graceful drain)."""
@@ -271,28 +172,25 @@ def stop(g: commands.Globals, which: str, timeout: float) -> None:
 
 
 @cli.command()
-@click.option(
-    "--client-socket",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_SOCKET",
-    default=None,
-    type=click.Path(path_type=Path),
-)
+@CLIENT_SOCKET
 @click.option(
     "--link-socket",
     show_envvar=True,
     envvar="PDKV_LINK_SOCKET",
     default=None,
     type=click.Path(path_type=Path),
+    help="The decode daemon's link socket [default: RUNTIME_DIR/decode.sock].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@global_options
 @click.pass_obj
 def status(
     g: commands.Globals, client_socket: Path | None, link_socket: Path | None, as_json: bool
 ) -> None:
-    """Show whether each daemon is up, its pool use, in-flight requests and link state.
+    """Show each daemon's model, pool use, requests and throughput, and the link between them.
 
-    Exit 0 when both daemons are up, 1 otherwise.
+    Exit 0 only when both daemons answer and the prefill's link to the decode is up; 1 otherwise
+    (a daemon down, or the link down, e.g. mismatched --block-size): usable as a health check.
     """
     raise SystemExit(
         commands.status(g, client_socket=client_socket, link_socket=link_socket, as_json=as_json)
@@ -300,13 +198,28 @@ def status(
 
 
 @cli.command()
-@click.argument("prompt")
-@click.option("--max-tokens", default=32, show_default=True, type=click.IntRange(1))
+@click.argument("prompt", required=False)
+@click.option(
+    "--prompt-file",
+    type=click.File("r", encoding="utf-8"),
+    help="Read the prompt from this file ('-': standard input) instead of PROMPT.",
+)
+@click.option(
+    "--max-tokens",
+    default=32,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most tokens to generate.",
+)
 @click.option(
     "--temperature", default=0.0, show_default=True, type=click.FloatRange(0.0), help="0 = greedy."
 )
 @click.option(
-    "--top-p", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True)
+    "--top-p",
+    default=1.0,
+    show_default=True,
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    help="Nucleus sampling: keep the most likely tokens whose probabilities sum to this.",
 )
 @click.option("--top-k", default=0, show_default=True, type=click.IntRange(0), help="0 = off.")
 @click.option("--seed", default=None, type=int, help="Makes sampling reproducible.")
@@ -315,17 +228,29 @@ def status(
     "--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives."
 )
 @click.option(
-    "--client-socket",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_SOCKET",
-    default=None,
-    type=click.Path(path_type=Path),
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON object: request id, token ids, text, finish reason, usage and timings "
+    "(ttft_ms, handoff_us, total_ms, ...); text is printed exactly, control characters included.",
 )
+@CLIENT_SOCKET
 @click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the answer.")
+@global_options
 @click.pass_obj
-def generate(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
-    """Generate a completion of PROMPT through the running daemons."""
-    raise SystemExit(commands.generate(g, **opts))
+def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: Any) -> None:
+    """Generate a completion of PROMPT through the running daemons.
+
+    PROMPT '-' (or --prompt-file -) reads the prompt from standard input. Control characters in
+    the generated text are shown escaped (e.g. \\x1b) unless --json is given.
+    """
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give a PROMPT, '-' for standard input, or --prompt-file")
+    if prompt == "-":
+        prompt = click.get_text_stream("stdin").read()
+    elif prompt_file is not None:
+        prompt = prompt_file.read()
+    raise SystemExit(commands.generate(g, prompt=prompt, **opts))
 
 
 @cli.command()
@@ -337,9 +262,30 @@ def generate(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-de
     type=click.IntRange(1),
     help="How many prompts to run concurrently.",
 )
-@click.option("--max-tokens", default=24, show_default=True, type=click.IntRange(1))
-@click.option("--device", show_envvar=True, envvar="PDKV_DEVICE", default="auto", show_default=True)
-@click.option("--model", show_envvar=True, envvar="PDKV_MODEL", default=None, metavar="DIR")
+@click.option(
+    "--max-tokens",
+    default=24,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Tokens generated per prompt.",
+)
+@click.option(
+    "--device",
+    show_envvar=True,
+    envvar="PDKV_DEVICE",
+    default="auto",
+    show_default=True,
+    help="auto, cpu or cuda:N, for both daemons and the reference.",
+)
+@click.option(
+    "--model",
+    show_envvar=True,
+    envvar="PDKV_MODEL",
+    default=None,
+    metavar="DIR",
+    help="Hugging Face checkpoint dir; default: the built-in tiny model (random weights).",
+)
+@global_options
 @click.pass_obj
 def demo(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the pair on temporary sockets, run prompts, check them against the reference, stop."""

@@ -21,6 +21,7 @@ from common import logs
 from common.app import client
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
+from common.protocol import ConnectionClosed
 from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
 from common.sampling_params import SamplingParams
 
@@ -109,6 +110,7 @@ def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, 
             argv.append(str(value))
     log_path = cfg.runtime_dir / f"{role}.log"
     with open(log_path, "ab") as log_file:
+        start_offset = log_file.tell()  # the log is appended to: show only this start's lines
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True
         )
@@ -119,7 +121,7 @@ def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, 
             click.echo(
                 f"error: {role} daemon exited with {proc.returncode}; log {log_path}:", err=True
             )
-            click.echo(_tail(log_path), err=True)
+            click.echo(_tail(log_path, start_offset), err=True)
             return EXIT_STARTUP
         try:
             asyncio.run(client.status(str(sock), timeout=1.0))
@@ -132,11 +134,15 @@ def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, 
     return EXIT_STARTUP
 
 
-def _tail(path: Path, lines: int = 20) -> str:
+def _tail(path: Path, offset: int, lines: int = 20) -> str:
+    """The last `lines` lines written to `path` after byte `offset`."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
     except OSError:
         return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
@@ -184,7 +190,7 @@ def status(
     link_socket: Path | None = None,
     as_json: bool = False,
 ) -> int:
-    """Print each daemon's state; exit 0 only when both are up."""
+    """Print each daemon's state; exit 0 only when both answer and the prefill's link is up."""
     targets = {
         "prefill": client_socket or g.runtime_dir / "prefill.sock",
         "decode": link_socket or g.runtime_dir / "decode.sock",
@@ -200,7 +206,15 @@ def status(
     else:
         for role, st in out.items():
             click.echo(_status_line(role, st))
-    return EXIT_OK if all("down" not in st for st in out.values()) else EXIT_FAIL
+    return EXIT_OK if healthy(out) else EXIT_FAIL
+
+
+def healthy(out: dict[str, Any]) -> bool:
+    """Both daemons answered, and the prefill's link to the decode is up."""
+    if any("down" in st for st in out.values()):
+        return False
+    links = out["prefill"].get("links") or [{}]
+    return links[0].get("state") == "up"
 
 
 def _status_line(role: str, st: dict[str, Any]) -> str:
@@ -208,9 +222,10 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
         return f"{role:8} down  ({st['socket']}: {st['down']})"
     pool = st["pool"]
     line = (
-        f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  uptime {st['uptime_s']:.0f}s  "
+        f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  "
+        f"model {st['model'] or '?'} {st['dtype']}  uptime {st['uptime_s']:.0f}s  "
         f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
-        f"in-flight {st['inflight']}"
+        f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"
     )
     if role == "prefill" and st["links"]:
         link = st["links"][0]
@@ -228,16 +243,18 @@ def generate(
     prompt: str,
     client_socket: Path | None = None,
     stream: bool = True,
+    as_json: bool = False,
     timeout: float = 120.0,
     **sampling: Any,
 ) -> int:
-    """Run one request through the daemons and print its text."""
+    """Run one request through the daemons and print its text (or, `as_json`, one JSON object)."""
     path = str(client_socket or g.runtime_dir / "prefill.sock")
     try:
         params = SamplingParams(**sampling).validate()
     except (PdkvError, TypeError) as exc:
         click.echo(f"error: {exc}", err=True)
         return 2
+    stream = stream and not as_json
 
     async def run() -> client.Result:
         result = client.Result(request_id="")
@@ -246,8 +263,10 @@ def generate(
         ):
             result.request_id = msg.request_id
             result.text += msg.text
+            if isinstance(msg, client.Tokens):
+                result.tokens.extend(msg.tokens)
             if stream and msg.text:
-                click.echo(msg.text, nl=False)
+                click.echo(printable(msg.text), nl=False)
             if isinstance(msg, client.Finish):
                 result.finish = msg
         return result
@@ -255,17 +274,63 @@ def generate(
     try:
         result = asyncio.run(run())
     except client.RequestFailed as exc:
-        click.echo(f"\nerror: {exc}", err=True)
-        return EXIT_FAIL
-    except (OSError, TimeoutError) as exc:
-        click.echo(
-            f"error: cannot reach the prefill daemon at {path} ({exc}); is it running? "
-            "(pdkv prefill start)",
-            err=True,
+        return _generate_failed(as_json, exc.request_id, str(exc.code), str(exc), newline=stream)
+    except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
+        return _generate_failed(
+            as_json,
+            None,
+            "CONNECTION_CLOSED",
+            f"the prefill daemon at {path} closed the connection before the answer was complete "
+            f"({exc}); did it stop or crash? (pdkv status)",
+            newline=stream,
         )
-        return EXIT_FAIL
-    click.echo("" if stream else result.text)
+    except (OSError, TimeoutError, PdkvError) as exc:
+        return _generate_failed(
+            as_json,
+            None,
+            "UNREACHABLE",
+            f"cannot reach the prefill daemon at {path} ({type(exc).__name__}: {exc}); is it "
+            "running? (pdkv prefill start)",
+            newline=stream,
+        )
+    if as_json:
+        # ASCII-only JSON: no raw control character (C0 or C1) reaches a terminal
+        click.echo(json.dumps(_result_json(result)))
+    else:
+        click.echo("" if stream else printable(result.text))
     return EXIT_OK
+
+
+def _result_json(result: client.Result) -> dict[str, Any]:
+    finish = result.finish
+    return {
+        "request_id": result.request_id,
+        "tokens": result.tokens,
+        "text": result.text,
+        "finish_reason": finish.reason if finish else None,
+        "usage": msgspec.to_builtins(finish.usage) if finish else None,
+        "timings": dict(finish.timings) if finish else {},
+    }
+
+
+def _generate_failed(
+    as_json: bool, request_id: str | None, code: str, message: str, *, newline: bool
+) -> int:
+    if as_json:
+        error = {"code": code, "message": message}
+        click.echo(json.dumps({"request_id": request_id, "error": error}))
+    else:
+        click.echo(("\n" if newline else "") + f"error: {message}", err=True)
+    return EXIT_FAIL
+
+
+# C0 controls but newline and tab, DEL and the C1 controls: shown escaped, never sent to a terminal
+_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (9, 10)}
+
+
+def printable(text: str) -> str:
+    """`text` with control characters (ESC, CR, BEL, ...) escaped as \\xNN."""
+    return text.translate(_CONTROL)
 
 
 def demo(g: Globals, **opts: Any) -> int:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import click
 
+from common import logs
 from common.app import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
@@ -128,11 +129,26 @@ def run_demo(
     model: str | None = None,
     log_level: str = "INFO",
 ) -> int:
+    from common.modelrt import resolve_device
+
+    # the reference's model load logs too: keep its lines out of the table (stderr, warnings only)
+    logs.configure("auto", "WARNING")
+    try:
+        device = str(resolve_device(device))  # the banner names the device, not "auto"
+    except PdkvError as exc:
+        click.echo(f"error: {exc}", err=True)
+        return 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     runtime = Path(tempfile.mkdtemp(prefix="pdkv-demo-"))
     os.chmod(runtime, 0o700)
     click.echo(f"pdkv demo: starting decode + prefill (device {device}) in {runtime}", err=True)
+    if model is None:
+        click.echo(
+            "  model: the built-in tiny model, random weights: its text is noise; what counts is\n"
+            "  that every token equals the single-process reference's (column 'match')",
+            err=True,
+        )
     procs: dict[str, subprocess.Popen] = {}
     try:
         procs["decode"] = _spawn(runtime, "decode", device, model, log_level)

@@ -11,13 +11,16 @@ kernels' own blocking; the tiny model's wide logits keep greedy argmax stable un
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from common.model.config import LlamaConfig
+from common.model.kernels import kernels_usable
 from common.model.paged import paged_attention, scatter_kv
 
 
@@ -76,8 +79,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LlamaModel:
     """Inference-only Llama decoder over an external paged KV pool.
 
-    Attributes: `config`, `device`, `dtype`, `fingerprint` (model identity for the handshake).
-    Inputs may live on any device; they are moved to `device`. Logits are returned in fp32.
+    Attributes: `config`, `device`, `dtype`, `fingerprint` (model identity for the handshake),
+    `use_kernels` (run `prefill`, `prefill_batch` and `decode_step` through the Triton kernels of
+    `common.model.fastpath`; on by default where they can run, i.e. on CUDA; the torch path is the
+    reference). Inputs may live on any device; they are moved to `device`. Logits are in fp32.
     """
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *, fingerprint: str) -> None:
@@ -90,6 +95,7 @@ class LlamaModel:
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
+        self.use_kernels = kernels_usable(self.device)
 
     def kv_layout_args(self) -> tuple[int, int, int]:
         """(num_layers, num_kv_heads, head_dim): the model's part of the pool shape."""
@@ -110,6 +116,8 @@ class LlamaModel:
         Writes every layer's K/V of all T tokens into `kv` at `slot_mapping` [T]; attention is
         causal over the prompt itself (dense, not read back from the pool).
         """
+        if self.use_kernels:
+            return self.prefill_batch([tokens], [slot_mapping], kv)[0]
         tokens, slots = self._on_device(tokens, slot_mapping)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -118,6 +126,39 @@ class LlamaModel:
 
         h = self._run_layers(tokens, torch.arange(tokens.numel(), device=self.device), attend)
         return self._logits(h[-1:])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(
+        self,
+        prompts: Sequence[torch.Tensor],
+        slot_mappings: Sequence[torch.Tensor],
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [S, vocab].
+
+        Row s holds the logits of prompt s's last token. Each prompt attends only to itself, so
+        its logits and K/V are those of `prefill` alone, up to the kernels' blocking.
+        """
+        lengths = [int(p.numel()) for p in prompts]
+        tokens, slots = self._on_device(torch.cat(list(prompts)), torch.cat(list(slot_mappings)))
+        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device)
+        if self.use_kernels:
+            from common.model.fastpath import prefill_forward
+
+            return prefill_forward(self, tokens, positions, slots, cu, max(lengths), kv)
+        bounds = cu.tolist()
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            scatter_kv(kv, layer, slots, k, v)
+            parts = [
+                self._causal_attention(q[a:b], k[a:b], v[a:b])
+                for a, b in itertools.pairwise(bounds)
+            ]
+            return torch.cat(parts)
+
+        h = self._run_layers(tokens, positions, attend)
+        return self._logits(h[cu[1:] - 1])
 
     @torch.inference_mode()
     def decode_step(
@@ -138,6 +179,10 @@ class LlamaModel:
         tokens, positions, slots, tables, lens = self._on_device(
             tokens, positions, slot_mapping, block_tables, seq_lens
         )
+        if self.use_kernels:
+            from common.model.fastpath import decode_forward
+
+            return decode_forward(self, tokens, positions, slots, tables, lens, kv)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             scatter_kv(kv, layer, slots, k, v)

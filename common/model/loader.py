@@ -47,7 +47,10 @@ def resolve_dtype(
     try:
         return _DTYPE_NAMES[dtype.lower()]
     except KeyError:
-        raise ModelError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPE_NAMES)}") from None
+        raise ModelError(
+            f"dtype {dtype!r} is not one pdkv's model runs in: use float32, bfloat16 or float16 "
+            "(or fp32, bf16, fp16, half)"
+        ) from None
 
 
 def load_model(
@@ -56,12 +59,14 @@ def load_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     seed: int = TINY_SEED,
+    allow_byte_tokenizer: bool = False,
 ) -> tuple[LlamaModel, Tokenizer]:
     """(model, tokenizer) for `model_dir`, or the tiny built-in model (seeded by `seed`) for None.
 
-    A checkpoint directory needs config.json (architectures LlamaForCausalLM) and *.safetensors
-    (one file or shards); tokenizer.json is used when present, the byte tokenizer otherwise.
-    Raises ModelError for anything missing or unsupported, naming it.
+    A checkpoint directory needs config.json (architectures LlamaForCausalLM), *.safetensors
+    (one file or shards) and tokenizer.json; without tokenizer.json it loads only with
+    `allow_byte_tokenizer` (then the byte tokenizer, whose text is garbage for a real model).
+    Raises ModelError for anything missing, unreadable or unsupported, naming it.
     """
     device = torch.device(device)
     if model_dir is None:
@@ -78,7 +83,7 @@ def load_model(
         model = LlamaModel(
             config, weights, fingerprint=_checkpoint_fingerprint(path, config, files)
         )
-        tokenizer = _checkpoint_tokenizer(path, config)
+        tokenizer = _checkpoint_tokenizer(path, config, allow_bytes=allow_byte_tokenizer)
     log.info("model_loaded", model=model.fingerprint, device=str(device), dtype=str(model.dtype))
     return model, tokenizer
 
@@ -175,12 +180,18 @@ def read_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     unused: list[str] = []
     for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
-            for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key in expected:
-                    tensors[key] = fh.get_tensor(key).to(device=device, dtype=dtype)
-                elif not key.endswith(_IGNORED_SUFFIXES):
-                    unused.append(key)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as fh:
+                for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if key in expected:
+                        tensors[key] = fh.get_tensor(key).to(device=device, dtype=dtype)
+                    elif not key.endswith(_IGNORED_SUFFIXES):
+                        unused.append(key)
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+            raise ModelError(
+                f"cannot read {file}: {type(exc).__name__}: {exc} (a truncated or corrupt "
+                "download? fetch the checkpoint again)"
+            ) from exc
     if config.tie_word_embeddings and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")  # type: ignore[assignment]
     _check_tensors(model_dir, expected, tensors)
@@ -250,10 +261,16 @@ def _checkpoint_fingerprint(model_dir: Path, config: LlamaConfig, files: list[Pa
     return f"{model_dir.name}-{h.hexdigest()[:16]}"
 
 
-def _checkpoint_tokenizer(model_dir: Path, config: LlamaConfig) -> Tokenizer:
+def _checkpoint_tokenizer(model_dir: Path, config: LlamaConfig, *, allow_bytes: bool) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if path.is_file():
         return HFTokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+    if not allow_bytes:
+        raise ModelError(
+            f"{model_dir} has no tokenizer.json: add the checkpoint's tokenizer.json, or pass "
+            "--allow-byte-tokenizer to use UTF-8 bytes as token ids (garbage text for a model "
+            "not trained on bytes)"
+        )
     if config.vocab_size < BYTE_VOCAB:
         raise ModelError(
             f"{model_dir} has no tokenizer.json and its vocabulary ({config.vocab_size}) is too "

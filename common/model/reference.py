@@ -1,8 +1,9 @@
 """The single-process reference: prefill and decode in one process, no handoff.
 
 This is the correctness anchor: the disaggregated path's greedy output must equal `generate` token
-for token. It uses the same model entry points (`prefill`, `decode_step`), the same sampler, the
-same per-step seeding and the same stop rule (`finish_reason`) as the daemons, over its own small
+for token. It uses the same model forward (`prefill_batch`, `decode_step`; on CUDA the decode
+daemon replays that step's kernels from CUDA graphs), the same sampler, the same per-step seeding
+and the same stop rule (`finish_reason`) as the daemons, over its own small
 pool tensor whose block ids are interleaved between sequences so block tables are never trivially
 contiguous.
 """
@@ -15,6 +16,7 @@ import torch
 
 from common.model.llama import LlamaModel
 from common.model.paged import blocks_for, slots_for
+from common.model.prefill import prefill_many
 from common.model.sampling import (
     SamplingParams,
     finish_reason,
@@ -48,8 +50,8 @@ def generate_batch(
 ) -> list[list[int]]:
     """`generate` for several prompts, decoded together as one continuously shrinking batch.
 
-    Every prompt is prefilled alone; then each step decodes every unfinished sequence in one
-    `decode_step`. A sequence's tokens must not depend on its batch mates (tests assert it).
+    The prompts are prefilled together (varlen forwards, `prefill_many`); then each step decodes
+    every unfinished sequence in one `decode_step`. A sequence's tokens must not depend on its batch mates (tests assert it).
     """
     n = len(prompts)
     per_row = [params] * n if isinstance(params, SamplingParams) else list(params)
@@ -67,11 +69,9 @@ def generate_batch(
     # Sequence i owns blocks i, i+n, i+2n, ...: interleaved, so tables exercise real paging.
     tables = torch.arange(width * n).view(width, n).t().contiguous()  # [n, width]
 
-    outputs: list[list[int]] = []
-    for i, prompt in enumerate(prompts):
-        slots = slots_for(tables[i], 0, len(prompt), block_size)
-        logits = model.prefill(torch.tensor(list(prompt)), slots, kv)
-        outputs.append([sample(logits, per_row[i], make_generator(per_row[i], 0))])
+    slots = [slots_for(tables[i], 0, len(prompt), block_size) for i, prompt in enumerate(prompts)]
+    logits = prefill_many(model, [torch.tensor(list(p)) for p in prompts], slots, kv)
+    outputs = [[sample(logits[i], p, make_generator(p, 0))] for i, p in enumerate(per_row)]
 
     active = [i for i in range(n) if finish_reason(outputs[i], per_row[i], stops) is None]
     while active:

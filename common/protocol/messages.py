@@ -292,6 +292,10 @@ class StatusReply(Message, frozen=True):
     links: list[dict[str, str | int | float]] = []
     device: str = "cpu"
     backend: str = "shm"
+    model: str = ""  # the model's fingerprint name (tiny-seed0-… or the checkpoint dir's name)
+    dtype: str = ""
+    served: NonNeg = 0  # requests finished since start
+    tokens_per_s: float = 0.0  # generated tokens per second over the last minute
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

@@ -113,7 +113,7 @@ def test_silent_decode_is_dropped_and_requests_get_link_lost(fake_setup) -> None
     ), st.links
     assert all_free(pair.client_socket)
     assert '"decode_link_down"' in _prefill(pair).log_text()
-    # with no link, a new request waits --handoff-timeout for it, then fails LINK_LOST
+    # the link dropped and does not come back: a new request waits --handoff-timeout, then LINK_LOST
     with pytest.raises(client.RequestFailed) as info:
         asyncio.run(client.generate(pair.client_socket, prompt_tokens=[1, 2], sampling=params))
     assert info.value.code == "LINK_LOST"

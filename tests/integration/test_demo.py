@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -14,8 +15,6 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
             "-m",
             "common.app.cli",
             "demo",
-            "--device",
-            "cpu",
             "--prompts",
             "5",
             "--max-tokens",
@@ -31,4 +30,9 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("demo-")]
     assert len(rows) == 5 and all(" yes " in row for row in rows)
     assert "tokens/s" in proc.stdout and "handoff p50" in proc.stdout
+    # the banner names the device --device auto resolved to, and says why the text is noise
+    assert re.search(r"\(device (cpu|cuda:\d+)\)", proc.stderr), proc.stderr
+    assert "random weights" in proc.stderr
+    # no log line (the reference's model load) lands in the table on stdout
+    assert "model_loaded" not in proc.stdout and "model_loaded" not in proc.stderr
     assert not list(tmp_path.glob("pdkv-demo-*")), "demo left its runtime dir behind"

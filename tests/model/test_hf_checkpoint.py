@@ -56,7 +56,7 @@ def save_hf_llama(path: Path, *, tie: bool = False, rope: dict | None = None, **
 )
 def test_logits_and_greedy_tokens_equal_transformers(tmp_path: Path, tie: bool, rope) -> None:
     hf = save_hf_llama(tmp_path, tie=tie, rope=rope)
-    model, _ = load_model(tmp_path)
+    model, _ = load_model(tmp_path, allow_byte_tokenizer=True)
     assert model.config.tie_word_embeddings is tie
     assert (model.weights.lm_head is model.weights.embed) is tie
     prompt = [1, 17, 250, 3, 99, 42, 7, 128, 64, 5, 11, 290, 33]
@@ -76,8 +76,8 @@ def test_sharded_checkpoint_loads_the_same_model(tmp_path: Path) -> None:
     save_hf_llama(tmp_path / "one")
     save_hf_llama(tmp_path / "many", max_shard_size="40KB")
     assert len(list((tmp_path / "many").glob("*.safetensors"))) > 1
-    one, _ = load_model(tmp_path / "one")
-    many, _ = load_model(tmp_path / "many")
+    one, _ = load_model(tmp_path / "one", allow_byte_tokenizer=True)
+    many, _ = load_model(tmp_path / "many", allow_byte_tokenizer=True)
     prompt = torch.tensor([1, 5, 9, 200])
     torch.testing.assert_close(
         one.forward_dense(prompt), many.forward_dense(prompt), rtol=0, atol=0
@@ -101,6 +101,13 @@ def test_untied_checkpoint_without_lm_head_is_refused(tmp_path: Path) -> None:
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ModelError, match=r"lm_head\.weight"):
         load_model(tmp_path)
+
+
+def test_corrupt_safetensors_is_a_model_error_naming_the_file(tmp_path: Path) -> None:
+    save_hf_llama(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 64)  # header length far too large
+    with pytest.raises(ModelError, match=r"cannot read .*model\.safetensors"):
+        load_model(tmp_path, allow_byte_tokenizer=True)
 
 
 def _edit_config(path: Path, **changes) -> None:
@@ -137,8 +144,12 @@ def test_directory_without_weights_or_config_is_refused(tmp_path: Path) -> None:
         load_model(tmp_path)
 
 
-def test_checkpoint_without_tokenizer_json_falls_back_to_bytes(tmp_path: Path) -> None:
+def test_checkpoint_without_tokenizer_json_is_refused_unless_bytes_are_allowed(
+    tmp_path: Path,
+) -> None:
     save_hf_llama(tmp_path)
-    _, tokenizer = load_model(tmp_path)
+    with pytest.raises(ModelError, match=r"no tokenizer\.json.*--allow-byte-tokenizer"):
+        load_model(tmp_path)
+    _, tokenizer = load_model(tmp_path, allow_byte_tokenizer=True)
     assert isinstance(tokenizer, ByteTokenizer)
     assert tokenizer.eos_token_id == 2

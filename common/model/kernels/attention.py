@@ -1,0 +1,311 @@
+"""Attention kernels: paged decode over the block table, and causal varlen prefill.
+
+`paged_decode_attention` is `common.model.paged.paged_attention` without the gather: each program
+takes one (row, KV head, split of the context) and reads that row's blocks through its block table,
+with the GQA query heads of that KV head packed as the rows of one matrix product; a second kernel
+merges the splits (flash-decoding). The grid depends only on the table's width, so a CUDA graph
+captured at one width replays for every batch of that bucket. A row of length 0 (a padded graph
+slot) reads nothing and yields zeros.
+
+`varlen_causal_attention` is causal attention of several sequences concatenated along the token
+axis (cumulative lengths `cu_seqlens`), each attending only to its own earlier tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PARTITION = 256  # context tokens per split of the paged-decode kernel
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+    """One tile of flash attention: fold keys k / values v [N, D] (where `keep` [M, N]) into the
+    running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
+    s = tl.where(keep, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _paged_decode_split(
+    q_ptr,
+    kv_ptr,
+    tables_ptr,
+    lens_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    layer,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kl,
+    stride_kkv,
+    stride_kt,
+    stride_kh,
+    stride_tb,
+    num_splits,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_kv = tl.num_programs(1)
+    seq_len = tl.load(lens_ptr + row).to(tl.int32)
+    start = split * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=(offs_g < GROUP)[:, None],
+        other=0.0,
+    )
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    head_base = kv_ptr + layer * stride_kl + kvh * stride_kh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        block = tl.load(tables_ptr + row * stride_tb + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        tok = head_base + block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+        k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        keep = valid[None, :]
+        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
+    part = (row * num_kv * GROUP + heads) * num_splits + split  # [GROUP_PAD]
+    gmask = offs_g < GROUP
+    tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(part_ml_ptr + part * 2, m_i, mask=gmask)
+    tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _paged_decode_merge(
+    part_o_ptr,
+    part_ml_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    base = (row * num_heads + head) * num_splits + offs_s
+    smask = offs_s < num_splits
+    m = tl.load(part_ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    lsum = tl.load(part_ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)  # a row of length 0: every split empty
+    w = tl.exp(m - m_max)
+    o = tl.load(
+        part_o_ptr + base[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0
+    )
+    total = tl.sum(w * lsum, 0)
+    res = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + row * stride_ob + head * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty)
+    )
+
+
+def decode_splits(table_width: int, block_size: int) -> int:
+    """Splits of the context for a block table `table_width` blocks wide."""
+    return max(1, -(-(table_width * block_size) // PARTITION))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged.paged_attention` by kernel: q [B, Hq, D] (last dim contiguous) -> [B, Hq, D].
+
+    `block_tables` [B, W] and `seq_lens` [B] are int32 or int64 on q's device; positions at or past
+    a row's length are never read. Scores, softmax and the sum are fp32; the result has q's dtype.
+    """
+    b, hq, d = q.shape
+    _, _, _, block_size, hkv, _ = kv.shape
+    group = hq // hkv
+    splits = decode_splits(block_tables.shape[1], block_size)
+    part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
+    out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device) if out is None else out
+    ieee = q.dtype == torch.float32
+    _paged_decode_split[(b, hkv, splits)](
+        q,
+        kv,
+        block_tables,
+        seq_lens,
+        part_o,
+        part_ml,
+        layer,
+        scale if scale is not None else d**-0.5,
+        q.stride(0),
+        q.stride(1),
+        kv.stride(0),
+        kv.stride(1),
+        kv.stride(2),
+        kv.stride(3),
+        kv.stride(4),
+        block_tables.stride(0),
+        splits,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=64 if d <= 64 else 32,
+        PARTITION=PARTITION,
+        IEEE=ieee,
+        num_warps=4,
+    )
+    _paged_decode_merge[(b, hq)](
+        part_o,
+        part_ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        splits,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        HEAD_DIM=d,
+        num_warps=1,
+    )
+    return out
+
+
+@triton.jit
+def _varlen_causal(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    cu_ptr,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    mblock = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2)
+    first = tl.load(cu_ptr + seq).to(tl.int32)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
+    m0 = mblock * BLOCK_M
+    if m0 < length:
+        kvh = head // GROUP
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        mmask = offs_m < length
+        rows = (first + offs_m).to(tl.int64)
+        q = tl.load(
+            q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+            mask=mmask[:, None],
+            other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        hi = tl.minimum(m0 + BLOCK_M, length)
+        for n0 in range(0, hi, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            nmask = offs_n < length
+            cols = (first + offs_n).to(tl.int64)
+            k = tl.load(
+                k_ptr + cols[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=nmask[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                v_ptr + cols[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
+                mask=nmask[:, None],
+                other=0.0,
+            )
+            keep = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
+            m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
+        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+            res.to(o_ptr.dtype.element_ty),
+            mask=mmask[:, None],
+        )
+
+
+def varlen_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention per sequence of a concatenated batch: q [N, Hq, D], k/v [N, Hkv, D].
+
+    Sequence s holds tokens cu_seqlens[s] .. cu_seqlens[s+1]-1 (int32 or int64, on q's device);
+    each token attends to its own sequence's tokens up to itself. Last dims contiguous; returns a
+    new [N, Hq, D] tensor of q's dtype.
+    """
+    n, hq, d = q.shape
+    hkv = k.shape[1]
+    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
+    block_m = 64
+    grid = (triton.cdiv(max_seqlen, block_m), hq, cu_seqlens.numel() - 1)
+    _varlen_causal[grid](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens,
+        scale if scale is not None else d**-0.5,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_M=block_m,
+        BLOCK_N=64,
+        IEEE=q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
+    return out

@@ -1,0 +1,83 @@
+"""Health as probes see it, on real daemon pairs: `pdkv status` exits 0 only when both daemons are
+up and linked; a request while the link is down fails at once with LINK_LOST; probes leave the
+logs quiet; status carries the model, dtype, requests served and tokens/s."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.app import client
+from common.model.sampling import SamplingParams
+from tests.integration.conftest import Pair, wait_ready
+
+
+def _status(pair: Pair, *args: str) -> subprocess.CompletedProcess[str]:
+    """`pdkv status` as a probe runs it, with the runtime dir given after the subcommand."""
+    argv = [sys.executable, "-m", "common.app.cli", "status", "--runtime-dir", str(pair.runtime)]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_mismatched_pair_is_unhealthy_and_requests_fail_fast(pair_factory: Pair) -> None:
+    pair_factory.start("decode", "--block-size", "16")
+    # a handoff timeout far above the client's: waiting it out would end in TimeoutError
+    prefill = pair_factory.start(
+        "prefill", "--block-size", "32", "--handoff-timeout", "3600", wait=False
+    )
+    wait_ready(prefill)  # answers, but the decode refuses the link: never linked
+    proc = _status(pair_factory)
+    assert proc.returncode == 1, proc.stdout
+    prefill_line = next(line for line in proc.stdout.splitlines() if line.startswith("prefill"))
+    assert prefill_line.startswith("prefill  up ")  # the liveness probes' pattern still holds
+    assert "link down" in prefill_line and "INCOMPATIBLE" in prefill_line, prefill_line
+
+    async def first_answer() -> list[object]:
+        seen: list[object] = []
+        params = SamplingParams(max_tokens=4)
+        with pytest.raises(client.RequestFailed) as info:
+            async for msg in client.stream(
+                pair_factory.client_socket, prompt="hi", sampling=params, timeout=60
+            ):
+                seen.append(msg)
+        assert info.value.code == "LINK_LOST", str(info.value)
+        assert "INCOMPATIBLE" in str(info.value), str(info.value)
+        return seen
+
+    assert asyncio.run(first_answer()) == [], "a token was computed for an unservable request"
+    st = asyncio.run(client.status(pair_factory.client_socket))
+    assert st.pool["free"] == st.pool["total"]
+
+
+def test_healthy_pair_status_exit_0_shows_model_and_throughput(pair: Pair) -> None:
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for _ in range(3):
+        asyncio.run(client.generate(pair.client_socket, prompt="count me", sampling=params))
+    proc = _status(pair)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        assert "model tiny-seed0-" in line and " float32 " in line, line
+        assert "served 3" in line and "tokens/s" in line, line
+    out = json.loads(_status(pair, "--json").stdout)
+    for role in ("prefill", "decode"):
+        assert out[role]["served"] == 3 and out[role]["tokens_per_s"] > 0, out[role]
+        assert out[role]["dtype"] == "float32"
+
+
+def test_status_probes_do_not_log_on_the_decode(pair: Pair) -> None:
+    before = pair.daemons["decode"].log_text()
+    for _ in range(5):
+        assert _status(pair).returncode == 0
+    # a real request afterwards: its lines come later than anything the probes caused
+    asyncio.run(client.generate(pair.client_socket, prompt="x", sampling=SamplingParams()))
+    new = pair.daemons["decode"].log_text()[len(before) :]
+    assert "peer_closed" not in new, new
+
+
+def test_status_with_nothing_running_exits_1(runtime_dir) -> None:  # type: ignore[no-untyped-def]
+    proc = _status(Pair(runtime_dir))
+    assert proc.returncode == 1
+    assert f"{runtime_dir}/prefill.sock" in proc.stdout, proc.stdout

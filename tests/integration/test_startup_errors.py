@@ -1,0 +1,81 @@
+"""A daemon that cannot start says why in one line and exits 3 (systemd's
+RestartPreventExitStatus=3): bad --device, --dtype or --model, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.config import DecodeConfig
+from common.modelrt import ModelRuntime
+from tests.model.test_hf_checkpoint import save_hf_llama
+
+
+def _start(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(runtime)]
+    return subprocess.run(
+        [*argv, "decode", "start", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _corrupt_checkpoint(path: Path) -> Path:
+    save_hf_llama(path)
+    (path / "model.safetensors").write_bytes(b"\xff" * 64)  # a header length far too large
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--device", "gpu"], "--device gpu: expected auto, cpu or cuda:N"),
+        (["--device", "cuda:0"], "CUDA is not available"),
+        (["--dtype", "int8"], "'int8' is not one pdkv's model runs in"),
+        (["--dtype", "foo"], "'foo' is not one pdkv's model runs in"),
+        (["--model", "CORRUPT"], "cannot read"),
+        (["--model", "NO_TOKENIZER"], "--allow-byte-tokenizer"),
+    ],
+    ids=["device-gpu", "device-cuda", "dtype-int8", "dtype-foo", "corrupt-model", "no-tokenizer"],
+)
+def test_bad_setting_exits_3_with_one_clear_line(
+    runtime_dir: Path, tmp_path: Path, args: list[str], says: str
+) -> None:
+    if "CORRUPT" in args:
+        args = ["--model", str(_corrupt_checkpoint(tmp_path / "corrupt")), "--device", "cpu"]
+    elif "NO_TOKENIZER" in args:
+        save_hf_llama(tmp_path / "bare")
+        args = ["--model", str(tmp_path / "bare"), "--device", "cpu"]
+    elif "--dtype" in args:
+        args = [*args, "--device", "cpu"]
+    proc = _start(runtime_dir, *args)
+    if "cuda:0" in args and proc.returncode == 0:  # pragma: no cover - a GPU host
+        pytest.skip("CUDA works here")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+
+
+def test_short_dtype_names_load_as_their_long_names(runtime_dir: Path) -> None:
+    """`--dtype bf16` (which the loader always accepted) runs, and fingerprints like bfloat16."""
+    rts = [
+        ModelRuntime.load(
+            DecodeConfig(runtime_dir=runtime_dir, device="cpu", dtype=name, num_blocks=2), "decode"
+        )
+        for name in ("bf16", "bfloat16")
+    ]
+    try:
+        assert [rt.layout.dtype for rt in rts] == ["bfloat16", "bfloat16"]
+        assert rts[0].fingerprint == rts[1].fingerprint
+    finally:
+        for rt in rts:
+            rt.close()
+
+
+def test_background_start_shows_only_this_starts_log_lines(runtime_dir: Path) -> None:
+    (runtime_dir / "decode.log").write_text("".join(f"stale line {i}\n" for i in range(40)))
+    proc = _start(runtime_dir, "--background", "--device", "cpu", "--model", "/nonexistent")
+    assert proc.returncode == 3, proc.stderr
+    assert "has no config.json" in proc.stderr, proc.stderr
+    assert "stale line" not in proc.stderr, proc.stderr

@@ -1,0 +1,191 @@
+"""The Triton kernels against the torch path they replace, on random inputs and block tables.
+
+These run on CUDA, or on the CPU in Triton's interpreter (`pip install triton`, then
+`TRITON_INTERPRET=1 pytest tests/model/test_kernels.py`); elsewhere, CI included, they skip: the
+interpreter needs the ~400 MB triton wheel and minutes of CPU, too much for CI (see docs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.model import LlamaConfig, paged_attention, scatter_kv, slots_for
+from common.model.kernels import kernels_usable
+from common.model.llama import LlamaModel, rms_norm
+from common.model.loader import tiny_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not kernels_usable(DEVICE) or os.environ.get("PDKV_KERNELS") == "0",
+        reason="needs CUDA with triton, or triton with TRITON_INTERPRET=1",
+    ),
+]
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE.type == "cuda" else [torch.float32]
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def _pool(blocks: int, block_size: int, hkv: int, d: int, dtype, gen) -> torch.Tensor:
+    """A 2-layer pool of random values, NaN in block 0 (the padding id) and every unused slot."""
+    kv = torch.randn((blocks, 2, 2, block_size, hkv, d), generator=gen).to(DEVICE, dtype)
+    kv[0] = float("nan")
+    return kv
+
+
+def _tables(lengths: list[int], blocks: int, block_size: int, gen) -> torch.Tensor:
+    """Each row owns distinct random blocks (never block 0); rows padded with 0."""
+    need = [-(-n // block_size) for n in lengths]
+    perm = (torch.randperm(blocks - 1, generator=gen) + 1).tolist()
+    width = max(max(need), 1)
+    tables = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, k in enumerate(need):
+        tables[row, :k] = torch.tensor(perm[:k], dtype=torch.long)
+        perm = perm[k:]
+    return tables.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (8, 2), (8, 1)])
+def test_paged_decode_matches_torch(dtype, block_size: int, d: int, hq: int, hkv: int) -> None:
+    from common.model.kernels.attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(block_size * d + hq * 7 + hkv)
+    # batch mates of very different lengths, crossing block and 256-token split boundaries
+    lengths = [1, block_size, block_size + 1, 300, 77]
+    tables = _tables(lengths, 64, block_size, gen)
+    kv = _pool(64, block_size, hkv, d, dtype, gen)
+    lens = torch.tensor(lengths, device=DEVICE)
+    q = torch.randn((len(lengths), hq, d), generator=gen).to(DEVICE, dtype)
+    for layer in (0, 1):
+        out = paged_decode_attention(q, kv, layer, tables, lens)
+        ref = paged_attention(q, kv, layer, tables, lens)
+        assert not out.isnan().any()
+        assert _rel(out, ref) < TOL[dtype]
+    # int32 tables and lengths (the runner's buffers may be either) give the same result
+    out32 = paged_decode_attention(q, kv, 1, tables.int(), lens.int())
+    assert torch.equal(out32, out)
+
+
+def test_padded_rows_read_nothing_and_leave_real_rows_alone() -> None:
+    from common.model.kernels.attention import paged_decode_attention
+
+    gen = torch.Generator().manual_seed(5)
+    kv = _pool(16, 16, 2, 64, torch.float32, gen)
+    tables = _tables([40, 3], 16, 16, gen)
+    q = torch.randn((2, 4, 64), generator=gen).to(DEVICE)
+    alone = paged_decode_attention(q, kv, 0, tables, torch.tensor([40, 3], device=DEVICE))
+    # the same rows plus two padded ones (length 0, table of block 0 = NaN) at the end
+    pad_tables = torch.cat([tables, torch.zeros_like(tables)])
+    pad_q = torch.cat([q, torch.full_like(q, float("nan"))])
+    lens = torch.tensor([40, 3, 0, 0], device=DEVICE)
+    out = paged_decode_attention(pad_q, kv, 0, pad_tables, lens)
+    assert torch.equal(out[:2], alone)
+    assert torch.equal(out[2:], torch.zeros_like(out[2:]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(4, 4, 64), (8, 2, 64), (8, 1, 128)])
+def test_rope_and_store_match_torch(dtype, hq: int, hkv: int, d: int) -> None:
+    from common.model.fastpath import rope_tables
+    from common.model.kernels.fused import rope_and_store
+
+    config = LlamaConfig.tiny(num_heads=hq, num_kv_heads=hkv, head_dim=d, hidden_size=hq * d)
+    model = tiny_model(config=config, device=DEVICE, dtype=dtype)
+    gen = torch.Generator().manual_seed(hq + d)
+    n = 37
+    positions = torch.randint(0, 5000, (n,), generator=gen).to(DEVICE)
+    slots = torch.randperm(4 * 32, generator=gen)[:n].to(DEVICE)
+    slots[3] = -1  # a padded row writes nothing
+    qkv = torch.randn((n, (hq + 2 * hkv) * d), generator=gen).to(DEVICE, dtype)
+    kv = _pool(4, 32, hkv, d, dtype, gen)
+    ref_kv = kv.clone()
+
+    cos, sin = model._rope(positions)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    ref_q = model._apply_rope(q.reshape(n, hq, d), cos, sin)
+    ref_k = model._apply_rope(k.reshape(n, hkv, d), cos, sin)
+    keep = slots >= 0
+    scatter_kv(ref_kv, 1, slots[keep], ref_k[keep], v.reshape(n, hkv, d)[keep])
+
+    got = qkv.clone()
+    cos_t, sin_t = rope_tables(model)
+    rope_and_store(got, positions, cos_t, sin_t, hq, hkv, kv, 1, slots)
+    gq, gk, gv = got.split([hq * d, hkv * d, hkv * d], -1)
+    assert _rel(gq.reshape(n, hq, d), ref_q) < TOL[dtype] / 4
+    assert _rel(gk.reshape(n, hkv, d), ref_k) < TOL[dtype] / 4
+    assert torch.equal(gv, v)  # v is only copied
+    assert torch.allclose(kv.float(), ref_kv.float(), rtol=1e-2, atol=1e-2, equal_nan=True)
+    assert torch.equal(kv.isnan(), ref_kv.isnan())  # slot -1 and unused slots untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_silu_mul_match_torch(dtype) -> None:
+    from common.model.kernels.fused import rms_norm as k_rms_norm
+    from common.model.kernels.fused import silu_mul
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn((5, 320), generator=gen).to(DEVICE, dtype)
+    res = torch.randn((5, 320), generator=gen).to(DEVICE, dtype)
+    w = torch.rand(320, generator=gen).to(DEVICE, dtype)
+    assert _rel(k_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)) < TOL[dtype] / 4
+    summed = res + x
+    out = k_rms_norm(x, w, 1e-5, res)
+    assert torch.equal(res, summed)  # the residual now holds the sum, rounded alike
+    assert _rel(out, rms_norm(summed, w, 1e-5)) < TOL[dtype] / 4
+    gu = torch.randn((5, 2 * 700), generator=gen).to(DEVICE, dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(gate) * up
+    assert _rel(silu_mul(gu), ref) < TOL[dtype] / 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(2, 2, 64), (8, 2, 64), (8, 1, 128)])
+def test_varlen_causal_matches_per_sequence_sdpa(dtype, hq: int, hkv: int, d: int) -> None:
+    from common.model.kernels.attention import varlen_causal_attention
+
+    gen = torch.Generator().manual_seed(hq * d)
+    lengths = [1, 70, 5, 130]
+    n = sum(lengths)
+    qkv = torch.randn((n, (hq + 2 * hkv) * d), generator=gen).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)  # strided, as in the model
+    cu = torch.tensor([0, 1, 71, 76, n], device=DEVICE)
+    out = varlen_causal_attention(q, k, v, cu, max(lengths))
+    model = LlamaModel.__new__(LlamaModel)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        ref = model._causal_attention(q[a:b].float(), k[a:b].float(), v[a:b].float())
+        assert _rel(out[a:b], ref) < TOL[dtype]
+
+
+def test_kernel_forward_matches_torch_path() -> None:
+    """The tiny model's decode and varlen prefill through the kernels equal the torch path's."""
+    model = tiny_model(device=DEVICE, dtype=torch.float32)
+    assert model.use_kernels
+    gen = torch.Generator().manual_seed(11)
+    lengths = (9, 40, 17)
+    prompts = [torch.randint(0, 256, (n,), generator=gen) for n in lengths]
+    tables = torch.tensor([[5, 0, 0], [1, 7, 3], [12, 2, 0]])
+    slots = [slots_for(tables[i], 0, n, 16) for i, n in enumerate(lengths)]
+    pos = torch.tensor(lengths)
+    step_slots = torch.cat([slots_for(tables[i], n, 1, 16) for i, n in enumerate(lengths)])
+    logits = {}
+    for on in (False, True):
+        model.use_kernels = on
+        kv = model.new_kv_cache(16, 16)
+        pre = model.prefill_batch(prompts, slots, kv)
+        dec = model.decode_step(torch.tensor([1, 2, 3]), pos, step_slots, tables, pos + 1, kv)
+        logits[on] = (pre, dec)
+    model.use_kernels = True
+    for ref, got in zip(logits[False], logits[True], strict=True):
+        assert _rel(got, ref) < 1e-5
+        assert torch.equal(got.argmax(-1), ref.argmax(-1))

@@ -1,0 +1,70 @@
+"""The `pdkv` command line through click's runner: global options after the subcommand,
+--version, help text on every option."""
+
+from __future__ import annotations
+
+from importlib import metadata
+from pathlib import Path
+
+import click
+from click.testing import CliRunner
+
+from common.app.cli import cli
+
+
+def _commands(group: click.Group, prefix: str = "pdkv") -> list[tuple[str, click.Command]]:
+    out: list[tuple[str, click.Command]] = [(prefix, group)]
+    for name, cmd in group.commands.items():
+        if isinstance(cmd, click.Group):
+            out += _commands(cmd, f"{prefix} {name}")
+        else:
+            out.append((f"{prefix} {name}", cmd))
+    return out
+
+
+def test_every_option_has_help_text() -> None:
+    missing = [
+        f"{path} {param.opts[0]}"
+        for path, cmd in _commands(cli)
+        for param in cmd.params
+        if isinstance(param, click.Option) and not param.help
+    ]
+    assert not missing, missing
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"pdkv, version {metadata.version('pdkv')}"
+
+
+def test_global_options_after_the_subcommand(tmp_path: Path) -> None:
+    before = CliRunner().invoke(cli, ["--runtime-dir", str(tmp_path / "a"), "status"])
+    after = CliRunner().invoke(
+        cli, ["--runtime-dir", str(tmp_path / "a"), "status", "--runtime-dir", str(tmp_path / "b")]
+    )
+    assert before.exit_code == after.exit_code == 1  # nothing runs there
+    assert f"{tmp_path}/a/prefill.sock" in before.output
+    assert f"{tmp_path}/b/prefill.sock" in after.output, after.output
+    assert f"{tmp_path}/a/" not in after.output
+
+
+def test_global_options_after_a_nested_subcommand(tmp_path: Path) -> None:
+    """`pdkv decode start --runtime-dir X`: a file where X should be is refused, naming X."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    result = CliRunner().invoke(cli, ["decode", "start", "--runtime-dir", str(blocker)])
+    assert result.exit_code == 3
+    assert str(blocker) in result.output
+
+
+def test_environment_variables_are_named_after_their_options() -> None:
+    wrong = [
+        f"{path} {param.opts[0]}: {param.envvar}"
+        for path, cmd in _commands(cli)
+        for param in cmd.params
+        if isinstance(param, click.Option)
+        and param.envvar
+        and param.envvar != f"PDKV_{(param.name or '').upper()}"
+    ]
+    assert not wrong, wrong
