@@ -8,6 +8,12 @@ established link, through `dispatch(handler)`, which splits and handles them in 
 itself. `send` writes a whole frame at once when the socket is free, else in order behind the
 pending write, so concurrent senders never interleave; `spin` polls instead of sleeping while an
 answer is due. Every fd received beyond what the protocol expects is closed.
+
+Per-connection memory stays small while a connection is idle or carries small frames: reads go
+into a 16 KiB buffer, and a 256 KiB one exists only while a frame larger than that arrives. fds
+are held only up to `max_fds` (0: every fd is closed on arrival; always 0 in dispatch mode, whose
+frames carry none). A frame must complete within `watch_idle`'s frame timeout however slowly its
+bytes trickle in.
 """
 
 from __future__ import annotations
@@ -17,16 +23,22 @@ import asyncio
 import functools
 import os
 import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 
 from common.errors import ProtocolError
 from common.protocol import ConnectionClosed, Message, encode, read_frame, split_frame
+from common.protocol.frame import HEADER, HEADER_SIZE
 
 #: At most this many fds are accepted per recvmsg; more is a protocol error.
 MAX_FDS_PER_MSG = 16
-_RECV_SIZE = 256 * 1024
+#: Default cap on fds a connection may hold unclaimed (a REGISTER needs one per region).
+MAX_FDS_HELD = 16
+_RECV_SIZE = 256 * 1024  # read buffer while a large frame arrives
+_SMALL_RECV_SIZE = 16 * 1024  # read buffer otherwise
+_SHRINK_ABOVE = 64 * 1024  # an empty frame buffer that grew past this is given back
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)  # plain int: IntFlag's & costs microseconds per message
 _CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
@@ -40,15 +52,17 @@ class FrameChannel:
         *,
         max_buffer: int = 8 * 1024 * 1024,
         max_queued: int = 64 * 1024 * 1024,
+        max_fds: int = MAX_FDS_HELD,
     ) -> None:
         sock.setblocking(False)
         self.sock = sock
         self._loop = asyncio.get_running_loop()
         self._fileno = sock.fileno()
         self._buf = bytearray()
-        self._rbuf = bytearray(_RECV_SIZE)
-        self._rview = memoryview(self._rbuf)
+        self._small = bytearray(_SMALL_RECV_SIZE)
+        self._big: bytearray | None = None  # only while a large frame arrives
         self._fds: deque[int] = deque()
+        self.max_fds = max_fds  # fds held unclaimed beyond this are closed (see _take_ancillary)
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -57,6 +71,7 @@ class FrameChannel:
         self._send_lock = asyncio.Lock()
         self._tail: asyncio.Task[None] | None = None  # the last write task started
         self.last_rx = time.monotonic()  # when bytes last arrived (see watch_idle)
+        self._frame_started = self.last_rx  # first byte of the frame now arriving (or last frame)
         self._closed = False
         self._handler: Callable[[Message], None] | None = None  # see dispatch()
         self._ended: asyncio.Future[None] | None = None
@@ -69,10 +84,11 @@ class FrameChannel:
 
     # ---- reading -------------------------------------------------------------------------------
     def _on_readable(self) -> None:
+        rbuf = self._recv_buffer()
         try:
             # into a buffer allocated once: a fresh 256 KiB bytes per call would be an mmap +
             # munmap each time (above malloc's mmap threshold), ~100 µs per message
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([self._rbuf], _CMSG_SPACE)
+            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([rbuf], _CMSG_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -80,25 +96,61 @@ class FrameChannel:
             self._stop_reading()
             self._wake()
             return
-        self.last_rx = time.monotonic()
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds = array.array("i")
-                fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-                self._fds.extend(fds)
+        now = self.last_rx = time.monotonic()
+        if ancdata:
+            self._take_ancillary(ancdata)
         if flags & _MSG_CTRUNC:
             self._error = ProtocolError(f"more than {MAX_FDS_PER_MSG} fds in one message")
         if not nbytes:
             self._eof = True
             self._stop_reading()
         else:
-            self._buf += self._rview[:nbytes]
+            if not self._buf:
+                self._frame_started = now
+            self._buf += memoryview(rbuf)[:nbytes]
             if len(self._buf) > self._max_buffer and self._handler is None:
                 self._stop_reading()
         if self._handler is not None:
             self._deliver()
         else:
             self._wake()
+
+    def _recv_buffer(self) -> bytearray:
+        """The small read buffer, or the large one while the frame in progress needs more than
+        the small one holds (its header says how much)."""
+        buf = self._buf
+        if len(buf) >= HEADER_SIZE:
+            _, _, _, meta, mem, ev = HEADER.unpack_from(buf)
+            if HEADER_SIZE + meta + mem + ev - len(buf) > _SMALL_RECV_SIZE:
+                if self._big is None:
+                    self._big = bytearray(_RECV_SIZE)
+                return self._big
+        return self._small
+
+    def _consumed(self) -> None:
+        """A frame left the buffer: its successor's clock starts; memory of a large one goes."""
+        self._frame_started = self.last_rx
+        if not self._buf:
+            self._big = None
+            if sys.getsizeof(self._buf) > _SHRINK_ABOVE:
+                self._buf = bytearray()
+
+    def _take_ancillary(self, ancdata: list[tuple[int, int, bytes]]) -> None:
+        """Queue received fds up to `max_fds` held (never in dispatch mode); close the rest at
+        once. Past the cap on a connection that expects fds, the channel fails."""
+        for level, kind, payload in ancdata:
+            if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
+                continue
+            fds = array.array("i")
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+            room = 0 if self._handler is not None else self.max_fds - len(self._fds)
+            self._fds.extend(fds[: max(room, 0)])
+            for fd in fds[max(room, 0) :]:
+                os.close(fd)
+            if len(fds) > room and self.max_fds and self._handler is None:
+                self._error = ProtocolError(
+                    f"more than {self.max_fds} file descriptors held by one connection"
+                )
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -177,6 +229,7 @@ class FrameChannel:
                     break
                 msg, n = got
                 del self._buf[:n]
+                self._consumed()
                 handler(msg)
                 handler = self._handler
         except Exception as exc:  # a bad frame or a handler's refusal ends the channel
@@ -209,6 +262,7 @@ class FrameChannel:
                 self._waiter = None
         data = bytes(self._buf[:n])
         del self._buf[:n]
+        self._consumed()
         if not self._reading and not self._eof and not self._closed:
             self._reading = True
             self._loop.add_reader(self._fileno, self._on_readable)
@@ -231,21 +285,36 @@ class FrameChannel:
         self._error = exc
         self._wake()
 
-    async def watch_idle(self, timeout: float, *, partial_only: bool = False) -> None:
+    def partial_age(self, now: float) -> float:
+        """Seconds the frame now arriving has been incomplete (0 when no partial frame waits)."""
+        return now - self._frame_started if self._buf else 0.0
+
+    async def watch_idle(
+        self, timeout: float, *, partial_only: bool = False, frame_timeout: float | None = None
+    ) -> None:
         """Fail the channel with TimeoutError once nothing has arrived for `timeout` seconds
         (with `partial_only`: only while part of a frame is waiting for the rest — a client may
-        be silent for as long as it likes between frames, not in the middle of one).
+        be silent for as long as it likes between frames, not in the middle of one), or once a
+        frame has been incomplete for `frame_timeout` seconds (default: `timeout` when
+        `partial_only`, else never) however slowly its bytes trickle in.
 
         One sleeping task per connection instead of a timeout around every read: a timeout
         context costs ~10 µs per message, the dominant cost of a small frame.
         """
+        if frame_timeout is None and partial_only:
+            frame_timeout = timeout
+        step = min(timeout, frame_timeout or timeout) / 4
         while not self._closed:
-            idle = time.monotonic() - self.last_rx
-            if idle >= timeout and (self._buf or not partial_only):
-                what = "the rest of a frame" if partial_only else "anything"
-                self.fail(TimeoutError(f"nothing received for {timeout} s, waiting for {what}"))
+            now = time.monotonic()
+            if not partial_only and now - self.last_rx >= timeout:
+                self.fail(TimeoutError(f"nothing received for {timeout} s"))
                 return
-            await asyncio.sleep(max(timeout - idle, timeout / 4))
+            if frame_timeout is not None and self.partial_age(now) >= frame_timeout:
+                self.fail(
+                    TimeoutError(f"the rest of a frame not received within {frame_timeout} s")
+                )
+                return
+            await asyncio.sleep(step)
 
     # ---- writing -------------------------------------------------------------------------------
     async def send(self, msg: Message, fds: list[int] | None = None) -> None:

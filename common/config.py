@@ -30,6 +30,8 @@ class DaemonConfig:
     drain_timeout_s: float = 10.0
     max_prompt_tokens: int = 8192
     spin_us: int = 0  # poll a link without sleeping this long when an answer is due (0: never)
+    max_connections: int = 1024  # open connections on the listening socket; more are refused
+    frame_timeout_s: float = 30.0  # a frame must complete within this, however slowly it trickles
 
     @property
     def link_path(self) -> Path:
@@ -59,6 +61,8 @@ class PrefillConfig(DaemonConfig):
     lease_timeout_s: float = 30.0
     handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
     max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
+    client_idle_timeout_s: float = 300.0  # a client connection with no request and no frame
+    client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
 
     @property
     def client_path(self) -> Path:

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -22,6 +23,7 @@ import structlog
 
 from common.channel import peer_credentials
 from common.notify import notify
+from common.protocol import ErrorCode, encode, make_error
 from common.rundir import claim_socket_path
 
 log = structlog.get_logger(__name__)
@@ -48,11 +50,17 @@ def run(main: Callable[[], Awaitable[int]]) -> int:
         return runner.run(main())
 
 
+#: Exit status of a daemon that ended because it could no longer serve (not 3: systemd's
+#: RestartPreventExitStatus=3 is for configuration errors; this one should be restarted).
+EXIT_FATAL = 1
+
+
 class StopFlag:
-    """Set by SIGTERM/SIGINT; a second signal exits at once with status 1."""
+    """Set by SIGTERM/SIGINT, or by `fail` from inside; a second signal exits at once (status 1)."""
 
     def __init__(self) -> None:
         self.event = asyncio.Event()
+        self.exit_code = 0
         self._loop = asyncio.get_running_loop()
         self._installed: list[int] = []
 
@@ -67,6 +75,12 @@ class StopFlag:
             log.warning("forced_exit", signal=signal.Signals(sig).name)
             os._exit(1)
         log.info("stop_requested", signal=signal.Signals(sig).name)
+        self.event.set()
+
+    def fail(self, reason: str) -> None:
+        """The daemon can no longer serve: stop it now and make it exit with EXIT_FATAL."""
+        log.critical("daemon_failed", reason=reason, exit_code=EXIT_FATAL)
+        self.exit_code = EXIT_FATAL
         self.event.set()
 
     def uninstall(self) -> None:
@@ -117,12 +131,17 @@ class Server(Protocol):
 
 
 async def serve_until_stopped(
-    load: Callable[[], R], make_server: Callable[[R], Server], close: Callable[[R], None]
+    load: Callable[[], R],
+    make_server: Callable[[R, StopFlag], Server],
+    close: Callable[[R], None],
 ) -> int:
     """The daemon's life: signals armed first, then load (off the loop), start, wait for the
     stop flag, shut down. A SIGTERM during a long model load ends the daemon cleanly (exit 0).
+
     Under systemd (Type=notify) READY=1 goes out once `server.until_ready()` returns, STOPPING=1
-    when the drain begins."""
+    when the drain begins. The server may end itself through `StopFlag.fail` (exit EXIT_FATAL); a
+    shutdown that raises is logged and exits EXIT_FATAL too, its pidfile left for `pdkv stop` to
+    find and report."""
     stop = StopFlag()
     stop.install()
     try:
@@ -131,14 +150,18 @@ async def serve_until_stopped(
             close(loaded)
             log.info("stopped_during_load")
             return 0
-        server = make_server(loaded)
+        server = make_server(loaded, stop)
         await server.start()
         ready = asyncio.create_task(_notify_ready(server), name="sd-notify-ready")
         await stop.event.wait()
         ready.cancel()
         notify("STOPPING=1", "STATUS=draining")
-        await server.shutdown()
-        return 0
+        try:
+            await server.shutdown()
+        except Exception:
+            log.exception("shutdown_failed")
+            return EXIT_FATAL
+        return stop.exit_code
     finally:
         stop.uninstall()
 
@@ -155,18 +178,65 @@ async def accept_loop(
     tasks: set[asyncio.Task[None]],
     *,
     name: str,
+    max_connections: int = 1024,
 ) -> None:
     """Accept connections until `listen` is closed; refuse peers whose uid is not allowed
-    (logged), serve each other one in its own task, kept in `tasks` while it runs."""
+    (logged), serve each other one in its own task, kept in `tasks` while it runs.
+
+    Past `max_connections` open connections a new one gets ERROR NO_CAPACITY and is closed. An
+    accept that fails (EMFILE/ENFILE out of fds, ENOMEM, ...) is logged and retried after a
+    backoff of up to 1 s: the daemon keeps accepting once resources are back.
+    """
     loop = asyncio.get_running_loop()
+    conns: set[asyncio.Task[None]] = set()
+    backoff = 0.0
+    refusals = _RateLimitedLog(f"{name}_connection_refused")
     while True:
         try:
             conn, _ = await loop.sock_accept(listen)
-        except OSError:
-            return
+        except OSError as exc:
+            if listen.fileno() == -1:
+                return  # closed: the daemon is stopping
+            backoff = min(max(backoff * 2, 0.01), 1.0)
+            log.error("accept_failed", socket=name, error=str(exc), retry_s=backoff)
+            await asyncio.sleep(backoff)
+            continue
+        if backoff:
+            log.info("accept_recovered", socket=name)
+            backoff = 0.0
         if not peer_allowed(conn, allowed_uids, socket=name):
             conn.close()
             continue
+        if len(conns) >= max_connections:
+            _refuse(conn, f"{len(conns)} connections open, the limit is {max_connections}")
+            refusals.note(limit=max_connections, socket=name)
+            continue
         task = asyncio.create_task(serve(conn), name=f"{name}-conn")
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        for group in (tasks, conns):
+            group.add(task)
+            task.add_done_callback(group.discard)
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    """Best effort ERROR NO_CAPACITY to a connection we will not serve, then close it."""
+    with contextlib.suppress(OSError):
+        conn.setblocking(False)
+        conn.send(encode(make_error(ErrorCode.NO_CAPACITY, f"{why} (--max-connections)")))
+    conn.close()
+
+
+class _RateLimitedLog:
+    """One warning per second at most for a repeated event, with how many were not logged."""
+
+    def __init__(self, event: str) -> None:
+        self.event = event
+        self.last = 0.0
+        self.skipped = 0
+
+    def note(self, **fields: Any) -> None:
+        now = time.monotonic()
+        if now - self.last < 1.0:
+            self.skipped += 1
+            return
+        log.warning(self.event, not_logged_since=self.skipped, **fields)
+        self.last, self.skipped = now, 0

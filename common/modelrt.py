@@ -23,7 +23,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
-from common.protocol import fingerprint
+from common.protocol import compat_fields, fingerprint
 from common.throughput import Throughput
 from common.transfer.regions import default_backend
 
@@ -89,6 +89,13 @@ class ModelRuntime:
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
     runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
+
+    @property
+    def compat(self) -> dict[str, Any]:
+        """What the fingerprint hashes, in the clear (sent in HELLO, compared by the decode)."""
+        return compat_fields(
+            model_id=self.model.fingerprint, layout=self.layout.to_wire(), backend=self.backend
+        )
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:

@@ -17,11 +17,18 @@ class SamplingParamsError(PdkvError, ValueError):
     """Sampling parameters outside their domain; the message names the field and its range."""
 
 
+#: Temperatures below this are greedy: dividing logits by less would only pick among the tied
+#: maxima, and a subnormal divisor overflows fp32 (see common.model.sampling).
+MIN_TEMPERATURE = 1e-5
+#: Highest temperature accepted; beyond it the distribution is uniform to fp32 precision anyway.
+MAX_TEMPERATURE = 1e4
+
+
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick tokens. Client → prefill daemon → decode daemon (inside HANDOFF).
 
-    temperature 0 is greedy (top_k, top_p and seed are then ignored); top_k 0 and top_p 1.0 are
-    off. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens.
+    temperature 0 (or anything below MIN_TEMPERATURE) is greedy (top_k, top_p and seed are then
+    ignored); top_k 0 and top_p 1.0 are off; any top_p in (0, 1] keeps at least the likeliest token. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens.
     """
 
     max_tokens: int = 16
@@ -33,8 +40,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def greedy(self) -> bool:
-        """True when tokens are the argmax (temperature 0)."""
-        return self.temperature == 0.0
+        """True when tokens are the argmax (temperature below MIN_TEMPERATURE, 0 included)."""
+        return self.temperature < MIN_TEMPERATURE
 
     def validate(self) -> SamplingParams:
         """Return self when every field is in range; SamplingParamsError naming the first that is not."""
@@ -42,9 +49,10 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SamplingParamsError(
                 f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
             )
-        if not _is_number(self.temperature) or not 0.0 <= self.temperature < math.inf:
+        if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (below "
+                f"{MIN_TEMPERATURE:g} = greedy), got {self.temperature!r}"
             )
         if not _is_int(self.top_k) or self.top_k < 0:
             raise SamplingParamsError(

@@ -3,7 +3,7 @@
 `DaemonServer.start` listens on the daemon's socket (0600/0660), writes the pidfile, starts the
 subclass's parts and accepts connections (SO_PEERCRED-checked), each served in its own task.
 `shutdown` is one sequence: stop accepting and remove the socket; wait, under `drain_timeout_s`,
-while work is in flight; `end_remaining` (answer whoever still waits, end the links); cancel and
+while work is in flight (not when the daemon has failed: nothing would finish); `end_remaining` (answer whoever still waits, end the links); cancel and
 await every task; close the model runtime and the subclass's parts; remove the pidfile. Signals
 and the model load around it are `common.daemon.serve_until_stopped`'s.
 
@@ -38,9 +38,12 @@ class DaemonServer:
     role: ClassVar[str]
     in_flight_name: ClassVar[str]  # what in_flight() counts, for the draining log line
 
-    def __init__(self, cfg: DaemonConfig, rt: ModelRuntime, socket_path: Path) -> None:
+    def __init__(
+        self, cfg: DaemonConfig, rt: ModelRuntime, socket_path: Path, stop: daemon.StopFlag
+    ) -> None:
         self.cfg = cfg
         self.rt = rt
+        self.stop_flag = stop  # `stop_flag.fail(reason)` ends a daemon that can no longer serve
         self.socket_path = socket_path
         self.started = time.monotonic()
         self.stopping = False
@@ -57,6 +60,10 @@ class DaemonServer:
     async def end_remaining(self) -> None:
         """After the drain: answer whatever still waits, end the links."""
         raise NotImplementedError
+
+    def failure(self) -> BaseException | None:
+        """Why the daemon cannot serve any more (then nothing is drained), or None."""
+        return None
 
     def links(self) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -93,6 +100,7 @@ class DaemonServer:
             self.serve_connection,
             self._tasks,
             name="client" if self.role == "prefill" else "link",
+            max_connections=self.cfg.max_connections,
         )
         self.spawn(accept, f"{self.role}-accept")
         log.info(f"{self.role}_ready", socket=str(self.socket_path), pid=os.getpid())
@@ -101,13 +109,18 @@ class DaemonServer:
         """Stop accepting, drain in-flight work under the timeout, end the rest, close."""
         self.stopping = True
         self.refuse_new()
-        log.info(f"{self.role}_draining", **{self.in_flight_name: self.in_flight()})
+        failure = self.failure()
+        log.info(
+            f"{self.role}_draining",
+            **{self.in_flight_name: self.in_flight()},
+            failed=failure is not None,
+        )
         if self._listen is not None:
             self._listen.close()
             remove_file(self.socket_path)
         deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while self.in_flight() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        while failure is None and self.in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # a daemon that failed would finish nothing: no drain
         await self.end_remaining()
         for task in self._tasks:
             task.cancel()

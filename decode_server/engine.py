@@ -6,6 +6,11 @@ leaves the batch after the step that finished it. Each step runs on the torch th
 itself never blocks. After each step, `on_step(results)` gets every (sequence, new token) pair of
 that step, on the loop; the engine owns no blocks: whoever removes or finishes a sequence frees
 them (DecodeRequests).
+
+Failures are isolated where they can be: a sequence whose logits are not finite, or whose draw
+fails, leaves the batch with `seq.error` set (the callback answers its request) and the others go
+on. A failure of the step itself (the forward pass) belongs to no sequence: the loop logs it and
+calls `on_fatal`, and the daemon exits non-zero rather than live on without decoding.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from common.model.sampling import make_generator, sample_batch
+from common.model.sampling import SamplingError, make_generator, sample_batch_isolated
 from common.modelrt import ModelRuntime
 from decode_server.sequence import Sequence
 
@@ -31,10 +36,13 @@ class DecodeEngine:
         *,
         max_batch: int,
         on_step: Callable[[list[tuple[Sequence, int]]], None],
+        on_fatal: Callable[[BaseException], None],
     ) -> None:
         self.rt = rt
         self.max_batch = max_batch
         self._on_step = on_step
+        self._on_fatal = on_fatal
+        self.failure: BaseException | None = None  # why the loop ended, if it did
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
         self._wake = asyncio.Event()
@@ -61,40 +69,56 @@ class DecodeEngine:
         self._task = asyncio.create_task(self._loop(), name="decode-loop")
 
     async def stop(self) -> None:
+        """Cancel the loop; a loop that already failed has been reported (on_fatal), not raised."""
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
-    async def _loop(self) -> None:
-        while True:
-            if not self._active and not self._waiting:
-                self._wake.clear()
-                await self._wake.wait()
-            while self._waiting and len(self._active) < self.max_batch:
-                key, seq = next(iter(self._waiting.items()))
-                del self._waiting[key]
-                self._active[key] = seq
-            batch = list(self._active.values())
-            try:
-                tokens = await self.rt.run(self._step, batch)
-            except Exception:
-                log.exception("decode_step_failed", batch=len(batch))
-                raise
-            self.steps += 1
-            results = []
-            for seq, tok in zip(batch, tokens, strict=True):
-                if self._active.get(seq.key) is not seq:
-                    continue  # aborted while the step ran
-                seq.generated.append(tok)
-                if seq.check_finished():
-                    del self._active[seq.key]
-                results.append((seq, tok))
-            self._on_step(results)
-            await asyncio.sleep(0)  # let link traffic in between steps
+    @property
+    def running(self) -> bool:
+        """True while the loop can still decode."""
+        return self._task is not None and not self._task.done()
 
-    def _step(self, batch: list[Sequence]) -> list[int]:
-        """One decode step for `batch` (torch thread): returns each sequence's next token."""
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not self._active and not self._waiting:
+                    self._wake.clear()
+                    await self._wake.wait()
+                await self._step_once()
+                await asyncio.sleep(0)  # let link traffic in between steps
+        except Exception as exc:  # not attributable to one sequence: the daemon must end
+            self.failure = exc
+            log.critical("decode_loop_failed", batch=len(self._active), exc_info=exc)
+            self._on_fatal(exc)
+
+    async def _step_once(self) -> None:
+        while self._waiting and len(self._active) < self.max_batch:
+            key, seq = next(iter(self._waiting.items()))
+            del self._waiting[key]
+            self._active[key] = seq
+        batch = list(self._active.values())
+        tokens = await self.rt.run(self._step, batch)
+        self.steps += 1
+        results = []
+        for seq, tok in zip(batch, tokens, strict=True):
+            if self._active.get(seq.key) is not seq:
+                continue  # aborted while the step ran
+            if isinstance(tok, SamplingError):
+                del self._active[seq.key]
+                seq.error = str(tok)
+                results.append((seq, -1))
+                continue
+            seq.generated.append(tok)
+            if seq.check_finished():
+                del self._active[seq.key]
+            results.append((seq, tok))
+        self._on_step(results)
+
+    def _step(self, batch: list[Sequence]) -> list[int | SamplingError]:
+        """One decode step for `batch` (torch thread): each sequence's next token, or the
+        SamplingError that ends that sequence alone."""
         dev = self.rt.device
         width = max(len(s.blocks) for s in batch)
         generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
@@ -125,4 +149,4 @@ class DecodeEngine:
                 seq_lens.to(dev),
                 self.rt.pool.tensor,
             )
-            return sample_batch(logits, [s.sampling for s in batch], generators)
+            return sample_batch_isolated(logits, [s.sampling for s in batch], generators)

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import os
 import time
+from typing import Any
 
 import structlog
 import torch
@@ -21,13 +22,16 @@ import torch
 from common.channel import FrameChannel
 from common.errors import PdkvError
 from common.kvpool import KVPool
+from common.logs import clip
 from common.protocol import (
+    PROTOCOL_VERSION,
     ErrorCode,
     Hello,
     HelloOk,
     Message,
     Register,
     Registered,
+    compat_diff,
     encode,
     make_error,
 )
@@ -59,15 +63,23 @@ class Peer:
         self.log = log.bind(link=self.link_id)
 
     # ---- handshake -------------------------------------------------------------------------------
-    def check_hello(self, hello: Hello, fingerprint: str, backend: str) -> HelloOk:
-        if hello.fingerprint != fingerprint:
+    def check_hello(self, hello: Hello, fingerprint: str, compat: dict[str, Any]) -> HelloOk:
+        """HELLO_OK, or INCOMPATIBLE naming both protocol versions or the fields that differ."""
+        if hello.protocol_version != PROTOCOL_VERSION:
             raise HandshakeError(
                 ErrorCode.INCOMPATIBLE,
-                f"fingerprint {hello.fingerprint} (backend {hello.backend}) does not match ours "
-                f"{fingerprint} (backend {backend}): both daemons need the same model, dtype, "
-                "block size and device kind",
+                f"protocol version {hello.protocol_version} (prefill) ≠ {PROTOCOL_VERSION} "
+                "(decode): run the same pdkv version on both daemons",
             )
-        self.pid, self.name = hello.pid, hello.name
+        if hello.fingerprint != fingerprint:
+            diff = compat_diff(compat, hello.compat) or "fields not sent"
+            raise HandshakeError(
+                ErrorCode.INCOMPATIBLE,
+                f"the prefill's model or pool does not match this decode's: {diff} "
+                f"(prefill ≠ decode; fingerprint {clip(hello.fingerprint, 64)} ≠ {fingerprint}): "
+                "both daemons need the same model, dtype, block size and device kind",
+            )
+        self.pid, self.name = hello.pid, clip(hello.name, 64)
         self.greeted = True
         self.log = self.log.bind(peer_pid=hello.pid)
         return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)

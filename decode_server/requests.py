@@ -9,12 +9,22 @@ request ids are only unique per prefill daemon.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import structlog
 
 from common.errors import OutOfBlocks, PdkvError
 from common.modelrt import ModelRuntime
-from common.protocol import ErrorCode, Finish, Handoff, Message, Release, Tokens, Usage
+from common.protocol import (
+    ErrorCode,
+    Finish,
+    Handoff,
+    Message,
+    Release,
+    Tokens,
+    Usage,
+    make_error,
+)
 from common.throughput import Throughput
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
@@ -24,9 +34,13 @@ log = structlog.get_logger(__name__)
 
 
 class DecodeRequests:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int) -> None:
+    def __init__(
+        self, rt: ModelRuntime, *, max_batch: int, on_fatal: Callable[[BaseException], None]
+    ) -> None:
         self.rt = rt
-        self.engine = DecodeEngine(rt, max_batch=max_batch, on_step=self._on_step)
+        self.engine = DecodeEngine(
+            rt, max_batch=max_batch, on_step=self._on_step, on_fatal=on_fatal
+        )
         self.vocab_size = rt.model.config.vocab_size
         self.seq_peer: dict[str, Peer] = {}  # key -> the link the sequence came from
         self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
@@ -166,6 +180,13 @@ class DecodeRequests:
             if peer is None:
                 continue
             msgs = out.setdefault(peer.link_id, (peer, []))[1]
+            if seq.error is not None:  # this sequence alone failed; the batch goes on
+                log.warning(
+                    "sequence_failed", request_id=seq.request_id, link=peer.link_id, error=seq.error
+                )
+                self._free(seq)
+                msgs.append(make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
+                continue
             msgs.append(Tokens(request_id=seq.request_id, tokens=[tok]))
             if seq.finish_reason:
                 msgs.append(self._finished(peer, seq))

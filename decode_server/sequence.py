@@ -30,6 +30,7 @@ class Sequence:
     pull_us: float = 0.0
     started: float = field(default_factory=time.monotonic)
     finish_reason: str | None = None
+    error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)
 
     @property
     def key(self) -> str:

@@ -47,11 +47,11 @@ class DecodeServer(DaemonServer):
     role = "decode"
     in_flight_name = "sequences"
 
-    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime) -> None:
-        super().__init__(cfg, rt, cfg.link_path)
+    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
+        super().__init__(cfg, rt, cfg.link_path, stop)
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch)
+        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, on_fatal=self._fatal)
         self.peers: dict[str, Peer] = {}
         self.pull_stream = None  # CUDA: every link's pulls run on this stream, launched here
         if rt.device.type == "cuda":
@@ -65,9 +65,19 @@ class DecodeServer(DaemonServer):
     def in_flight(self) -> int:
         return len(self.requests)
 
+    def _fatal(self, exc: BaseException) -> None:
+        """The batching loop died: nothing here decodes any more, so the daemon ends (non-zero)."""
+        self.stop_flag.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
+
+    def failure(self) -> BaseException | None:
+        return self.requests.engine.failure
+
     async def end_remaining(self) -> None:
+        code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
+        if self.failure() is not None:
+            code, why = ErrorCode.INTERNAL, "decode daemon failed and is exiting (see its log)"
         for seq in self.requests.engine.sequences():
-            self.requests.drop(seq, ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down")
+            self.requests.drop(seq, code, why)
         for peer in list(self.peers.values()):
             await peer.flush()
             await self._end_link(peer)
@@ -125,14 +135,17 @@ class DecodeServer(DaemonServer):
             return
         if not isinstance(first, Hello):
             raise ProtocolError(f"expected HELLO first, got {first.TYPE.name}")
-        peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.backend))
+        peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.compat))
         async with asyncio.timeout(timeout):
             reg = await channel.recv()
         if not isinstance(reg, Register):
             raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
         peer.post(peer.register(reg, self.rt.pool, self.pull_stream))
+        channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
         self.peers[peer.link_id] = peer
-        watchdog = asyncio.create_task(channel.watch_idle(timeout))
+        watchdog = asyncio.create_task(
+            channel.watch_idle(timeout, frame_timeout=self.cfg.frame_timeout_s)
+        )
         try:
             await channel.dispatch(lambda msg: self._dispatch(peer, msg))
         finally:
@@ -176,6 +189,6 @@ async def serve(cfg: DecodeConfig) -> int:
     check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "decode"),
-        lambda rt: DecodeServer(cfg, rt),
+        lambda rt, stop: DecodeServer(cfg, rt, stop),
         ModelRuntime.close,
     )

@@ -46,6 +46,7 @@ class DecodeLink:
         cfg: PrefillConfig,
         *,
         fingerprint: str,
+        compat: dict,
         backend: str,
         producer: KVProducer,
         on_message: Callable[[Message], None],
@@ -55,6 +56,7 @@ class DecodeLink:
         reason)`: once per established connection that ended."""
         self.cfg = cfg
         self.fingerprint = fingerprint
+        self.compat = compat
         self.backend = backend
         self.producer = producer
         self.on_message = on_message
@@ -164,6 +166,7 @@ class DecodeLink:
                 backend=self.backend,
                 pid=os.getpid(),
                 name="prefill",
+                compat=self.compat,
             )
         )
         async with asyncio.timeout(timeout):

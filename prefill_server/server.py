@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -42,20 +44,20 @@ from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
-_PARTIAL_FRAME_TIMEOUT_S = 30.0
 
 
 class PrefillServer(DaemonServer):
     role = "prefill"
     in_flight_name = "requests"
 
-    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime) -> None:
-        super().__init__(cfg, rt, cfg.client_path)
+    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
+        super().__init__(cfg, rt, cfg.client_path, stop)
         self.cfg: PrefillConfig = cfg
         self.producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
         self.link = DecodeLink(
             cfg,
             fingerprint=rt.fingerprint,
+            compat=rt.compat,
             backend=rt.backend,
             producer=self.producer,
             on_message=lambda msg: self.pipeline.deliver(msg),
@@ -111,12 +113,11 @@ class PrefillServer(DaemonServer):
 
     # ---- client connections ----------------------------------------------------------------------
     async def serve_connection(self, conn: socket.socket) -> None:
-        channel = FrameChannel(conn)
-        mine: dict[str, asyncio.Task[None]] = {}
-        # a client that sends half a frame and stalls must not hold its fd forever
-        watchdog = asyncio.create_task(
-            channel.watch_idle(_PARTIAL_FRAME_TIMEOUT_S, partial_only=True)
-        )
+        channel = FrameChannel(conn, max_fds=0)
+        client = _Client(channel)
+        mine = client.mine
+        # neither a client that trickles a frame nor one that sits idle holds its fd forever
+        watchdog = asyncio.create_task(self._watch_client(client))
         try:
             while True:
                 msg = await channel.recv()
@@ -128,7 +129,7 @@ class PrefillServer(DaemonServer):
                         )
                         continue
                     mine[rid] = self.spawn(self._run_request(channel, rid, msg), f"req-{rid}")
-                    mine[rid].add_done_callback(lambda _t, r=rid: mine.pop(r, None))
+                    mine[rid].add_done_callback(lambda _t, r=rid: client.done(r))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
                     if task is None:
@@ -145,15 +146,30 @@ class PrefillServer(DaemonServer):
             log.warning("client_protocol_error", error=str(exc))
             with contextlib.suppress(OSError):
                 await channel.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
+        except TimeoutError as exc:  # an OSError: before the clause below
+            log.info("client_connection_timed_out", error=str(exc))
         except (ConnectionClosed, OSError):
             pass
-        except TimeoutError as exc:
-            log.warning("client_stalled", error=str(exc))
         finally:
             watchdog.cancel()
             for task in mine.values():
                 task.cancel()  # the client went away: abort what it still waits for
             channel.close()
+
+    async def _watch_client(self, client: _Client) -> None:
+        """End a client connection whose frame has been incomplete for frame_timeout_s, or that
+        has had no request in flight and sent nothing for client_idle_timeout_s."""
+        channel = client.channel
+        frame_s, idle_s = self.cfg.frame_timeout_s, self.cfg.client_idle_timeout_s
+        while not channel.closed:
+            await asyncio.sleep(min(frame_s, idle_s) / 4)
+            now = time.monotonic()
+            if channel.partial_age(now) >= frame_s:
+                channel.fail(TimeoutError(f"a frame not completed within {frame_s} s"))
+                return
+            if not client.mine and now - max(channel.last_rx, client.last_done) >= idle_s:
+                channel.fail(TimeoutError(f"idle for {idle_s} s with no request in flight"))
+                return
 
     async def _run_request(self, channel: FrameChannel, rid: str, msg: Generate) -> None:
         """Every request ends with FINISH or ERROR to its client, unless the client is gone.
@@ -164,7 +180,16 @@ class PrefillServer(DaemonServer):
             async with contextlib.aclosing(self.pipeline.run(rid, msg)) as outputs:
                 async for out in outputs:
                     try:
-                        await channel.send(out)
+                        async with asyncio.timeout(self.cfg.client_write_timeout_s):
+                            await channel.send(out)
+                    except TimeoutError:  # (an OSError: before the clause below)
+                        # its blocks are freed and the decode told to abort as the pipeline
+                        # closes; the connection ends too (a frame may be half written)
+                        rlog.warning(
+                            "client_not_reading", timeout_s=self.cfg.client_write_timeout_s
+                        )
+                        channel.close()
+                        return
                     except OSError:
                         rlog.info("client_gone")
                         return
@@ -183,6 +208,20 @@ class PrefillServer(DaemonServer):
             )
 
 
+@dataclass
+class _Client:
+    """One client connection: its requests in flight, and when the last one ended (the idle
+    clock runs from the later of that and the last frame received)."""
+
+    channel: FrameChannel
+    mine: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    last_done: float = 0.0
+
+    def done(self, rid: str) -> None:
+        self.mine.pop(rid, None)
+        self.last_done = time.monotonic()
+
+
 async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
     with contextlib.suppress(OSError):
         await channel.send(msg)
@@ -193,6 +232,6 @@ async def serve(cfg: PrefillConfig) -> int:
     check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "prefill"),
-        lambda rt: PrefillServer(cfg, rt),
+        lambda rt, stop: PrefillServer(cfg, rt, stop),
         ModelRuntime.close,
     )

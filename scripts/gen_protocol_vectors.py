@@ -19,6 +19,7 @@ from common.ipc.base import RegionDescriptor, contiguous_strides
 from common.model.sampling import SamplingParams
 from common.protocol import (
     HEADER_SIZE,
+    PROTOCOL_VERSION,
     Abort,
     Error,
     ErrorCode,
@@ -80,11 +81,12 @@ def examples() -> list[Message]:
     sampling = SamplingParams(max_tokens=8, temperature=0.7, top_k=50, top_p=0.9, seed=1234)
     return [
         Hello(
-            protocol_version=1,
+            protocol_version=PROTOCOL_VERSION,
             fingerprint=FINGERPRINT,
             backend="cuda-raw",
             pid=4242,
             name="prefill-0",
+            compat={"model": "tiny-seed0", "backend": "cuda-raw", "block_size": 16},
         ),
         HelloOk(fingerprint=FINGERPRINT, pid=4343, link_id="link-1"),
         _register(),

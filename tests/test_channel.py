@@ -18,6 +18,7 @@ from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     HEADER_SIZE,
     MAX_META_BYTES,
+    PROTOCOL_VERSION,
     ConnectionClosed,
     Message,
     MsgType,
@@ -117,7 +118,9 @@ async def test_an_oversized_header_from_the_socket_is_refused_without_its_body(
     pair: tuple[FrameChannel, FrameChannel],
 ) -> None:
     left, right = pair
-    await left.send_bytes(HEADER.pack(b"PDKV", 1, int(MsgType.PING), MAX_META_BYTES + 1, 0, 0))
+    await left.send_bytes(
+        HEADER.pack(b"PDKV", PROTOCOL_VERSION, int(MsgType.PING), MAX_META_BYTES + 1, 0, 0)
+    )
     with pytest.raises(ProtocolError, match="metadata segment of 4194305 bytes exceeds"):
         await right.recv()  # no body follows and the socket stays open: must not wait
 

@@ -25,7 +25,7 @@ def test_sigterm_while_serving_runs_the_shutdown_sequence():
     events: list[str] = []
     code = daemon.run(
         lambda: daemon.serve_until_stopped(
-            lambda: "model", lambda m: FakeServer(events), lambda m: events.append("close")
+            lambda: "model", lambda m, _stop: FakeServer(events), lambda m: events.append("close")
         )
     )
     assert code == 0
@@ -43,7 +43,7 @@ def test_sigterm_during_model_load_stops_cleanly_without_serving():
 
     code = daemon.run(
         lambda: daemon.serve_until_stopped(
-            slow_load, lambda m: FakeServer(events), lambda m: events.append(f"close {m}")
+            slow_load, lambda m, _stop: FakeServer(events), lambda m: events.append(f"close {m}")
         )
     )
     assert code == 0

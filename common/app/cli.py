@@ -136,6 +136,24 @@ def prefill() -> None:
     help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
 )
 @click.option(
+    "--client-idle-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_IDLE_TIMEOUT",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client connection may stay open with no request in flight and no frame sent.",
+)
+@click.option(
+    "--client-write-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_WRITE_TIMEOUT",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client may leave its stream unread; then its requests are aborted.",
+)
+@click.option(
     "--max-prompt-tokens",
     show_envvar=True,
     envvar="PDKV_MAX_PROMPT_TOKENS",

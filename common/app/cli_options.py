@@ -131,6 +131,24 @@ _DAEMON_OPTIONS = [
         help="A link silent this long is dead.",
     ),
     click.option(
+        "--max-connections",
+        show_envvar=True,
+        envvar="PDKV_MAX_CONNECTIONS",
+        default=1024,
+        show_default=True,
+        type=click.IntRange(1),
+        help="Most open connections on the daemon's socket; more are refused with NO_CAPACITY.",
+    ),
+    click.option(
+        "--frame-timeout",
+        show_envvar=True,
+        envvar="PDKV_FRAME_TIMEOUT",
+        default=30.0,
+        show_default=True,
+        type=click.FloatRange(0.1),
+        help="Seconds a frame may take to arrive whole; a slower sender is disconnected.",
+    ),
+    click.option(
         "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
     ),
 ]

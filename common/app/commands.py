@@ -31,6 +31,9 @@ _RENAMED = {
     "heartbeat_timeout": "heartbeat_timeout_s",
     "lease_timeout": "lease_timeout_s",
     "handoff_timeout": "handoff_timeout_s",
+    "frame_timeout": "frame_timeout_s",
+    "client_idle_timeout": "client_idle_timeout_s",
+    "client_write_timeout": "client_write_timeout_s",
 }
 
 
@@ -161,6 +164,14 @@ def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
             time.sleep(0.05)
         if _alive(pid):
             click.echo(f"error: {role} (pid {pid}) still running after {timeout}s", err=True)
+            code = EXIT_FAIL
+        elif pidfile.exists():  # a clean shutdown removes it last: this one failed midway
+            remove_file(pidfile)
+            click.echo(
+                f"error: {role} (pid {pid}) exited without a clean shutdown; "
+                f"see {g.runtime_dir / (role + '.log')}",
+                err=True,
+            )
             code = EXIT_FAIL
         else:
             click.echo(f"{role}: stopped (pid {pid})")

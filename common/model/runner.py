@@ -22,7 +22,7 @@ import torch
 
 from common.model.fastpath import decode_forward, rope_tables
 from common.model.llama import LlamaModel
-from common.model.sampling import SamplingParams, sample
+from common.model.sampling import SamplingError, SamplingParams, sample_batch_isolated
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -147,12 +147,9 @@ class DecodeRunner:
         block_tables: Sequence[Sequence[int]],
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
-    ) -> list[int]:
-        """`run`, then each row's next token as `sample_batch` would give it (one host sync when
-        every row is greedy)."""
+    ) -> list[int | SamplingError]:
+        """`run`, then each row's next token as `sample_batch_isolated` gives it: a row whose
+        logits are not finite or whose draw fails gets a SamplingError (one host sync when every
+        row is greedy)."""
         argmax, logits = self.run(tokens, positions, slots, block_tables)
-        out = argmax.tolist()
-        for row, (p, g) in enumerate(zip(params, generators, strict=True)):
-            if not p.greedy:
-                out[row] = sample(logits[row], p, g)
-        return out
+        return sample_batch_isolated(logits, params, generators, argmax=argmax)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.errors import PdkvError
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 _MASK64 = (1 << 64) - 1
@@ -44,25 +45,47 @@ def make_generator(params: SamplingParams, step: int) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(step_seed(seed, step))
 
 
+class SamplingError(PdkvError):
+    """The logits of one row leave nothing to draw from (every entry NaN or -inf)."""
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from `logits` [vocab]: argmax when greedy, else temperature → top-k → top-p.
 
-    Ties in greedy mode go to the lowest id. Random sampling draws from `generator` (required).
+    Ties in greedy mode go to the lowest id. Random sampling draws from `generator` (required) and
+    is numerically safe for any parameters that pass `validate`: it works in fp32 log space with
+    the largest logit shifted to 0, so dividing by a tiny temperature gives -inf, never inf - inf;
+    top-p always keeps the likeliest token; a NaN entry is never drawn, +inf entries share the
+    mass equally. SamplingError when no entry is drawable.
     """
     if params.greedy:
         return int(torch.argmax(logits))
     if generator is None:
         raise SamplingParamsError("random sampling needs a generator (see make_generator)")
-    scaled = logits.detach().to("cpu", torch.float32) / params.temperature
-    ordered, ids = torch.sort(scaled, descending=True, stable=True)
+    x = _log_weights(logits.detach().to("cpu", torch.float32)) / params.temperature
+    ordered, ids = torch.sort(x, descending=True, stable=True)
     if 0 < params.top_k < ordered.numel():
         ordered[params.top_k :] = -math.inf
     if params.top_p < 1.0:
         probs = torch.softmax(ordered, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        ordered = ordered.masked_fill(mass_before >= params.top_p, -math.inf)
+        drop = mass_before >= params.top_p
+        drop[0] = False  # the likeliest token always stays
+        ordered = ordered.masked_fill(drop, -math.inf)
     choice = torch.multinomial(torch.softmax(ordered, dim=-1), 1, generator=generator)
     return int(ids[choice])
+
+
+def _log_weights(x: torch.Tensor) -> torch.Tensor:
+    """`x` shifted so its largest drawable entry is 0: NaN → -inf; if any entry is +inf, those
+    entries become 0 and the rest -inf. SamplingError when nothing is left."""
+    x = torch.nan_to_num(x, nan=-math.inf, posinf=math.inf, neginf=-math.inf)
+    top = torch.max(x)
+    if top == math.inf:
+        return torch.where(x == math.inf, 0.0, -math.inf)
+    if top == -math.inf:
+        raise SamplingError("no finite logit to sample from (all NaN or -inf)")
+    return x - top
 
 
 def sample_batch(
@@ -79,6 +102,33 @@ def sample_batch(
     for row, (p, g) in enumerate(zip(params, generators, strict=True)):
         if not p.greedy:
             out[row] = sample(logits[row], p, g)
+    return out
+
+
+def sample_batch_isolated(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    argmax: torch.Tensor | None = None,
+) -> list[int | SamplingError]:
+    """As `sample_batch`, but a row whose logits are not all finite, or whose draw fails, gets a
+    SamplingError in its place instead of failing the whole batch (the decode loop fails that
+    one request and goes on with the others). `argmax` [B], when the caller has it already (a
+    CUDA graph computed it), is used as is; argmax and the finiteness flags reach the host in one
+    copy."""
+    if argmax is None:
+        argmax = torch.argmax(logits, dim=-1)
+    finite = torch.isfinite(logits).all(dim=-1).to(argmax.dtype)
+    ids, flags = torch.stack((argmax, finite)).tolist()
+    out: list[int | SamplingError] = list(ids)
+    for row, (p, g, ok) in enumerate(zip(params, generators, flags, strict=True)):
+        if not ok:
+            out[row] = SamplingError("the model's logits for this sequence are not finite")
+        elif not p.greedy:
+            try:
+                out[row] = sample(logits[row], p, g)
+            except (SamplingError, RuntimeError, ValueError) as exc:
+                out[row] = SamplingError(f"sampling failed: {type(exc).__name__}: {exc}")
     return out
 
 

@@ -37,7 +37,13 @@ from common.protocol.messages import (
     Usage,
     make_error,
 )
-from common.protocol.version import HISTORY, PROTOCOL_VERSION, fingerprint
+from common.protocol.version import (
+    HISTORY,
+    PROTOCOL_VERSION,
+    compat_diff,
+    compat_fields,
+    fingerprint,
+)
 
 __all__ = [
     "HEADER_SIZE",
@@ -67,6 +73,8 @@ __all__ = [
     "StatusReply",
     "Tokens",
     "Usage",
+    "compat_diff",
+    "compat_fields",
     "decode",
     "encode",
     "fingerprint",

@@ -48,6 +48,7 @@ class ErrorCode(enum.StrEnum):
     LINK_LOST = "LINK_LOST"
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
+    NUMERIC_ERROR = "NUMERIC_ERROR"  # v2: this request's logits were not finite / not drawable
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -57,7 +58,10 @@ class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class Hello(Message, frozen=True):
-    """P → D, first frame of a link. D answers HelloOk or Error(INCOMPATIBLE) and closes."""
+    """P → D, first frame of a link. D answers HelloOk or Error(INCOMPATIBLE) and closes.
+
+    `compat` (v2) is what the fingerprint hashes, in the clear (common.protocol.version
+    .compat_fields), so a refusal can name the field that differs."""
 
     TYPE = MsgType.HELLO
     protocol_version: NonNeg
@@ -65,6 +69,7 @@ class Hello(Message, frozen=True):
     backend: str
     pid: NonNeg
     name: str = ""
+    compat: dict[str, int | str] = msgspec.field(default_factory=dict)
 
 
 class HelloOk(Message, frozen=True):

@@ -9,14 +9,40 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
     1: "first version: HELLO..PONG on the link; GENERATE/STATUS on the client socket",
+    2: "HELLO carries `compat` (what the fingerprint hashes, in the clear) so INCOMPATIBLE names "
+    "the fields that differ; error code NUMERIC_ERROR",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
+
+
+def compat_fields(*, model_id: str, layout: dict[str, Any], backend: str) -> dict[str, Any]:
+    """What `fingerprint` hashes, in the clear: HELLO carries it so a refusal can name the field
+    that differs instead of two hashes."""
+    shape = {k: v for k, v in sorted(layout.items()) if k != "num_blocks"}
+    return {"model": model_id, "backend": backend, **shape}
+
+
+def compat_diff(ours: dict[str, Any], theirs: dict[str, Any], *, limit: int = 8) -> str:
+    """The fields of two `compat_fields` that differ, as "block_size 32 ≠ 16" (theirs ≠ ours),
+    at most `limit` of them, each value cut short (a peer's values are untrusted text)."""
+    diffs = [
+        f"{_short(k)} {_short(theirs.get(k, '(none)'))} ≠ {_short(ours.get(k, '(none)'))}"
+        for k in sorted(set(ours) | set(theirs), key=str)
+        if theirs.get(k) != ours.get(k)
+    ]
+    more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+    return ", ".join(diffs[:limit]) + more
+
+
+def _short(value: object, limit: int = 64) -> str:
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def fingerprint(*, model_id: str, layout: dict[str, Any], backend: str) -> str:

@@ -79,6 +79,9 @@ class KVConsumer:
         try:
             layout = PoolLayout.from_wire(reg.layout)
             descs = reg.descriptors()
+            event_handles = reg.event_handle_list()
+            if event_handles and local.device.type != "cuda":
+                raise ValueError("event handles on a CPU link (the frame is the signal there)")
         except (PdkvError, ValueError) as exc:
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
         mine, theirs = local.layout.compat_fields(), layout.compat_fields()
@@ -110,12 +113,14 @@ class KVConsumer:
                 ErrorCode.BAD_REQUEST, f"cannot open the peer's pool: {exc}"
             ) from exc
         events = None
-        if reg.event_count:
+        if event_handles:
             try:
-                events = ImportedEventRing.open(reg.event_handle_list(), local.device)
-            except BaseException:
+                events = ImportedEventRing.open(event_handles, local.device)
+            except (PdkvError, RuntimeError, ValueError) as exc:
                 region.close()
-                raise
+                raise TransferRefused(
+                    ErrorCode.BAD_REQUEST, f"cannot open the peer's event handles: {exc}"
+                ) from exc
         return cls(local, peer, region, events, stream)
 
     @property

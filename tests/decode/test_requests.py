@@ -18,8 +18,10 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def table(rt):  # type: ignore[no-untyped-def]
-    requests = DecodeRequests(rt, max_batch=8)
+    fatal: list[BaseException] = []
+    requests = DecodeRequests(rt, max_batch=8, on_fatal=fatal.append)
     yield requests
+    assert fatal == [], "the decode loop failed"
     assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
 
 

@@ -34,7 +34,7 @@ s.settimeout(10)
 s.connect(sys.argv[1])
 data = b""
 try:
-    s.sendall(struct.pack("!4sHHIII", b"PDKV", 1, 21, 2, 0, 0) + b"{}")
+    s.sendall(struct.pack("!4sHHIII", b"PDKV", 2, 21, 2, 0, 0) + b"{}")
     while chunk := s.recv(4096):
         data += chunk
         if len(data) >= 20 and sys.argv[2] == "root":

@@ -14,6 +14,7 @@ import struct
 from common.model.sampling import SamplingParams
 from common.protocol import (
     MAX_META_BYTES,
+    PROTOCOL_VERSION,
     Abort,
     Error,
     ErrorCode,
@@ -75,7 +76,9 @@ def terminal(rng: random.Random, link: bool) -> bytes:
     base = (
         _gen(rng)
         if not link
-        else encode(Hello(protocol_version=1, fingerprint="0" * 16, backend="shm", pid=1))
+        else encode(
+            Hello(protocol_version=PROTOCOL_VERSION, fingerprint="0" * 16, backend="shm", pid=1)
+        )
     )
     if kind == 0:
         return rng.randbytes(rng.randrange(1, 200))
@@ -102,7 +105,7 @@ def terminal(rng: random.Random, link: bool) -> bytes:
             Register(layout={}, regions=[]),
         ]
         msgs += (
-            [Hello(protocol_version=1, fingerprint="f", backend="shm", pid=1)]
+            [Hello(protocol_version=PROTOCOL_VERSION, fingerprint="f", backend="shm", pid=1)]
             if not link
             else [
                 _handoff(rng),

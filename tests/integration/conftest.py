@@ -48,11 +48,19 @@ class Pair:
     def link_socket(self) -> str:
         return str(self.runtime / "decode.sock")
 
-    def start(self, role: str, *args: str, wait: bool = True) -> Daemon:
+    def start(
+        self,
+        role: str,
+        *args: str,
+        wait: bool = True,
+        module: str = "common.app.cli",
+        env: dict[str, str] | None = None,
+    ) -> Daemon:
+        """Start `role` through the CLI (or `module`, a CLI wrapper) with `env` added."""
         argv = [
             sys.executable,
             "-m",
-            "common.app.cli",
+            module,
             "--runtime-dir",
             str(self.runtime),
             "--log-format",
@@ -66,7 +74,13 @@ class Pair:
         ]
         log = (self.log_dir or self.runtime) / f"{role}.log"
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh)
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=fh,
+                stderr=fh,
+                env={**os.environ, **(env or {})},
+            )
         sock = self.runtime / ("prefill.sock" if role == "prefill" else "decode.sock")
         d = Daemon(role, proc, sock, log)
         self.daemons[role] = d

@@ -16,6 +16,7 @@ from common.model import (
     sample,
     sample_batch,
 )
+from common.model.sampling import SamplingError, sample_batch_isolated
 
 
 def _logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:
@@ -106,3 +107,53 @@ def test_finish_reason() -> None:
     assert finish_reason([1, 2, 3], SamplingParams(max_tokens=3), stop) == "length"
     assert finish_reason([1, 9], SamplingParams(max_tokens=3), stop) == "stop"
     assert finish_reason([1, 9], SamplingParams(max_tokens=3, ignore_eos=True), stop) is None
+
+
+# ---- numerical safety (issue 14): every valid parameter, and non-finite logits -----------------
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 8.9e-38, "top_k": 0, "seed": 7},
+        {"temperature": 5e-324, "seed": 7},
+        {"temperature": 1e-5, "seed": 7},
+        {"temperature": 0.7, "top_p": 1e-300, "seed": 7},
+        {"temperature": 0.7, "top_p": 5e-324, "seed": 7},
+        {"temperature": 1e4, "top_p": 1e-300, "top_k": 2**62, "seed": 7},
+    ],
+)
+def test_extreme_valid_parameters_draw_a_token(fields: dict) -> None:
+    params = SamplingParams(**fields).validate()
+    logits = _logits(3)
+    got = _draws(logits, params, n=20)
+    assert all(0 <= t < logits.numel() for t in got)
+    if params.temperature < 1e-4 or params.top_p < 1e-100:  # all the mass on the likeliest
+        assert set(got) == {int(torch.argmax(logits))}
+
+
+def test_tiny_temperatures_are_greedy_and_huge_ones_are_refused() -> None:
+    assert SamplingParams(temperature=5e-324).greedy
+    assert SamplingParams(temperature=9.9e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    with pytest.raises(SamplingParamsError, match="temperature"):
+        SamplingParams(temperature=1e5).validate()
+
+
+def test_nan_entries_are_never_drawn_and_inf_entries_share_the_mass() -> None:
+    params = SamplingParams(temperature=0.7, seed=3)
+    logits = _logits(1)
+    logits[::2] = math.nan
+    assert all(t % 2 == 1 for t in _draws(logits, params, n=50))
+    logits[5] = logits[9] = math.inf
+    assert set(_draws(logits, params, n=100)) == {5, 9}
+
+
+def test_a_row_with_nothing_to_draw_fails_alone() -> None:
+    logits = torch.stack([_logits(0), torch.full((64,), math.nan), _logits(2)])
+    params = [SamplingParams(temperature=0.7, seed=s) for s in range(3)]
+    gens = [make_generator(p, 0) for p in params]
+    out = sample_batch_isolated(logits, params, gens)
+    assert isinstance(out[1], SamplingError) and "not finite" in str(out[1])
+    assert out[0] == sample(logits[0], params[0], make_generator(params[0], 0))
+    assert out[2] == sample(logits[2], params[2], make_generator(params[2], 0))
+    with pytest.raises(SamplingError):
+        sample(torch.full((8,), -math.inf), params[0], gens[0])

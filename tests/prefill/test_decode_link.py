@@ -21,6 +21,7 @@ def _link(tmp_path, lost: list[str]) -> DecodeLink:
     return DecodeLink(
         cfg,
         fingerprint="x",
+        compat={},
         backend="shm",
         producer=producer,
         on_message=lambda m: None,

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from common.ipc.base import RegionDescriptor
 from common.model.sampling import SamplingParams
 from common.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     Error,
     ErrorCode,
@@ -166,7 +167,7 @@ def header(
     mem_len: int = 0,
     ev_len: int = 0,
     *,
-    version: int = 1,
+    version: int = PROTOCOL_VERSION,
     magic: bytes = b"PDKV",
 ) -> bytes:
     """A 20-byte frame header with any field values (valid or not)."""
