@@ -141,7 +141,9 @@ class KVConsumer:
             )
         if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
             raise ValueError(f"token ids must be < vocab size {vocab_size}")
-        check_block_ids(h.block_ids, self.peer.num_blocks, "HANDOFF", distinct=True)
+        ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
+        if max(ids) >= self.peer.num_blocks or len(set(ids)) != len(ids):
+            check_block_ids(ids, self.peer.num_blocks, "HANDOFF", distinct=True)  # says which
         if h.event_slot >= 0 and (self._events is None or h.event_slot >= len(self._events)):
             raise ValueError(f"event slot {h.event_slot} does not exist on this link")
 
