@@ -6,7 +6,7 @@ import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.runtime import StartupError
+from common.rundir import StartupError
 
 #: OpenAI's default for /v1/completions; chat requests without a limit get CHAT_DEFAULT_MAX_TOKENS.
 COMPLETION_DEFAULT_MAX_TOKENS = 16

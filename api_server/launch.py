@@ -17,7 +17,7 @@ import click
 
 from api_server.config import ApiConfig
 from common import logs
-from common.runtime import StartupError, ensure_runtime_dir, read_pid
+from common.rundir import StartupError, ensure_runtime_dir, read_pid
 
 EXIT_OK, EXIT_STARTUP = 0, 3
 READY_TIMEOUT_S = 60.0
@@ -53,7 +53,7 @@ def _detach(cfg: ApiConfig, *, log_level: str, drain_timeout: float) -> int:
     if pid is not None:
         click.echo(f"error: api already running (pid {pid}); `pdkv stop api` first", err=True)
         return EXIT_STARTUP
-    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(cfg.runtime_dir)]
+    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(cfg.runtime_dir)]
     argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
     argv += ["--host", cfg.host, "--port", str(cfg.port), "--drain-timeout", str(drain_timeout)]
     argv += ["--request-timeout", str(cfg.request_timeout_s)]

@@ -17,7 +17,7 @@ import uvicorn
 from api_server.app import Api
 from api_server.chat import TemplateError
 from api_server.config import ApiConfig
-from common.runtime import StartupError, remove_file, write_pidfile
+from common.rundir import StartupError, remove_file, write_pidfile
 
 log = structlog.get_logger(__name__)
 

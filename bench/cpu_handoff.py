@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from common import client, daemon
+from common import daemon
+from common.app import client
+from common.channel import connect
 from common.ipc.shm import ShmRegion
 from common.kvpool import KVPool, PoolLayout
-from common.link import connect
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import (
@@ -80,7 +81,7 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
             [
                 sys.executable,
                 "-m",
-                "common.cli",
+                "common.app.cli",
                 "--runtime-dir",
                 str(rt),
                 "--log-format",

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import client
+from common.app import client
 from common.sampling_params import SamplingParams
 
 _KEYS = ("handoff_us", "decode_handoff_us", "pull_us")
@@ -37,7 +37,15 @@ def pct(xs: list[float], q: float) -> float:
 
 def start(rt: Path, role: str, spin_us: int) -> subprocess.Popen:
     log = open(rt / f"{role}.log", "wb")  # noqa: SIM115
-    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(rt), "--log-format", "json"]
+    argv = [
+        sys.executable,
+        "-m",
+        "common.app.cli",
+        "--runtime-dir",
+        str(rt),
+        "--log-format",
+        "json",
+    ]
     argv += ["--log-level", "WARNING", role, "start", "--device", "cpu", "--spin-us", str(spin_us)]
     return subprocess.Popen(argv, stdout=log, stderr=log)
 

@@ -21,7 +21,8 @@ import time
 import msgspec
 import torch
 
-from common.ipc.base import RegionDescriptor, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import RegionDescriptor
 from common.ipc.events import EventRing, imported_event_ring
 
 POOL_SHAPE = (1024, 16, 32, 8, 128)  # K or V: 1024 blocks of 16 tokens, bf16 = 2 GiB each

@@ -9,7 +9,7 @@ p50/p99 of each, request and output-token throughput.
 Targets (`--target`, default both, the same workload replayed on each):
   daemons  a decode + prefill pair of its own on temporary sockets (stopped and removed at the
            end), or running daemons given by --client-socket / --runtime-dir; the client is
-           common.client, every TOKENS frame timestamped on arrival;
+           common.app.client, every TOKENS frame timestamped on arrival;
   local    one process, one engine thread doing continuous batching (bench/local_engine.py) on
            the same model, device and pool size.
 

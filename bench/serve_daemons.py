@@ -5,7 +5,7 @@ runtime dir (without waiting in between: they load their models side by side and
 link retries until the decode listens), waits until the prefill reports its link up, and at the
 end stops the prefill then the decode (SIGTERM, SIGKILL after a timeout) and removes the
 directory, logs included; if the pair fails to come up, the error carries the tail of its logs. `daemon_stream` is one request
-through `common.client`, yielding the token ids of each TOKENS frame as it arrives.
+through `common.app.client`, yielding the token ids of each TOKENS frame as it arrives.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-from common import client
+from common.app import client
 from common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +33,7 @@ class PairFailed(RuntimeError):
 
 
 def _start(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(rt)]
+    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(rt)]
     argv += ["--log-format", "json", "--log-level", "WARNING", role, "start", *opts]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])

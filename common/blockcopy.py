@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from common.blockids import block_id_array
 from common.cuda import cuda_errors, ext, has_extension, stream_ptr
 from common.errors import IpcError
 
@@ -35,10 +36,7 @@ def _check(dst: torch.Tensor, src: torch.Tensor, n_dst: int, n_src: int) -> None
 
 
 def _ids(ids: Sequence[int] | torch.Tensor, limit: int, what: str) -> torch.Tensor:
-    t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1).cpu()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= limit):
-        raise IpcError(f"{what} block ids out of range [0, {limit}): {t.tolist()[:16]}")
-    return t
+    return torch.from_numpy(block_id_array(ids, limit, what))
 
 
 def copy_blocks(
@@ -59,6 +57,19 @@ def copy_blocks(
     d_ids = _ids(dst_ids, dst.shape[0], "dst")
     s_ids = _ids(src_ids, src.shape[0], "src")
     _check(dst, src, d_ids.numel(), s_ids.numel())
+    copy_checked_blocks(dst, src, d_ids, s_ids, stream)
+
+
+def copy_checked_blocks(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    d_ids: torch.Tensor,
+    s_ids: torch.Tensor,
+    stream: torch.cuda.Stream | int | None = None,
+) -> None:
+    """copy_blocks for a caller that has checked everything already (KVPool.copy_blocks_from):
+    pools of one block shape and dtype, contiguous; ids as equally long 1-D int64 CPU tensors,
+    in range. Nothing is checked again here."""
     if d_ids.numel() == 0:
         return
     if dst.is_cuda and src.is_cuda and has_extension():

@@ -22,7 +22,6 @@ daemons' FrameChannel).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -31,9 +30,11 @@ from typing import Protocol
 import msgspec
 import torch
 
+from common.blockids import block_id_array
 from common.errors import IpcError, PdkvError
-from common.ipc.base import RegionDescriptor, SharedRegion, backend_for
+from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
+from common.transfer.regions import export_region, open_region
 
 _ids = itertools.count(1)
 
@@ -135,8 +136,7 @@ class CacheManager:
         if cache.remote:
             raise IpcError(f"cache {cache.cache_id} is imported; only its owner can export it")
         if cache.region is None:
-            kind = "shm" if cache.tensor.device.type == "cpu" else _cuda_kind()
-            cache.region = backend_for(kind).export(cache.tensor)
+            cache.region = export_region(cache.tensor)
         layout = cache.layout.to_wire() if cache.layout is not None else None
         payload = msgspec.json.encode(CacheExport(region=cache.region.desc, layout=layout))
         return payload, cache.region.fds()
@@ -150,7 +150,7 @@ class CacheManager:
             exp = msgspec.json.decode(payload, type=CacheExport)
         except msgspec.DecodeError as exc:
             raise IpcError(f"not a cache export: {exc}") from None
-        region = backend_for(exp.region.kind).open_for(exp.region, fds, torch.device(device))
+        region = open_region(exp.region, fds, torch.device(device))
         tensor = region.to_tensor()
         layout = PoolLayout.from_wire(exp.layout) if exp.layout is not None else None
         pool = KVPool(layout, tensor) if layout is not None else None
@@ -193,13 +193,12 @@ class CacheManager:
         s_pool, d_pool = src.blocks(), dst.blocks()
         if s_pool.layout.compat_fields() != d_pool.layout.compat_fields():
             raise IpcError("caches of different layouts cannot exchange blocks")
-        s_idx = torch.tensor(list(src_ids), dtype=torch.long, device=s_pool.device)
-        d_idx = torch.tensor(list(dst_ids), dtype=torch.long, device=d_pool.device)
-        if s_idx.numel() != d_idx.numel():
-            raise IpcError(f"{s_idx.numel()} source block ids but {d_idx.numel()} destination ids")
-        for ids, pool, what in ((s_idx, s_pool, "source"), (d_idx, d_pool, "destination")):
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= pool.num_blocks):
-                raise IpcError(f"{what} block ids out of range [0, {pool.num_blocks})")
+        s_ids = block_id_array(src_ids, s_pool.num_blocks, "source")
+        d_ids = block_id_array(dst_ids, d_pool.num_blocks, "destination")
+        if s_ids.size != d_ids.size:
+            raise IpcError(f"{s_ids.size} source block ids but {d_ids.size} destination ids")
+        s_idx = torch.from_numpy(s_ids).to(s_pool.device)
+        d_idx = torch.from_numpy(d_ids).to(d_pool.device)
 
         def run(task: TransferTask) -> None:
             for layer in range(s_pool.layout.num_layers):
@@ -235,11 +234,3 @@ def _copy_whole(src: Cache, dst: Cache) -> None:
     dst.tensor.copy_(src.tensor)
     if dst.tensor.device.type == "cuda":
         torch.cuda.current_stream(dst.tensor.device).synchronize()
-
-
-def _cuda_kind() -> str:
-    with contextlib.suppress(ImportError):
-        from common import _cuda  # noqa: F401
-
-        return "cuda-raw"
-    return "cuda-torch"

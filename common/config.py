@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.runtime import default_runtime_dir
+from common.rundir import default_runtime_dir
 
 
 @dataclass(frozen=True, kw_only=True)

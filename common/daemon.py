@@ -21,10 +21,10 @@ from typing import Any, Protocol, TypeVar
 
 import structlog
 
-from common.link import peer_credentials
+from common.channel import peer_credentials
 from common.notify import notify
 from common.protocol import ErrorCode, encode, make_error
-from common.runtime import claim_socket_path
+from common.rundir import claim_socket_path
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 import torch
 
+from common.blockids import BlockIds, block_id_array, check_block_ids
 from common.errors import IpcError
 from common.ipc.base import dtype_from_name
-
-BlockIds = Sequence[int] | torch.Tensor
 
 # A pull copies run by run (one memcpy per run of adjacent blocks) while that is cheaper than one
 # gather + one scatter (index_select/index_copy_, which moves every byte twice). Measured on the
@@ -178,9 +176,11 @@ class KVPool:
         Layouts must match except for num_blocks; ids must be in range, equally many, and the
         destination ids distinct. Between distinct CPU pools, each run of adjacent ids is one
         memmove; a copy within one pool (or between two pools over the same memory) takes one
-        gather + one scatter, which is safe when source and destination blocks overlap. On CUDA it is
-        common.blockcopy.copy_blocks, queued on the current stream: the caller orders it after
-        the producer's event and records an event (or synchronizes) before reading the result.
+        gather + one scatter, which is safe when source and destination blocks overlap. On one GPU
+        it is common.blockcopy.copy_blocks, queued on the current stream: the caller orders it
+        after the producer's event and records an event (or synchronizes) before reading the
+        result. A source on another device is read through torch's peer copy. This is the one
+        block copy of the project: the daemons' pulls and the CacheManager all come here.
         """
         if (
             type(src_ids) is list
@@ -205,10 +205,16 @@ class KVPool:
         if np.unique(d).size != d.size:
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
         overlap = self._overlaps(src)
-        if not overlap and "cuda" in (self.device.type, src.device.type):
-            from common.blockcopy import copy_blocks  # one kernel launch for the whole list
+        if not overlap and src.device != self.device:
+            # another device, or memory mapped in another GPU's context (cuda-torch imports):
+            # torch's peer copy reads it, a kernel on this GPU could not
+            picked = src.tensor.index_select(0, torch.from_numpy(s).to(src.device))
+            self.tensor.index_copy_(0, torch.from_numpy(d).to(self.device), picked.to(self.device))
+            return
+        if not overlap and self.device.type == "cuda":
+            from common.blockcopy import copy_checked_blocks  # one kernel launch for the list
 
-            copy_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
+            copy_checked_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
             return
         runs = _runs(s, d)
         if not overlap and src._addr and self._addr:
@@ -234,16 +240,8 @@ class KVPool:
             raise IpcError(f"{len(src_ids)} source block ids but {n} destination ids")
         if not n:
             return
-        for ids, pool, what in ((src_ids, src, "source"), (dst_ids, self, "destination")):
-            if set(map(type, ids)) != {int}:
-                raise IpcError(f"{what} block ids must be ints in a flat list, got {ids!r:.80}")
-            if min(ids) < 0 or max(ids) >= pool.num_blocks:
-                bad = [i for i in ids if not 0 <= i < pool.num_blocks]
-                raise IpcError(
-                    f"{what} block ids {bad[:8]} out of range [0, {pool.num_blocks}) for this pool"
-                )
-        if len(set(dst_ids)) != n:
-            raise IpcError(f"destination block ids repeat: {dst_ids}")
+        check_block_ids(src_ids, src.num_blocks, "source")
+        check_block_ids(dst_ids, self.num_blocks, "destination", distinct=True)
         self._memmove_runs(src, _runs_small(src_ids, dst_ids))
 
     def _memmove_runs(self, src: KVPool, runs: list[tuple[int, int, int]]) -> None:
@@ -259,29 +257,8 @@ class KVPool:
         return max(_MIN_RUN_LIMIT, self.layout.block_nbytes // _RUN_BYTES_BREAK_EVEN)
 
     def _ids(self, block_ids: BlockIds, what: str) -> np.ndarray:
-        """Ids as a 1-D int64 numpy array, range-checked against this pool.
-
-        numpy rather than torch: on a handful of ids each torch op costs ~10 µs, numpy's ~1 µs,
-        and this runs on every pull.
-        """
-        if isinstance(block_ids, torch.Tensor):
-            if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool:
-                raise IpcError(f"{what} block ids must be integers, got {block_ids.dtype}")
-            ids = block_ids.detach().to("cpu", torch.int64).reshape(-1).numpy()
-        else:
-            try:
-                ids = np.asarray(list(block_ids))
-            except (TypeError, ValueError) as exc:
-                raise IpcError(f"{what} block ids must be ints: {exc}") from None
-            if ids.size and (ids.dtype.kind not in "iu" or ids.ndim != 1):
-                raise IpcError(f"{what} block ids must be ints in a flat list, got {ids.dtype}")
-            ids = ids.astype(np.int64, copy=False).reshape(-1)
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
-            bad = ids[(ids < 0) | (ids >= self.num_blocks)].tolist()
-            raise IpcError(
-                f"{what} block ids {bad[:8]} out of range [0, {self.num_blocks}) for this pool"
-            )
-        return ids
+        """Ids as a 1-D int64 numpy array, range-checked against this pool."""
+        return block_id_array(block_ids, self.num_blocks, what)
 
     def __repr__(self) -> str:
         return f"KVPool({self.layout}, device={self.device})"

@@ -25,6 +25,7 @@ from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
 from common.protocol import compat_fields, fingerprint
 from common.throughput import Throughput
+from common.transfer.regions import default_backend
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
@@ -56,11 +57,7 @@ def resolve_backend(name: str, device: torch.device) -> str:
             raise PdkvError(f"--ipc-backend {name} needs a CUDA device; the CPU pool uses shm")
         return "shm"
     if name == "auto":
-        try:
-            from common import _cuda  # noqa: F401
-        except ImportError:
-            return "cuda-torch"
-        return "cuda-raw"
+        return default_backend(device)
     if name not in ("cuda-raw", "cuda-torch"):
         raise PdkvError(f"--ipc-backend {name}: a CUDA pool uses cuda-raw or cuda-torch")
     return name

@@ -1,9 +1,11 @@
 """The decode daemon's continuous-batching loop.
 
 Sequences join and leave at step boundaries: `add` queues a sequence, and the loop takes every
-queued sequence into the batch before the next step; a finished sequence frees its blocks right
-after the step that finished it. Each step runs on the torch thread; the loop itself never blocks.
-Emission is through the `on_step(results)` callback, called on the loop after each step.
+queued sequence into the batch (up to `max_batch`) before the next step; a sequence that finished
+leaves the batch after the step that finished it. Each step runs on the torch thread; the loop
+itself never blocks. After each step, `on_step(results)` gets every (sequence, new token) pair of
+that step, on the loop; the engine owns no blocks: whoever removes or finishes a sequence frees
+them (DecodeRequests).
 
 Failures are isolated where they can be: a sequence whose logits are not finite, or whose draw
 fails, leaves the batch with `seq.error` set (the callback answers its request) and the others go
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 import structlog
@@ -149,7 +150,3 @@ class DecodeEngine:
                 self.rt.pool.tensor,
             )
             return sample_batch_isolated(logits, [s.sampling for s in batch], generators)
-
-
-def monotonic_us() -> float:
-    return time.monotonic_ns() / 1000.0

@@ -1,8 +1,10 @@
-"""One link from a prefill daemon, seen from the decode daemon.
+"""A prefill daemon as the decode daemon sees it: one link's channel, its KVConsumer, its frames.
 
-Lifecycle: HELLO (fingerprint check) → REGISTER (import the peer's pool once) → HANDOFF/ABORT/PING
-until the link ends; then every sequence of this peer is dropped, its blocks freed and the peer's
-mappings closed. Outgoing frames go through one writer task so they leave in order and coalesce.
+Life: HELLO (fingerprint check) → REGISTER (`register`: the peer's pool opened once, through the
+KVConsumer) → HANDOFF/ABORT/PING until the link ends. Frames to the peer leave in order through
+the channel's write queue (`post`), a step's frames for one link in one write (`post_many`).
+The server ends a link top-down: its sequences are dropped (DecodeRequests.drop_peer), pulls in
+flight drained (`drain`), then `close` unmaps the peer's pool and closes the socket.
 """
 
 from __future__ import annotations
@@ -12,20 +14,18 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import structlog
+import torch
 
-from common.errors import PdkvError, ProtocolError
-from common.ipc.base import SharedRegion, backend_for
-from common.kvpool import KVPool, PoolLayout
-from common.link import FrameChannel
+from common.channel import FrameChannel
+from common.errors import PdkvError
+from common.kvpool import KVPool
 from common.logs import clip
 from common.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
-    Handoff,
     Hello,
     HelloOk,
     Message,
@@ -35,37 +35,34 @@ from common.protocol import (
     encode,
     make_error,
 )
+from common.transfer import KVConsumer, TransferRefused
 
 log = structlog.get_logger(__name__)
 _ids = itertools.count(1)
 
 
 class HandshakeError(PdkvError):
+    """HELLO or REGISTER refused; `code` is the ERROR to answer with."""
+
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
 
 class Peer:
-    """A prefill daemon's link: its channel, imported pool and outgoing queue."""
-
-    def __init__(self, channel: FrameChannel, *, on_close: Callable[[Peer], None]) -> None:
+    def __init__(self, channel: FrameChannel) -> None:
         self.channel = channel
         self.link_id = f"link-{next(_ids)}"
         self.pid = 0
         self.name = ""
-        self.pool: KVPool | None = None
-        self.regions: list[SharedRegion] = []
-        self.events = None  # ImportedEventRing on CUDA, None on CPU
+        self.consumer: KVConsumer | None = None  # from REGISTER on
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.greeted = False  # a HELLO was accepted: this connection is a link
-        self.pulls: set[asyncio.Task[None]] = set()  # in-flight CUDA pulls from this peer's pool
-        self._on_close = on_close
         self._closed = False
         self.log = log.bind(link=self.link_id)
 
-    # ---- handshake -----------------------------------------------------------------------------
+    # ---- handshake -------------------------------------------------------------------------------
     def check_hello(self, hello: Hello, fingerprint: str, compat: dict[str, Any]) -> HelloOk:
         """HELLO_OK, or INCOMPATIBLE naming both protocol versions or the fields that differ."""
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -87,76 +84,21 @@ class Peer:
         self.log = self.log.bind(peer_pid=hello.pid)
         return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
 
-    def import_pool(self, reg: Register, local: PoolLayout, device) -> Registered:  # type: ignore[no-untyped-def]
-        """Open the peer's regions once; the first region is its KV pool."""
+    def register(
+        self, reg: Register, local: KVPool, stream: torch.cuda.Stream | None
+    ) -> Registered:
+        """Open the peer's pool once for this link (HandshakeError if it cannot be)."""
         try:
-            layout = PoolLayout.from_wire(reg.layout)
-            descs = reg.descriptors()
-            event_handles = reg.event_handle_list()
-            if event_handles and device.type != "cuda":
-                raise ValueError("event handles on a CPU link (the frame is the signal there)")
-        except (PdkvError, ValueError) as exc:
-            raise HandshakeError(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
-        if layout.compat_fields() != local.compat_fields():
-            raise HandshakeError(
-                ErrorCode.INCOMPATIBLE,
-                f"peer pool layout {layout.compat_fields()} differs from ours {local.compat_fields()}",
-            )
-        if len(descs) != 1:
-            raise HandshakeError(ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}")
-        fds = self.channel.take_fds(sum(r.num_fds for r in reg.regions))
-        try:
-            backend = backend_for(descs[0].kind)
-        except PdkvError as exc:
-            _close_fds(fds)
-            raise HandshakeError(ErrorCode.INCOMPATIBLE, str(exc)) from exc
-        try:
-            region = backend.open_for(descs[0], fds, device)  # owns the fds from here on
-            self.regions.append(region)
-            self.pool = KVPool(layout, region.to_tensor())
-        except PdkvError as exc:
-            raise HandshakeError(
-                ErrorCode.BAD_REQUEST, f"cannot open the peer's pool: {exc}"
-            ) from exc
-        if event_handles:
-            from common.ipc.events import ImportedEventRing
-
-            try:
-                self.events = ImportedEventRing.open(event_handles, device)
-            except (PdkvError, RuntimeError, ValueError) as exc:
-                raise HandshakeError(
-                    ErrorCode.BAD_REQUEST, f"cannot open the peer's event handles: {exc}"
-                ) from exc
-        self.log.info("peer_registered", backend=descs[0].kind, num_blocks=layout.num_blocks)
+            self.consumer = KVConsumer.open(reg, self.channel.take_fds, local, stream)
+        except TransferRefused as exc:
+            raise HandshakeError(exc.code, str(exc)) from exc
+        assert self.consumer.peer is not None
+        self.log.info(
+            "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer.num_blocks
+        )
         return Registered(num_blocks=local.num_blocks)
 
-    vocab_size = 2**31  # set by the server to its model's vocabulary
-
-    def validate_handoff(self, h: Handoff, block_size: int) -> None:
-        """ProtocolError-free checks of one HANDOFF; raises ValueError with the reason."""
-        if self.pool is None:
-            raise ValueError("HANDOFF before REGISTER")
-        h.sampling.validate()
-        if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
-            raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
-        need = -(-h.num_tokens // block_size)
-        if len(h.block_ids) != need:
-            raise ValueError(
-                f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
-            )
-        vocab = self.vocab_size
-        if max(h.prompt_tokens) >= vocab or h.first_token >= vocab:
-            raise ValueError(f"token ids must be < vocab size {vocab}")
-        if len(set(h.block_ids)) != len(h.block_ids):
-            raise ValueError("HANDOFF block ids repeat")
-        if max(h.block_ids) >= self.pool.num_blocks:
-            raise ValueError(
-                f"block id {max(h.block_ids)} outside the peer pool ({self.pool.num_blocks})"
-            )
-        if h.event_slot >= 0 and (self.events is None or h.event_slot >= len(self.events)):
-            raise ValueError(f"event slot {h.event_slot} does not exist on this link")
-
-    # ---- output --------------------------------------------------------------------------------
+    # ---- output ----------------------------------------------------------------------------------
     def post(self, msg: Message) -> None:
         """Send a frame now (or right after the frames before it); frames leave in order."""
         if not self._closed:
@@ -176,33 +118,26 @@ class Peer:
             async with asyncio.timeout(timeout):
                 await self.channel.drain()
 
+    # ---- teardown --------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
         return self._closed
 
-    # ---- teardown ------------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Wait until no pull reads the peer's pool."""
+        if self.consumer is not None:
+            await self.consumer.drain()
+
     def close(self) -> None:
-        """Idempotent: stop the writer, drop the pool view, close mappings and the socket."""
+        """Idempotent: unmap the peer's pool, close its events and the socket (after drain)."""
         if self._closed:
             return
         self._closed = True
-        self._on_close(self)
-        self.pool = None
-        if self.events is not None:
-            self.events.close()
-            self.events = None
-        for region in self.regions:
-            region.close()
-        self.regions.clear()
+        if self.consumer is not None:
+            self.consumer.close()
         self.channel.close()
         if self.greeted:  # a STATUS probe's connection is no link: health checks log nothing
             self.log.info("peer_closed", handoffs=self.handoffs)
 
 
-__all__ = ["HandshakeError", "Peer", "ProtocolError"]
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+__all__ = ["HandshakeError", "Peer"]

@@ -8,7 +8,6 @@ request ids are only unique per prefill daemon.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 
@@ -29,8 +28,7 @@ from common.protocol import (
 from common.throughput import Throughput
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
-from decode_server.puller import Puller
-from decode_server.sequence import Sequence, blocks_needed
+from decode_server.sequence import Sequence, blocks_needed, seq_key
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +41,7 @@ class DecodeRequests:
         self.engine = DecodeEngine(
             rt, max_batch=max_batch, on_step=self._on_step, on_fatal=on_fatal
         )
-        self.puller = Puller(rt)
+        self.vocab_size = rt.model.config.vocab_size
         self.seq_peer: dict[str, Peer] = {}  # key -> the link the sequence came from
         self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
         self.handoffs = 0
@@ -54,7 +52,7 @@ class DecodeRequests:
 
     def abort(self, peer: Peer, request_id: str) -> None:
         """ABORT from the prefill (its client went away): free the sequence, or CACHE_NOT_EXIST."""
-        key = _key(peer, request_id)
+        key = seq_key(peer.link_id, request_id)
         if key in self._pulling:
             self._pulling[key] = True  # freed once the in-flight pull completes
             return
@@ -81,9 +79,12 @@ class DecodeRequests:
     def handoff(self, peer: Peer, h: Handoff) -> None:
         """Validate, reserve blocks for the request's whole life, pull, RELEASE, join the batch."""
         recv_ns = time.monotonic_ns()
-        key = _key(peer, h.request_id)
+        key = seq_key(peer.link_id, h.request_id)
+        consumer = peer.consumer
         try:
-            peer.validate_handoff(h, self.rt.layout.block_size)
+            if consumer is None:
+                raise ValueError("HANDOFF before REGISTER")
+            consumer.validate(h, self.vocab_size)
             if key in self.seq_peer:
                 raise ValueError("request id already in flight on this link")
         except (ValueError, PdkvError) as exc:
@@ -92,8 +93,7 @@ class DecodeRequests:
             )
             peer.post_error(ErrorCode.BAD_REQUEST, str(exc), h.request_id)
             return
-        bs = self.rt.layout.block_size
-        need = blocks_needed(h.num_tokens, h.sampling.max_tokens, bs)
+        need = blocks_needed(h.num_tokens, h.sampling.max_tokens, self.rt.layout.block_size)
         if need > self.rt.allocator.total:
             peer.post_error(
                 ErrorCode.BAD_REQUEST,
@@ -116,36 +116,23 @@ class DecodeRequests:
             return
         self.seq_peer[key] = peer
         self._pulling[key] = False
-        if self.puller.cuda:
-            task = asyncio.create_task(self._pull_async(peer, h, key, blocks, recv_ns))
-            peer.pulls.add(task)
-            task.add_done_callback(peer.pulls.discard)
-        else:
-            assert peer.pool is not None
-            try:
-                self.rt.pool.copy_blocks_from(peer.pool, h.block_ids, blocks[: len(h.block_ids)])
-            except Exception as exc:  # a bug: fail this request, keep the link and the blocks
-                self._pull_failed(peer, h, key, exc)
-                return
-            self._pulled(peer, h, key, blocks, recv_ns)
 
-    def _pull_failed(self, peer: Peer, h: Handoff, key: str, exc: Exception) -> None:
+        def done(exc: BaseException | None) -> None:
+            if exc is None:
+                self._pulled(peer, h, key, blocks, recv_ns)
+            else:
+                self._pull_failed(peer, h, key, exc)
+
+        consumer.pull(h.block_ids, blocks[: len(h.block_ids)], h.event_slot, done)
+
+    def _pull_failed(self, peer: Peer, h: Handoff, key: str, exc: BaseException) -> None:
+        """The copy failed (a bug or a bad mapping): fail this request, keep the link."""
         log.error("pull_failed", request_id=h.request_id, link=peer.link_id, exc_info=exc)
         self._pulling.pop(key, None)
         self.seq_peer.pop(key, None)
         if key in self.rt.allocator:
             self.rt.allocator.free(key)
         peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", h.request_id)
-
-    async def _pull_async(
-        self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int
-    ) -> None:
-        try:
-            await self.puller.pull(peer, h.block_ids, blocks[: len(h.block_ids)], h.event_slot)
-        except Exception as exc:
-            self._pull_failed(peer, h, key, exc)
-            return
-        self._pulled(peer, h, key, blocks, recv_ns)
 
     def _pulled(self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int) -> None:
         """The copy is complete: RELEASE, then join the batch (unless aborted meanwhile)."""
@@ -242,7 +229,3 @@ class DecodeRequests:
         self._free(seq)
         if peer is not None:
             peer.post_error(code, message, seq.request_id)
-
-
-def _key(peer: Peer, request_id: str) -> str:
-    return f"{peer.link_id}/{request_id}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
 
 
@@ -34,7 +35,7 @@ class Sequence:
     @property
     def key(self) -> str:
         """Unique across links: request ids are only unique per prefill daemon."""
-        return f"{self.peer}/{self.request_id}"
+        return seq_key(self.peer, self.request_id)
 
     @property
     def position(self) -> int:
@@ -42,8 +43,8 @@ class Sequence:
         return self.prompt_len + len(self.generated) - 1
 
     def slot(self) -> int:
-        pos = self.position
-        return self.blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+        """Slot the next step writes the last token's K/V into."""
+        return slot_of(self.blocks, self.position, self.block_size)
 
     def check_finished(self) -> str | None:
         """Set and return the finish reason after a token was appended, or None (the rule is
@@ -54,5 +55,9 @@ class Sequence:
 
 def blocks_needed(prompt_len: int, max_tokens: int, block_size: int) -> int:
     """Blocks a sequence needs for its whole life: K/V of prompt + all but the last generated token."""
-    positions = prompt_len + max_tokens - 1
-    return -(-positions // block_size)
+    return blocks_for(prompt_len + max_tokens - 1, block_size)
+
+
+def seq_key(link_id: str, request_id: str) -> str:
+    """A sequence's key in the decode: request ids are only unique per prefill daemon (link)."""
+    return f"{link_id}/{request_id}"

@@ -1,20 +1,25 @@
-"""The decode daemon: accepts links, imports each peer's pool once, and hands their frames to
-DecodeRequests (requests.py), which pulls KV and decodes in batches; lifecycle, status.
+"""The decode daemon: accepts links from prefill daemons, and per link runs the handshake and then
+hands each frame to DecodeRequests (requests.py), which pulls the KV and decodes in batches.
+
+One way down: server → Peer (the link: channel, KVConsumer) and DecodeRequests (the request table,
+the engine). A link that ends is taken down from here: its sequences dropped, its pulls drained,
+then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import time
+from typing import Any
 
 import structlog
+import torch
 
 from common import daemon
+from common.channel import FrameChannel
 from common.config import DecodeConfig
 from common.errors import PdkvError, ProtocolError
-from common.link import FrameChannel
 from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
@@ -23,136 +28,130 @@ from common.protocol import (
     ErrorCode,
     Handoff,
     Hello,
+    Message,
     Ping,
     Pong,
     Register,
     Status,
-    StatusReply,
 )
-from common.runtime import check_free, remove_file, write_pidfile
+from common.rundir import check_free
+from common.server import DaemonServer
+from common.throughput import Throughput
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 
 log = structlog.get_logger(__name__)
 
 
-class DecodeServer:
+class DecodeServer(DaemonServer):
+    role = "decode"
+    in_flight_name = "sequences"
+
     def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
-        self.cfg = cfg
+        super().__init__(cfg, rt, cfg.link_path, stop)
+        self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
-        self.rt = rt
-        self._stop = stop
         self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, on_fatal=self._fatal)
         self.peers: dict[str, Peer] = {}
-        self.started = time.monotonic()
-        self._listen: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self.pull_stream = None  # CUDA: every link's pulls run on this stream, launched here
+        if rt.device.type == "cuda":
+            torch.cuda.set_device(rt.device)
+            self.pull_stream = torch.cuda.Stream(rt.device)
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._listen = daemon.bind_unix_socket(self.cfg.link_path, group=self.cfg.socket_group)
-        write_pidfile(self.cfg.pidfile)
+    # ---- life cycle ------------------------------------------------------------------------------
+    def start_parts(self) -> None:
         self.requests.engine.start()
-        accept = daemon.accept_loop(
-            self._listen,
-            self.cfg.uids(),
-            self._serve_conn,
-            self._tasks,
-            name="link",
-            max_connections=self.cfg.max_connections,
-        )
-        self._tasks.add(asyncio.create_task(accept, name="decode-accept"))
-        log.info("decode_ready", socket=str(self.cfg.link_path), pid=os.getpid())
 
-    async def until_ready(self) -> None:
-        """Ready as soon as the link socket listens (start)."""
+    def in_flight(self) -> int:
+        return len(self.requests)
 
     def _fatal(self, exc: BaseException) -> None:
         """The batching loop died: nothing here decodes any more, so the daemon ends (non-zero)."""
-        self._stop.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
+        self.stop_flag.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
 
-    async def shutdown(self) -> None:
-        """Stop accepting, drain sequences under the timeout (not when the decode loop is dead:
-        nothing would finish), answer the rest, close everything."""
-        failure = self.requests.engine.failure
-        log.info("decode_draining", sequences=len(self.requests), failed=failure is not None)
-        if self._listen is not None:
-            self._listen.close()
-            remove_file(self.cfg.link_path)
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while failure is None and len(self.requests) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+    def failure(self) -> BaseException | None:
+        return self.requests.engine.failure
+
+    async def end_remaining(self) -> None:
         code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
-        if failure is not None:
+        if self.failure() is not None:
             code, why = ErrorCode.INTERNAL, "decode daemon failed and is exiting (see its log)"
         for seq in self.requests.engine.sequences():
             self.requests.drop(seq, code, why)
         for peer in list(self.peers.values()):
             await peer.flush()
-            peer.close()
+            await self._end_link(peer)
         await self.requests.engine.stop()
-        for task in self._tasks:
-            task.cancel()
-        self.rt.close()
-        remove_file(self.cfg.pidfile)
-        log.info("decode_stopped")
 
-    # ---- connections ---------------------------------------------------------------------------
-    async def _serve_conn(self, conn: socket.socket) -> None:
+    @property
+    def throughput(self) -> Throughput:
+        return self.requests.throughput
+
+    def links(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [
+            {
+                "link": p.link_id,
+                "peer_pid": p.pid,
+                "age_s": round(now - p.connected_at, 1),
+                "handoffs": p.handoffs,
+            }
+            for p in self.peers.values()
+        ]
+
+    # ---- links -----------------------------------------------------------------------------------
+    async def serve_connection(self, conn: socket.socket) -> None:
         channel = FrameChannel(conn)
-        peer = Peer(channel, on_close=self._peer_closed)
-        peer.vocab_size = self.rt.model.config.vocab_size
-        timeout = self.cfg.heartbeat_timeout_s
+        peer = Peer(channel)
         try:
-            async with asyncio.timeout(timeout):
-                first = await channel.recv()
-            if isinstance(first, Status):
-                peer.post(self.status())
-                await peer.flush()
-                return
-            if not isinstance(first, Hello):
-                raise ProtocolError(f"expected HELLO first, got {first.TYPE.name}")
-            peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.compat))
-            async with asyncio.timeout(timeout):
-                reg = await channel.recv()
-            if not isinstance(reg, Register):
-                raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
-            peer.post(peer.import_pool(reg, self.rt.layout, self.rt.device))
-            channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
-            self.peers[peer.link_id] = peer
-            watchdog = asyncio.create_task(
-                channel.watch_idle(timeout, frame_timeout=self.cfg.frame_timeout_s)
-            )
-            try:
-                await channel.dispatch(lambda msg: self._dispatch(peer, msg))
-            finally:
-                watchdog.cancel()
+            await self._serve_link(peer)
         except HandshakeError as exc:
             peer.log.warning("handshake_refused", code=exc.code, error=str(exc))
-            peer.post_error(exc.code, str(exc))
-            await peer.flush()
+            await self._answer(peer, exc.code, str(exc))
         except ProtocolError as exc:
             peer.log.warning("protocol_error", error=str(exc))
-            peer.post_error(ErrorCode.PROTOCOL_ERROR, str(exc))
-            await peer.flush()
+            await self._answer(peer, ErrorCode.PROTOCOL_ERROR, str(exc))
         except TimeoutError:
-            peer.log.warning("link_heartbeat_missed", timeout_s=timeout)
+            peer.log.warning("link_heartbeat_missed", timeout_s=self.cfg.heartbeat_timeout_s)
         except (ConnectionClosed, OSError) as exc:
             peer.log.info("link_closed", reason=str(exc) or type(exc).__name__)
         except PdkvError as exc:  # nothing may escape the connection's task
             peer.log.warning("link_failed", error=str(exc))
-            peer.post_error(ErrorCode.PROTOCOL_ERROR, str(exc))
-            await peer.flush()
+            await self._answer(peer, ErrorCode.PROTOCOL_ERROR, str(exc))
         except Exception as exc:  # a bug: end this link only, loudly
             peer.log.exception("link_failed_internal")
-            peer.post_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            await peer.flush()
+            await self._answer(peer, ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         finally:
-            if peer.pulls:  # never unmap the peer's pool under a copy that still reads it
-                await asyncio.gather(*peer.pulls, return_exceptions=True)
-            peer.close()
+            await self._end_link(peer)
 
-    def _dispatch(self, peer: Peer, msg) -> None:  # type: ignore[no-untyped-def]
+    async def _serve_link(self, peer: Peer) -> None:
+        """Handshake (or one STATUS), then every frame of the link until it ends."""
+        channel, timeout = peer.channel, self.cfg.heartbeat_timeout_s
+        async with asyncio.timeout(timeout):
+            first = await channel.recv()
+        if isinstance(first, Status):
+            peer.post(self.status())
+            await peer.flush()
+            return
+        if not isinstance(first, Hello):
+            raise ProtocolError(f"expected HELLO first, got {first.TYPE.name}")
+        peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.compat))
+        async with asyncio.timeout(timeout):
+            reg = await channel.recv()
+        if not isinstance(reg, Register):
+            raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
+        peer.post(peer.register(reg, self.rt.pool, self.pull_stream))
+        channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
+        self.peers[peer.link_id] = peer
+        watchdog = asyncio.create_task(
+            channel.watch_idle(timeout, frame_timeout=self.cfg.frame_timeout_s)
+        )
+        try:
+            await channel.dispatch(lambda msg: self._dispatch(peer, msg))
+        finally:
+            watchdog.cancel()
+
+    def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Handoff):
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
@@ -169,34 +168,20 @@ class DecodeServer:
         else:
             raise ProtocolError(f"unexpected {msg.TYPE.name} on an established link")
 
-    def _peer_closed(self, peer: Peer) -> None:
-        """Link lost: drop its sequences and free their blocks (mappings close in Peer.close)."""
+    @staticmethod
+    async def _answer(peer: Peer, code: ErrorCode, message: str) -> None:
+        peer.post_error(code, message)
+        await peer.flush()
+
+    async def _end_link(self, peer: Peer) -> None:
+        """Top-down teardown of one link (idempotent): forget it, let its pulls finish (never
+        unmap the peer's pool under a copy that reads it), drop its sequences, close it."""
         self.peers.pop(peer.link_id, None)
+        await peer.drain()
         dropped = self.requests.drop_peer(peer)
         if dropped:
             log.warning("link_lost_sequences_dropped", link=peer.link_id, dropped=dropped)
-
-    def status(self) -> StatusReply:
-        now = time.monotonic()
-        return StatusReply(
-            role="decode",
-            pid=os.getpid(),
-            uptime_s=round(now - self.started, 3),
-            pool=self.rt.pool_stats(),
-            inflight=len(self.requests),
-            links=[
-                {
-                    "link": p.link_id,
-                    "peer_pid": p.pid,
-                    "age_s": round(now - p.connected_at, 1),
-                    "handoffs": p.handoffs,
-                }
-                for p in self.peers.values()
-            ],
-            device=str(self.rt.device),
-            backend=self.rt.backend,
-            **self.rt.status_fields(self.requests.throughput),
-        )
+        peer.close()
 
 
 async def serve(cfg: DecodeConfig) -> int:

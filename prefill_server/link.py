@@ -1,7 +1,7 @@
 """The prefill daemon's link to its decode daemon: connect with backoff, handshake, route answers.
 
-Once per connection: HELLO (fingerprint) and REGISTER (the pool's descriptor, its fd for shm, the
-event ring's handles for CUDA). The pool is exported once per process and re-sent per connection.
+Once per connection: HELLO (fingerprint) and REGISTER (the KVProducer's payload: the pool's
+descriptor, its fd for shm, the event ring's handles for CUDA; exported once per process).
 While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
 timeout ends the link. On loss every request handed to this link gets LINK_LOST through `on_lost`
 and the link reconnects with capped exponential backoff.
@@ -17,10 +17,9 @@ from collections.abc import Callable
 
 import structlog
 
+from common.channel import FrameChannel, connect
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
-from common.ipc.base import SharedRegion
-from common.link import FrameChannel, connect
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -30,9 +29,9 @@ from common.protocol import (
     Message,
     Ping,
     Pong,
-    Register,
     Registered,
 )
+from common.transfer import KVProducer
 
 log = structlog.get_logger(__name__)
 
@@ -49,19 +48,17 @@ class DecodeLink:
         fingerprint: str,
         compat: dict,
         backend: str,
-        layout_wire: dict,
-        region: SharedRegion,
-        event_handles: list[bytes],
+        producer: KVProducer,
         on_message: Callable[[Message], None],
         on_lost: Callable[[str, str], None],
     ) -> None:
+        """`on_message(msg)`: each frame about a request, in the read callback. `on_lost(link_id,
+        reason)`: once per established connection that ended."""
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.compat = compat
         self.backend = backend
-        self.layout_wire = layout_wire
-        self.region = region
-        self.event_handles = event_handles
+        self.producer = producer
         self.on_message = on_message
         self.on_lost = on_lost
         self.channel: FrameChannel | None = None
@@ -178,8 +175,7 @@ class DecodeLink:
             raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
         if not isinstance(ok, HelloOk):
             raise ProtocolError(f"expected HELLO_OK, got {ok.TYPE.name}")
-        fds = self.region.fds()
-        reg = Register.build(self.layout_wire, [self.region.desc], [len(fds)], self.event_handles)
+        reg, fds = self.producer.register()
         await channel.send(reg, fds)
         async with asyncio.timeout(timeout):
             done = await channel.recv()

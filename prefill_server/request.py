@@ -5,14 +5,25 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
+from common.errors import PdkvError
 from common.model.sampling import SamplingParams
-from common.protocol import Message
+from common.protocol import ErrorCode, Generate, Message
+
+
+class RequestFailed(PdkvError):
+    """A request ends with an ERROR frame of `code` to its client."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(eq=False)
 class PrefillRequest:
-    """Created by the front door; the link routes the decode's answers into `inbox`."""
+    """Created by RequestPipeline.run; the pipeline routes the decode's answers (from the link)
+    into `inbox`."""
 
     request_id: str
     prompt_tokens: list[int]
@@ -20,7 +31,6 @@ class PrefillRequest:
     stream: bool = True
     inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
-    first_token: int = -1
     generated: list[int] = field(default_factory=list)
     text_tokens: int = 0  # generated tokens already turned into text for the client
     ttft_ms: float = 0.0
@@ -31,3 +41,24 @@ class PrefillRequest:
     done: bool = False  # the decode finished or failed it: nothing to abort
     link_id: str = ""
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
+
+
+def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) -> list[int]:
+    """The prompt of a GENERATE as token ids: exactly one of prompt or prompt_tokens, not empty,
+    1..limit tokens, every id < vocab_size; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
+    if (msg.prompt is None) == (msg.prompt_tokens is None):
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens")
+    if not (msg.prompt or msg.prompt_tokens):  # "" would still encode to BOS alone
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt is empty")
+    tokens = tokenizer.encode(msg.prompt) if msg.prompt is not None else msg.prompt_tokens
+    if not tokens:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, "the prompt encodes to no tokens")
+    if len(tokens) > limit:
+        raise RequestFailed(
+            ErrorCode.BAD_REQUEST,
+            f"prompt has {len(tokens)} tokens, more than the {limit} allowed "
+            "(--max-prompt-tokens of the prefill daemon)",
+        )
+    if max(tokens) >= vocab_size:
+        raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab_size}")
+    return list(tokens)

@@ -1,142 +1,119 @@
-"""The prefill daemon: client front door, prefill + scatter, handoff, leases, relay of answers.
+"""The prefill daemon: the client front door, wired to the request pipeline, the link and the
+KV producer.
 
-Per request: validate, wait for pool capacity (bounded), allocate, prefill on the torch thread,
-send the first token to the client, lease the blocks to the link and send HANDOFF; RELEASE frees the
-blocks; TOKENS/FINISH are relayed to the client. A lease that outlives `lease_timeout_s`, a lost
-link and a client that goes away each end the request and free its blocks.
+Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
+frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
+builds the KVProducer (the pool exported once), the DecodeLink and the RequestPipeline, and routes
+the link's frames into the pipeline; nothing below holds the server. Life cycle and STATUS are
+common.server.DaemonServer's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
-import torch
 
 from common import daemon
+from common.channel import FrameChannel
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
-from common.ipc.base import backend_for
-from common.ipc.events import event_ring
-from common.link import FrameChannel
 from common.model.sampling import SamplingParamsError
 from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
     ConnectionClosed,
-    Error,
     ErrorCode,
-    Finish,
     Generate,
     Message,
-    Release,
     Status,
-    StatusReply,
-    Tokens,
     make_error,
 )
-from common.runtime import check_free, remove_file, write_pidfile
+from common.rundir import check_free
+from common.server import DaemonServer
 from common.throughput import Throughput
+from common.transfer import KVProducer
 from prefill_server.link import DecodeLink
-from prefill_server.pipeline import RequestFailed, RequestPipeline
-from prefill_server.request import PrefillRequest
+from prefill_server.pipeline import RequestPipeline
+from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
 
 
-class PrefillServer:
-    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime) -> None:
-        self.cfg = cfg
-        self.rt = rt
-        self.requests: dict[str, PrefillRequest] = {}
-        self.started = time.monotonic()
-        if rt.device.type == "cuda":
-            torch.cuda.set_device(rt.device)  # CUDA calls from the loop thread: export, events
-        self.region = backend_for(rt.backend).export(rt.pool.tensor)  # once per process
-        # interprocess events exported once per link; CPU needs none (the frame is the signal)
-        self.events = event_ring(cfg.event_slots, rt.device) if rt.device.type == "cuda" else None
+class PrefillServer(DaemonServer):
+    role = "prefill"
+    in_flight_name = "requests"
+
+    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
+        super().__init__(cfg, rt, cfg.client_path, stop)
+        self.cfg: PrefillConfig = cfg
+        self.producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
         self.link = DecodeLink(
             cfg,
             fingerprint=rt.fingerprint,
             compat=rt.compat,
             backend=rt.backend,
-            layout_wire=rt.layout.to_wire(),
-            region=self.region,
-            event_handles=self.events.handles() if self.events is not None else [],
-            on_message=self._on_link_message,
-            on_lost=self._on_link_lost,
+            producer=self.producer,
+            on_message=lambda msg: self.pipeline.deliver(msg),
+            on_lost=lambda link_id, reason: self.pipeline.link_lost(link_id, reason),
         )
-        self.pipeline = RequestPipeline(self)
-        self._listen: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.stopping = False
-        self.throughput = Throughput()  # finished requests and their tokens, for status
+        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)
 
-    # ---- lifecycle -----------------------------------------------------------------------------
-    async def start(self) -> None:
-        self._listen = daemon.bind_unix_socket(self.cfg.client_path, group=self.cfg.socket_group)
-        write_pidfile(self.cfg.pidfile)
+    # ---- life cycle ------------------------------------------------------------------------------
+    def start_parts(self) -> None:
         self.link.start()
-        accept = daemon.accept_loop(
-            self._listen,
-            self.cfg.uids(),
-            lambda conn: self._serve_client(FrameChannel(conn, max_fds=0)),
-            self._tasks,
-            name="client",
-            max_connections=self.cfg.max_connections,
-        )
-        self._spawn(accept, "prefill-accept")
-        self._spawn(self._lease_reaper(), "lease-reaper")
-        log.info("prefill_ready", socket=str(self.cfg.client_path), pid=os.getpid())
+        self.spawn(self.pipeline.reap_leases(), "lease-reaper")
 
-    async def until_ready(self) -> None:
-        """Ready once the client socket listens (start) and the link to the decode is up."""
-        await self.link.ready.wait()
+    def in_flight(self) -> int:
+        return len(self.pipeline.requests)
 
-    async def shutdown(self) -> None:
-        """Stop accepting, drain in-flight requests under the timeout, fail the rest, close."""
-        self.stopping = True
-        log.info("prefill_draining", requests=len(self.requests))
-        if self._listen is not None:
-            self._listen.close()
-            remove_file(self.cfg.client_path)
-        deadline = time.monotonic() + self.cfg.drain_timeout_s
-        while self.requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-        for req in list(self.requests.values()):
-            req.inbox.put_nowait(
-                Error(code=ErrorCode.SHUTTING_DOWN, message="prefill daemon is shutting down")
-            )
+    def refuse_new(self) -> None:
+        self.pipeline.stopping = True
+
+    async def end_remaining(self) -> None:
+        self.pipeline.shut_down()
         await asyncio.sleep(0.05)
         try:
             async with asyncio.timeout(5):
                 await self.link.stop()
         except TimeoutError:
             log.warning("link_stop_timeout")
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self.rt.close()
-        self.region.close()
-        if self.events is not None:
-            self.events.close()
-        remove_file(self.cfg.pidfile)
-        log.info("prefill_stopped", served=self.throughput.served)
 
-    def _spawn(self, coro, name: str) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def close_parts(self) -> None:
+        self.producer.close()
 
-    # ---- client connections --------------------------------------------------------------------
-    async def _serve_client(self, channel: FrameChannel) -> None:
+    async def until_ready(self) -> None:
+        """Ready once the client socket listens (start) and the link to the decode is up."""
+        await self.link.ready.wait()
+
+    @property
+    def throughput(self) -> Throughput:
+        return self.pipeline.throughput
+
+    def log_stopped(self) -> dict[str, Any]:
+        return {"served": self.pipeline.throughput.served}
+
+    def links(self) -> list[dict[str, Any]]:
+        link = self.link
+        return [
+            {
+                "link": link.link_id,
+                "state": link.state,
+                "connects": link.connects,
+                "rtt_us": round(link.rtt_us, 1),
+                "last_error": link.last_error,
+            }
+        ]
+
+    # ---- client connections ----------------------------------------------------------------------
+    async def serve_connection(self, conn: socket.socket) -> None:
+        channel = FrameChannel(conn, max_fds=0)
         client = _Client(channel)
         mine = client.mine
         # neither a client that trickles a frame nor one that sits idle holds its fd forever
@@ -151,7 +128,7 @@ class PrefillServer:
                             make_error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
                         )
                         continue
-                    mine[rid] = self._spawn(self._run_request(channel, rid, msg), f"req-{rid}")
+                    mine[rid] = self.spawn(self._run_request(channel, rid, msg), f"req-{rid}")
                     mine[rid].add_done_callback(lambda _t, r=rid: client.done(r))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
@@ -230,67 +207,6 @@ class PrefillServer:
                 channel, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
             )
 
-    # ---- link ----------------------------------------------------------------------------------
-    def _on_link_message(self, msg: Message) -> None:
-        rid = getattr(msg, "request_id", None)
-        req = self.requests.get(rid) if rid else None
-        if req is None:
-            if isinstance(msg, Release):
-                self.pipeline.unquarantine(msg.event_slot)
-            elif not isinstance(msg, Finish | Tokens):
-                log.warning("link_message_for_unknown_request", type=msg.TYPE.name, request_id=rid)
-            return
-        if isinstance(msg, Release):
-            self.pipeline.on_release(req, msg)
-        else:
-            req.inbox.put_nowait(msg)
-
-    def _on_link_lost(self, link_id: str, reason: str) -> None:
-        freed = self.rt.allocator.release_holder(link_id) if link_id else []
-        for req in self.requests.values():
-            if req.handed_off:
-                req.inbox.put_nowait(
-                    Error(code=ErrorCode.LINK_LOST, message=f"link to decode lost: {reason}")
-                )
-        if freed:
-            log.warning("leases_reclaimed", link=link_id, requests=len(freed))
-        self.pipeline.unquarantine_all()  # the peer closed its event handles with the link
-        self.pipeline.capacity_changed()
-
-    async def _lease_reaper(self) -> None:
-        while True:
-            await asyncio.sleep(min(1.0, self.cfg.lease_timeout_s / 4))
-            for rid in self.rt.allocator.expired(time.monotonic()):
-                self.rt.allocator.free(rid)
-                req = self.requests.get(rid)
-                log.warning("lease_expired", request_id=rid)
-                if req is not None:
-                    req.inbox.put_nowait(
-                        Error(code=ErrorCode.WAIT_TIMEOUT, message="decode did not release in time")
-                    )
-                self.pipeline.capacity_changed()
-
-    def status(self) -> StatusReply:
-        return StatusReply(
-            role="prefill",
-            pid=os.getpid(),
-            uptime_s=round(time.monotonic() - self.started, 3),
-            pool=self.rt.pool_stats(),
-            inflight=len(self.requests),
-            links=[
-                {
-                    "link": self.link.link_id,
-                    "state": self.link.state,
-                    "connects": self.link.connects,
-                    "rtt_us": round(self.link.rtt_us, 1),
-                    "last_error": self.link.last_error,
-                }
-            ],
-            device=str(self.rt.device),
-            backend=self.rt.backend,
-            **self.rt.status_fields(self.throughput),
-        )
-
 
 @dataclass
 class _Client:
@@ -316,6 +232,6 @@ async def serve(cfg: PrefillConfig) -> int:
     check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "prefill"),
-        lambda rt, _stop: PrefillServer(cfg, rt),
+        lambda rt, stop: PrefillServer(cfg, rt, stop),
         ModelRuntime.close,
     )

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from common.cli import cli
+from common.app.cli import cli
 
 
 def _commands(group: click.Group, prefix: str = "pdkv") -> list[tuple[str, click.Command]]:

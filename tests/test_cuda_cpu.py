@@ -11,7 +11,8 @@ import torch
 from common import cuda
 from common.blockcopy import copy_blocks
 from common.errors import CudaError, IpcError
-from common.ipc.base import RegionDescriptor, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import RegionDescriptor
 from common.ipc.events import CpuEventRing, event_ring, imported_event_ring
 
 pytestmark = pytest.mark.skipif(

@@ -17,7 +17,8 @@ import structlog
 import torch
 
 from common.errors import IpcError
-from common.ipc.base import RegionDescriptor, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import RegionDescriptor
 from common.ipc.fdpass import recv_exact_with_fds, recv_with_fds, send_with_fds
 from common.ipc.shm import ShmRegion, is_shm, shm_empty
 from common.kvpool import KVPool, PoolLayout

@@ -13,6 +13,10 @@ __all__ = ["RegionDescriptor", "SharedRegion", "backend_for", "register_backend"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "backend_for":
+        from common.ipc import backends
+
+        return backends.backend_for
     if name in __all__:
         from common.ipc import base
 

@@ -7,8 +7,9 @@ and the dtype round trip; a sibling backend implements only `export` (exporter s
 `view(dtype)`, so fp32/fp16/bf16/fp8 pools share one path.
 
 Contract:
-- `export(tensor)` is called once per pool per link by the owner of the memory; the returned region
-  keeps whatever it needs (an fd, a handle) alive until `close()`.
+- `export(tensor)` is called once per pool per process by the owner of the memory; the returned
+  region keeps whatever it needs (an fd, a handle) alive until `close()`, and its descriptor is
+  sent to every peer.
 - `open(desc, fds)` is called once per pool per link by the peer; `to_tensor()` returns a tensor of
   exactly `desc.shape`/`desc.dtype` over the shared memory.
 - `close()` is idempotent and never raises: it logs, because raising would abort the cleanup of
@@ -31,7 +32,6 @@ __all__ = [
     "RegionDescriptor",
     "SharedRegion",
     "as_contiguous_view",
-    "backend_for",
     "bytes_as",
     "contiguous_strides",
     "cuda_view",
@@ -197,24 +197,7 @@ _BACKENDS: dict[str, type[SharedRegion]] = {}
 
 
 def register_backend(cls: type[SharedRegion]) -> type[SharedRegion]:
-    """Class decorator: make `cls` the backend for descriptors of kind `cls.kind`."""
+    """Class decorator: make `cls` the backend for descriptors of kind `cls.kind`
+    (looked up through common.ipc.backends.backend_for)."""
     _BACKENDS[cls.kind] = cls
     return cls
-
-
-def backend_for(kind: str) -> type[SharedRegion]:
-    """The backend class for `kind`; IpcError naming the available kinds otherwise."""
-    if kind not in _BACKENDS:
-        # Import lazily so the CUDA backends are only loaded when asked for.
-        import common.ipc.shm
-
-        if kind.startswith("cuda"):
-            try:
-                import common.ipc.cuda_raw
-                import common.ipc.cuda_torch  # noqa: F401
-            except ImportError as exc:
-                raise IpcError(f"IPC backend {kind!r} unavailable here: {exc}") from exc
-    try:
-        return _BACKENDS[kind]
-    except KeyError:
-        raise IpcError(f"unknown IPC backend {kind!r}; available: {sorted(_BACKENDS)}") from None

@@ -11,11 +11,13 @@ peer wait on the wrong (later, or already complete) work. LMCache had exactly th
 
 Events are created and opened through common._cuda, not torch.cuda.Event(interprocess=True): the
 importer must open a handle with its own device current, and torch's from_ipc_handle waited on by
-another device's stream crashes (FINDINGS.md, two H200s).
+another device's stream crashes (seen on two H200s; docs/architecture.md, "Why a first cross-GPU
+probe hung").
 
-On CPU there is nothing to wait for (the frame is the signal), but the slot bookkeeping is the same,
-so the daemons need no branches: `event_ring(n, device)` and `imported_event_ring(handles, device)`
-pick the sibling.
+On CPU there is nothing to wait for (the frame is the signal): the daemons' KVProducer creates no
+ring there. `CpuEventRing` keeps the same slot bookkeeping with no-op records for library users
+who want one code path; `event_ring(n, device)` and `imported_event_ring(handles, device)` pick
+the sibling.
 """
 
 from __future__ import annotations

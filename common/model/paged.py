@@ -27,6 +27,18 @@ def kv_shape(
     return (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
 
 
+def blocks_for(num_positions: int, block_size: int) -> int:
+    """Blocks that hold `num_positions` positions (the project's one ceil-div of a length)."""
+    return -(-num_positions // block_size)
+
+
+def slot_of(blocks, position, block_size: int):  # type: ignore[no-untyped-def]
+    """Slot of `position` in a sequence that owns `blocks` in order: block `position //
+    block_size`, offset `position % block_size`. Ints, or a LongTensor of positions over a
+    LongTensor of blocks (the project's one slot formula)."""
+    return blocks[position // block_size] * block_size + position % block_size
+
+
 def slots_for(
     block_ids: Sequence[int] | torch.Tensor,
     start: int,
@@ -42,13 +54,13 @@ def slots_for(
     """
     blocks = torch.as_tensor(block_ids, dtype=torch.long, device=device)
     positions = torch.arange(start, start + count, dtype=torch.long, device=blocks.device)
-    needed = (start + count + block_size - 1) // block_size
+    needed = blocks_for(start + count, block_size)
     if needed > blocks.numel():
         raise IndexError(
             f"positions up to {start + count - 1} need {needed} blocks of {block_size}, "
             f"but the sequence owns {blocks.numel()}"
         )
-    return blocks[positions // block_size] * block_size + positions % block_size
+    return slot_of(blocks, positions, block_size)
 
 
 def scatter_kv(

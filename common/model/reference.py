@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from common.model.llama import LlamaModel
-from common.model.paged import slots_for
+from common.model.paged import blocks_for, slots_for
 from common.model.prefill import prefill_many
 from common.model.sampling import (
     SamplingParams,
@@ -64,7 +64,7 @@ def generate_batch(
     stops = frozenset(model.config.stop_token_ids if stop_ids is None else stop_ids)
 
     lengths = [len(pr) + p.max_tokens for pr, p in zip(prompts, per_row, strict=True)]
-    width = max(-(-length // block_size) for length in lengths)
+    width = max(blocks_for(length, block_size) for length in lengths)
     kv = model.new_kv_cache(width * n, block_size)
     # Sequence i owns blocks i, i+n, i+2n, ...: interleaved, so tables exercise real paging.
     tables = torch.arange(width * n).view(width, n).t().contiguous()  # [n, width]

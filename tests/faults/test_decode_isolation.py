@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from common import client
+from common.app import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
@@ -137,7 +137,15 @@ def test_stop_reports_a_daemon_that_exits_without_a_clean_shutdown(tmp_path):
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         out = subprocess.run(
-            [sys.executable, "-m", "common.cli", "--runtime-dir", str(runtime), "stop", "decode"],
+            [
+                sys.executable,
+                "-m",
+                "common.app.cli",
+                "--runtime-dir",
+                str(runtime),
+                "stop",
+                "decode",
+            ],
             capture_output=True,
             text=True,
             timeout=60,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from common import client
+from common.app import client
 from common.errors import ProtocolError
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
@@ -296,7 +296,7 @@ def test_register_with_a_malformed_event_segment_is_a_bad_request(lpair, tiny):
 
 
 async def _hello(fake: FakePrefill, path: str):  # type: ignore[no-untyped-def]
-    from common.link import connect as fconnect
+    from common.channel import connect as fconnect
 
     ch = await fconnect(path)
     hello = Hello(

@@ -31,6 +31,6 @@ def _arm() -> None:
 
 if __name__ == "__main__":
     _arm()
-    from common.cli import cli
+    from common.app.cli import cli
 
     cli()

@@ -13,7 +13,8 @@ from typing import Any
 import msgspec
 import torch
 
-from common.ipc.base import RegionDescriptor, backend_for
+from common.ipc.backends import backend_for
+from common.ipc.base import RegionDescriptor
 from common.ipc.events import EventRing, imported_event_ring
 
 TIMEOUT = 60

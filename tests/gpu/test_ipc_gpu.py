@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common import cuda
-from common.ipc.base import backend_for
+from common.ipc.backends import backend_for
 
 pytestmark = pytest.mark.gpu
 

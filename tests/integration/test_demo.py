@@ -13,7 +13,7 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
         [
             sys.executable,
             "-m",
-            "common.cli",
+            "common.app.cli",
             "demo",
             "--prompts",
             "5",

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
-
+from common.allocator import BlockAllocator
 from common.config import PrefillConfig
-from common.ipc.shm import ShmRegion, shm_empty
+from common.kvpool import KVPool, PoolLayout
+from common.transfer import KVProducer
 from prefill_server.link import DecodeLink
 
 
 def _link(tmp_path, lost: list[str]) -> DecodeLink:
-    region = ShmRegion.export(shm_empty((4, 8), torch.float32))
+    layout = PoolLayout(
+        num_blocks=4, num_layers=1, num_kv_heads=1, head_dim=8, block_size=2, dtype="float32"
+    )
+    pool = KVPool.create(layout)
+    producer = KVProducer(pool, BlockAllocator(layout.num_blocks), "shm", event_slots=1)
     cfg = PrefillConfig(runtime_dir=tmp_path, link_socket=tmp_path / "absent.sock")
     return DecodeLink(
         cfg,
         fingerprint="x",
         compat={},
         backend="shm",
-        layout_wire={},
-        region=region,
-        event_handles=[],
+        producer=producer,
         on_message=lambda m: None,
         on_lost=lambda link_id, reason: lost.append(reason),
     )

@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 from common.model.tokenizer import ByteTokenizer
 from common.sampling_params import SamplingParams
-from prefill_server.pipeline import RequestPipeline
+from prefill_server.output import RequestOutput
 from prefill_server.request import PrefillRequest
 
 
 def test_text_deltas_concatenate_to_the_full_decode_and_never_split_a_character():
     tok = ByteTokenizer()
-    pipe = RequestPipeline.__new__(RequestPipeline)  # only the tokenizer is needed here
-    pipe.s = SimpleNamespace(rt=SimpleNamespace(tokenizer=tok))
+    out = RequestOutput(tok)
     rng = random.Random(0)
     utf8 = list("héllo wörld € 𝄞 abc".encode())
     for _ in range(2000):
@@ -24,8 +22,8 @@ def test_text_deltas_concatenate_to_the_full_decode_and_never_split_a_character(
         deltas = []
         for t in gen:
             req.generated.append(t)
-            deltas.append(pipe._text_delta(req, final=False))
-        deltas.append(pipe._text_delta(req, final=True))
+            deltas.append(out.text_delta(req, final=False))
+        deltas.append(out.text_delta(req, final=True))
         assert "".join(deltas) == tok.decode(gen)
         # a delta never ends inside a multi-byte character that more bytes would complete
         assert all(not d.endswith("\ufffd") for d in deltas[:-1] if d)

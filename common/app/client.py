@@ -12,8 +12,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from common.channel import connect
 from common.errors import PdkvError, ProtocolError
-from common.link import connect
 from common.protocol import Abort, Error, ErrorCode, Finish, Generate, Status, StatusReply, Tokens
 from common.sampling_params import SamplingParams
 

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from common.channel import MAX_FDS_PER_MSG, FrameChannel, connect
 from common.errors import PdkvError, ProtocolError
-from common.link import MAX_FDS_PER_MSG, FrameChannel, connect
 from common.protocol import (
     HEADER_SIZE,
     MAX_META_BYTES,
@@ -238,7 +238,7 @@ async def test_register_with_a_real_shm_region_shares_memory(
     """The REGISTER path end to end: export a pool, send descriptor + fds, open, write, read."""
     import torch
 
-    from common.ipc.base import backend_for
+    from common.ipc.backends import backend_for
     from common.ipc.shm import shm_empty
 
     left, right = pair
@@ -538,7 +538,7 @@ async def test_spin_delivers_and_stops_after_its_window(
 _CLOSE_DURING_WRITE = """
 import asyncio, socket
 from common import daemon
-from common.link import FrameChannel
+from common.channel import FrameChannel
 from common.protocol import Error, ErrorCode, Ping
 
 async def main() -> int:

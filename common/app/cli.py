@@ -1,4 +1,4 @@
-"""`pdkv` command line: a thin click shim over keyword-only functions (see common/commands.py).
+"""`pdkv` command line: a thin click shim over keyword-only functions (see common/app/commands.py).
 
 Every option can also come from a PDKV_* environment variable (named in --help). The global
 options (--runtime-dir, --log-format, --log-level) are accepted before or after the subcommand.
@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from common import commands
-from common.cli_options import (
+from common.app import commands
+from common.app.cli_options import (
     CLIENT_SOCKET,
     LOG_FORMATS,
     LOG_LEVEL_HELP,
@@ -23,7 +23,7 @@ from common.cli_options import (
     daemon_options,
     global_options,
 )
-from common.runtime import default_runtime_dir
+from common.rundir import default_runtime_dir
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from common.ipc.events import SlotRing
 from common.model.paged import slots_for
 from common.model.sampling import SamplingParams, make_generator, sample
 from common.modelrt import ModelRuntime
+from common.transfer import KVProducer
 
 
 def run_prefill(
@@ -15,14 +15,14 @@ def run_prefill(
     prompt: list[int],
     blocks: list[int],
     sampling: SamplingParams,
-    events: SlotRing | None = None,
+    producer: KVProducer | None = None,
     slot: int = -1,
 ) -> int:
     """Write the prompt's K/V into `blocks` of the pool and return the first generated token.
 
-    Runs on the torch thread, on the daemon's stream. On CUDA, event `slot` of the ring is
-    recorded right after the scatter on that stream, so a peer stream that waits on it sees every
-    write of this prompt's K/V.
+    Runs on the torch thread, on the daemon's stream. On CUDA, the producer records event `slot`
+    right after the scatter on that stream, so a peer stream that waits on it sees every write of
+    this prompt's K/V (slot -1: no event, the CPU case).
     """
     bs = rt.layout.block_size
     tokens = torch.tensor(prompt, dtype=torch.long)
@@ -33,6 +33,6 @@ def run_prefill(
             slots.to(rt.device, non_blocking=True),
             rt.pool.tensor,
         )
-        if events is not None and slot >= 0:
-            events.record(slot, rt.stream)
+        if producer is not None:
+            producer.record(slot, rt.stream)
         return sample(logits, sampling, make_generator(sampling, 0))

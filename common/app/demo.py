@@ -20,7 +20,8 @@ from pathlib import Path
 
 import click
 
-from common import client, logs
+from common import logs
+from common.app import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
 
@@ -42,7 +43,7 @@ def _spawn(
     argv = [
         sys.executable,
         "-m",
-        "common.cli",
+        "common.app.cli",
         "--runtime-dir",
         str(runtime),
         "--log-format",

@@ -17,11 +17,12 @@ from typing import Any
 import click
 import msgspec
 
-from common import client, logs
+from common import logs
+from common.app import client
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
 from common.protocol import ConnectionClosed
-from common.runtime import StartupError, ensure_runtime_dir, read_pid, remove_file
+from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
 from common.sampling_params import SamplingParams
 
 EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
@@ -96,7 +97,7 @@ def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, 
             f"error: {role} daemon already running (pid {pid}); `pdkv stop {role}` first", err=True
         )
         return EXIT_STARTUP
-    argv = [sys.executable, "-m", "common.cli", "--runtime-dir", str(g.runtime_dir)]
+    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(g.runtime_dir)]
     argv += [
         "--log-format",
         "json" if g.log_format == "auto" else g.log_format,
@@ -356,6 +357,6 @@ def start_api(g: Globals, **opts: Any) -> int:
 
 
 def demo(g: Globals, **opts: Any) -> int:
-    from common.demo import run_demo
+    from common.app.demo import run_demo
 
     return run_demo(log_level=g.log_level, **opts)

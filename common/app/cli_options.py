@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from common import commands
+from common.app import commands
 
 _DAEMON_OPTIONS = [
     click.option(

@@ -1,0 +1,68 @@
+"""The client frames of one prefill request: TOKENS (with streamed text) and FINISH.
+
+Text is decoded incrementally (`text_delta`), so the tokenizer runs over the new tokens only, and
+held back while it ends inside a UTF-8 sequence; FINISH carries the prefill's timings on top of the
+decode's and is where the request's one `request_finished` log line is written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+
+from common.protocol import Finish, Tokens, Usage
+from prefill_server.request import PrefillRequest
+
+log = structlog.get_logger(__name__)
+_TEXT_CONTEXT = 4  # emitted tokens decoded again as context for the next text delta
+
+
+class RequestOutput:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
+        """TOKENS for the client: with the new text when it streams, else ids only (the whole
+        text comes once, in FINISH, so the tokenizer runs once per request)."""
+        text = self.text_delta(req, final=False) if req.stream else ""
+        return Tokens(request_id=req.request_id, tokens=new, text=text)
+
+    def text_delta(self, req: PrefillRequest, *, final: bool) -> str:
+        """Text of the tokens not yet turned into text, decoded with a few already-emitted tokens
+        as context (tokenizers that merge or space tokens need it): O(new tokens), not a decode of
+        the whole generation per token. Held back while it ends in a partial UTF-8 sequence."""
+        tok = self.tokenizer
+        start = max(0, req.text_tokens - _TEXT_CONTEXT)
+        prefix = tok.decode(req.generated[start : req.text_tokens])
+        text = tok.decode(req.generated[start:])
+        if not final and (text.endswith("\ufffd") or not text.startswith(prefix)):
+            return ""
+        req.text_tokens = len(req.generated)
+        return text[len(prefix) :] if text.startswith(prefix) else text
+
+    def finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
+        """FINISH for the client, and the request's `request_finished` log line."""
+        total_ms = (time.monotonic() - req.arrived) * 1000
+        timings = {
+            **decode_timings,
+            "ttft_ms": round(req.ttft_ms, 3),
+            "handoff_us": round(req.handoff_us, 1),
+            "total_ms": round(total_ms, 3),
+        }
+        log.info(
+            "request_finished",
+            request_id=req.request_id,
+            reason=reason,
+            prompt_tokens=len(req.prompt_tokens),
+            completion_tokens=len(req.generated),
+            **timings,
+        )
+        return Finish(
+            request_id=req.request_id,
+            reason=reason,
+            usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=len(req.generated)),
+            timings=timings,
+            text=self.text_delta(req, final=True),
+        )

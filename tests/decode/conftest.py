@@ -1,0 +1,107 @@
+"""The decode side without processes: a real tiny-model runtime, a real producer pool in shared
+memory opened through a real KVConsumer, and a fake link that records what the decode posts."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from common.config import DecodeConfig
+from common.kvpool import KVPool, PoolLayout
+from common.model.paged import blocks_for, slots_for
+from common.model.sampling import SamplingParams, make_generator, sample
+from common.modelrt import ModelRuntime
+from common.protocol import Handoff, Message
+from common.transfer import KVConsumer, KVProducer
+
+
+@dataclass(eq=False)
+class FakeLink:
+    """Stands in for decode_server.peer.Peer: what DecodeRequests posts lands in `sent`."""
+
+    link_id: str
+    consumer: KVConsumer
+    sent: list[Message] = field(default_factory=list)
+    handoffs: int = 0
+    closed: bool = False
+
+    def post(self, msg: Message) -> None:
+        self.sent.append(msg)
+
+    def post_many(self, msgs: list[Message]) -> None:
+        self.sent.extend(msgs)
+
+    def post_error(self, code, message: str, request_id: str | None = None) -> None:  # type: ignore[no-untyped-def]
+        from common.protocol import make_error
+
+        self.post(make_error(code, message, request_id))
+
+    def of(self, kind: type) -> list:
+        return [m for m in self.sent if isinstance(m, kind)]
+
+
+@dataclass
+class Side:
+    """The prefill's half, in this process: its pool, allocator and producer."""
+
+    producer: KVProducer
+    rt: ModelRuntime
+
+    @property
+    def pool(self) -> KVPool:
+        return self.producer.pool
+
+    def prefill(self, rid: str, prompt: list[int], params: SamplingParams) -> Handoff:
+        """A real prefill into this side's pool, and the HANDOFF that names it."""
+        bs = self.pool.layout.block_size
+        blocks = self.producer.allocator.allocate(rid, blocks_for(len(prompt), bs))
+        logits = self.rt.model.prefill(
+            torch.tensor(prompt), slots_for(blocks, 0, len(prompt), bs), self.pool.tensor
+        )
+        first = sample(logits, params, make_generator(params, 0))
+        return Handoff(
+            request_id=rid,
+            block_ids=blocks,
+            num_tokens=len(prompt),
+            prompt_tokens=prompt,
+            first_token=first,
+            sampling=params,
+        )
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
+    cfg = DecodeConfig(
+        runtime_dir=tmp_path_factory.mktemp("rt"), device="cpu", num_blocks=24, block_size=4
+    )
+    runtime = ModelRuntime.load(cfg, "decode")
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture
+def side(rt: ModelRuntime) -> Iterator[Side]:
+    from common.allocator import BlockAllocator
+
+    layout = PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 32})
+    pool = KVPool.create(layout)
+    producer = KVProducer(pool, BlockAllocator(layout.num_blocks), "shm", event_slots=4)
+    yield Side(producer, rt)
+    producer.close()
+
+
+def open_consumer(side: Side, local: KVPool) -> KVConsumer:
+    """REGISTER as the link carries it: the fds arrive as duplicates (SCM_RIGHTS)."""
+    reg, fds = side.producer.register()
+    return KVConsumer.open(reg, lambda n: [os.dup(fd) for fd in fds[:n]], local)
+
+
+@pytest.fixture
+def link(side: Side, rt: ModelRuntime) -> Iterator[FakeLink]:
+    consumer = open_consumer(side, rt.pool)
+    yield FakeLink("link-a", consumer)
+    consumer.close()

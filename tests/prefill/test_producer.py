@@ -1,0 +1,53 @@
+"""KVProducer's lease bookkeeping and REGISTER payload, on a real shm pool (CPU: no event ring)."""
+
+from __future__ import annotations
+
+from common.allocator import BlockAllocator
+from common.kvpool import KVPool, PoolLayout
+from common.protocol import decode, encode
+from common.transfer import KVProducer
+
+LAYOUT = PoolLayout(
+    num_blocks=8, num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32"
+)
+
+
+def _producer() -> KVProducer:
+    return KVProducer(
+        KVPool.create(LAYOUT), BlockAllocator(LAYOUT.num_blocks), "shm", event_slots=2
+    )
+
+
+def test_register_names_the_pool_once_exported_and_carries_its_memfd():
+    p = _producer()
+    reg, fds = p.register()
+    again, fds_again = p.register()
+    assert decode(encode(reg)) == reg and again == reg  # one export, re-sent per link
+    assert len(fds) == 1 and fds == fds_again and reg.event_count == 0
+    assert reg.descriptors()[0] == p.region.desc and reg.layout == LAYOUT.to_wire()
+    p.close()
+    p.close()
+
+
+def test_cpu_has_no_event_slots_and_slot_verbs_ignore_minus_one():
+    p = _producer()
+    assert p.acquire_slot() == -1 and p.event_slots == 0
+    p.record(-1)
+    p.quarantine(-1)
+    p.drop_slot(-1)
+    assert not p.ack_late(-1)
+    p.close()
+
+
+def test_leases_end_by_release_by_link_loss_or_by_deadline():
+    p = _producer()
+    alloc = p.allocator
+    for rid, link, deadline in (("a", "l1", 10.0), ("b", "l1", 20.0), ("c", "l2", 5.0)):
+        alloc.allocate(rid, 2)
+        p.lease(rid, link, deadline)
+    assert alloc.num_leased == 6
+    assert p.released("a", -1) and not p.released("a", -1)  # a late second RELEASE frees nothing
+    assert p.expired(6.0) == ["c"]  # only what is due, and freed
+    assert p.link_lost("l1") == ["b"]
+    assert alloc.num_free == alloc.total
+    p.close()

@@ -1,0 +1,118 @@
+"""The module graph: no import circles, and the layers the architecture promises.
+
+Static (every import statement, the lazy ones inside functions included), so an import that only
+runs on some path is caught too. Imports of a package's parent are not edges (Python runs the
+parent's __init__ first whatever imports the child).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("common", "prefill_server", "decode_server")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        deps: set[str] = set()
+        is_pkg = path.name == "__init__.py"
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    pkg = name.split(".") if is_pkg else name.split(".")[:-1]
+                    pkg = pkg[: len(pkg) - node.level + 1]
+                    base = ".".join(pkg + ([base] if base else []))
+                targets = [f"{base}.{a.name}" for a in node.names] + [base]
+            for target in targets:
+                # the longest known module the target names (a module, or a name inside one)
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_graph_sees_imports():
+    graph = _graph()
+    assert "common.transfer.producer" in graph["prefill_server.server"] | graph["common.transfer"]
+    assert "decode_server.server" in graph["common.app.commands"]  # a lazy import counts
+
+
+def test_no_module_imports_itself_through_others():
+    assert _cycles(_graph()) == []
+
+
+def test_common_below_the_app_never_imports_a_server():
+    for name, deps in _graph().items():
+        if name.startswith("common.") and not name.startswith("common.app"):
+            servers = {d for d in deps if d.startswith(("prefill_server", "decode_server"))}
+            assert not servers, f"{name} imports {servers}"
+
+
+def test_the_daemons_meet_only_in_common():
+    for name, deps in _graph().items():
+        if name.startswith("prefill_server"):
+            assert not any(d.startswith("decode_server") for d in deps), name
+        if name.startswith("decode_server"):
+            assert not any(d.startswith("prefill_server") for d in deps), name
+
+
+def test_only_the_app_imports_the_app():
+    for name, deps in _graph().items():
+        if not name.startswith("common.app"):
+            assert not any(d.startswith("common.app") for d in deps), name
