@@ -2,11 +2,12 @@
 
 `DecodeRunner` owns static device buffers (token ids, positions, slot mapping, block tables,
 lengths) sized for `max_batch` rows and `max_blocks` blocks a row, and one CUDA graph per batch
-bucket (1, 2, 4, 8, 16, 24, 32, ... up to `max_batch`), each capturing the kernel forward of
-`common.model.fastpath` plus a device argmax over the pool tensor it was built with. A step packs
-its inputs into one pinned host buffer, copies it in one transfer, replays the smallest bucket that
-holds the batch and reads the argmax back: one host sync a step and no allocation. Rows past the
-batch are padded with slot -1 and length 0, so they write no K/V and read none.
+bucket (1, 2, 4, 8, 16, then every 16 to 128 and every 32 beyond, up to `max_batch`), each
+capturing the kernel forward of `common.model.fastpath` plus a device argmax over the pool tensor
+it was built with. A step packs its inputs into one pinned host buffer, copies it in one
+transfer, replays the smallest bucket that holds the batch and reads the argmax back: one host sync
+a step and no allocation. Rows past the batch are padded with slot -1 and length 0, so they write
+no K/V and read none.
 
 Sampling keeps `common.model.sampling`'s contract: greedy rows take the device argmax (the lowest id
 on ties, as `sample` does); a random row is drawn by `sample` from its fp32 logits row with the
