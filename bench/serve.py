@@ -1,4 +1,5 @@
-"""Serving benchmark in the shape of vLLM's benchmark_serving: the daemons against one process.
+"""Serving benchmark in the shape of vLLM's benchmark_serving: the daemons (over their socket and
+over the HTTP API) against one process.
 
 Open-loop Poisson arrivals at `--rate` requests/s (inf: all at once), prompt and output lengths
 drawn uniformly from `--prompt-len` / `--output-len` with `--seed`, random prompt token ids, EOS
@@ -6,10 +7,14 @@ ignored so every request produces its drawn number of tokens (greedy). Per reque
 → first token), inter-token latencies (ITL, between token frames) and end-to-end latency; per run
 p50/p99 of each, request and output-token throughput.
 
-Targets (`--target`, default both, the same workload replayed on each):
+Targets (`--target`, default both = daemons + local; all = daemons + api + local; the same
+workload replayed on each, one target after the other):
   daemons  a decode + prefill pair of its own on temporary sockets (stopped and removed at the
            end), or running daemons given by --client-socket / --runtime-dir; the client is
            common.app.client, every TOKENS frame timestamped on arrival;
+  api      the same pair through `pdkv api start` on a free loopback port (started and stopped by
+           the bench), or a running API given by --api-url: streamed POST /v1/completions, every
+           SSE chunk with text timestamped on arrival, the token count from the usage chunk;
   local    one process, one engine thread doing continuous batching (bench/local_engine.py) on
            the same model, device and pool size.
 
@@ -30,6 +35,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -39,9 +45,25 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current directory
 
 import serve_load as load  # noqa: E402
-from serve_daemons import PairFailed, daemon_stream, own_pair, wait_linked  # noqa: E402
+from serve_api import api_stream, model_id, own_api  # noqa: E402
+from serve_daemons import (  # noqa: E402
+    PairFailed,
+    daemon_stream,
+    own_pair,
+    temp_runtime_dir,
+    wait_linked,
+)
+from serve_report import plot, print_table, same_output  # noqa: E402
 
 from common import logs  # noqa: E402
+
+TARGETS = {
+    "daemons": ["daemons"],
+    "api": ["api"],
+    "local": ["local"],
+    "both": ["daemons", "local"],
+    "all": ["daemons", "api", "local"],
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
     ap.add_argument("--output-len", type=load.parse_range, default=(8, 64), metavar="MIN:MAX")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target", choices=["daemons", "local", "both"], default="both")
+    ap.add_argument("--target", choices=list(TARGETS), default="both", help="default both")
     ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N (both targets)")
     ap.add_argument("--dtype", help="default float32 on CPU, bfloat16 on CUDA (as the daemons)")
@@ -64,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--torch-threads", type=int, default=0, help="0: 1 for tiny, else torch's")
     ap.add_argument("--client-socket", help="use the running prefill daemon on this socket")
     ap.add_argument("--runtime-dir", help="use the running daemons of this runtime dir")
+    ap.add_argument("--api-url", help="api target: this running API (http://HOST:PORT)")
     ap.add_argument("--warmup", type=int, default=2, help="uncounted requests per target first")
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
@@ -159,11 +182,44 @@ def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
         yield sock
 
 
-def run_daemons(args: argparse.Namespace) -> list[dict]:
-    t = time.perf_counter()
-    with daemons_socket(args) as sock:
-        print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
-        return run_target("daemons", lambda s: daemon_stream(sock, s.prompt, s.output_len), args)
+@contextlib.contextmanager
+def api_for(sock: str, args: argparse.Namespace) -> Iterator[str]:
+    """An API of our own in front of `sock`: in our pair's runtime dir, or, for running daemons,
+    in a temporary one (removed at the end) so that nothing is left in theirs."""
+    if not (args.client_socket or args.runtime_dir):
+        with own_api(Path(sock).parent, sock) as url:
+            yield url
+        return
+    rt = temp_runtime_dir()
+    try:
+        with own_api(rt, sock) as url:
+            yield url
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
+    """The daemons and api targets among `names`, on one pair (ours, or the running one)."""
+    runs: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        if "daemons" in names or not args.api_url:
+            t = time.perf_counter()
+            sock = stack.enter_context(daemons_socket(args))
+            print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+        if "daemons" in names:
+            runs += run_target(
+                "daemons", lambda s: daemon_stream(sock, s.prompt, s.output_len), args
+            )
+        if "api" in names:
+            url = args.api_url or stack.enter_context(api_for(sock, args))
+            try:
+                model = model_id(url, timeout=10)
+            except OSError as e:
+                raise PairFailed(f"no API answering at {url}: {e}") from None
+            runs += run_target(
+                "api", lambda s: api_stream(url, model, s.prompt, s.output_len), args
+            )
+    return runs
 
 
 def run_local(args: argparse.Namespace) -> list[dict]:
@@ -192,80 +248,19 @@ def run_local(args: argparse.Namespace) -> list[dict]:
         )
 
 
-def _ms(d: dict, key: str) -> str:
-    v = d[key]
-    return f"{v:9.1f}" if v is not None else f"{'-':>9}"
-
-
-def print_table(runs: list[dict]) -> None:
-    head = f"{'target':8} {'rate/s':>7} {'done':>9} {'req/s':>7} {'out tok/s':>9}"
-    head += "".join(f" {m + ' ' + q:>9}" for m in ("TTFT", "ITL", "E2E") for q in ("p50", "p99"))
-    print(head + "   (latencies in ms)")
-    for run in runs:
-        s = run["summary"]
-        line = f"{run['target']:8} {run['rate']:7g} {s['completed']:>4}/{s['requests']:<4}"
-        line += f" {s['request_throughput']:7.2f} {s['output_throughput']:9.1f}"
-        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
-            line += _ms(s[key], "p50") + _ms(s[key], "p99")
-        print(line)
-        for err in s["errors"]:
-            print(f"    error: {err}")
-
-
-def same_output(runs: list[dict]) -> None:
-    """Print, per rate run on both targets, how many requests got the same tokens from each
-    (greedy: all of them where batching does not change the rounding, as on CPU in fp32)."""
-    by_key = {(r["target"], r["rate"]): r["requests"] for r in runs}
-    for rate in dict.fromkeys(r["rate"] for r in runs):
-        d, loc = by_key.get(("daemons", rate)), by_key.get(("local", rate))
-        if d and loc:
-            same = sum(a["tokens"] == b["tokens"] for a, b in zip(d, loc, strict=True))
-            print(f"same tokens from daemons and local at {rate:g}/s: {same}/{len(d)} requests")
-
-
-def plot(runs: list[dict], path: Path) -> None:
-    """p99 TTFT and p99 ITL against the rate, one line per target (finite rates only)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib); figures above")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, title in zip(axes, ("ttft_ms", "itl_ms"), ("p99 TTFT", "p99 ITL"), strict=True):
-        for target in sorted({r["target"] for r in runs}):
-            pts = [
-                (r["rate"], r["summary"][key]["p99"])
-                for r in runs
-                if r["target"] == target and math.isfinite(r["rate"])
-            ]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=target)
-        rates = sorted({r["rate"] for r in runs if math.isfinite(r["rate"])})
-        ax.set(title=title, xlabel="request rate (req/s)", ylabel="ms", xscale="log")
-        ax.set_xticks(rates, [f"{r:g}" for r in rates], minor=False)
-        ax.minorticks_off()
-        ax.set_ylim(bottom=0)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure("console", "WARNING")
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: list[dict] = []
     try:
-        if args.target in ("daemons", "both"):
-            runs += run_daemons(args)
-        if args.target in ("local", "both"):
+        names = TARGETS[args.target]
+        if "daemons" in names or "api" in names:
+            runs += run_served(args, names)
+        if "local" in names:
             runs += run_local(args)
     except PairFailed as e:
-        print(f"the daemons did not come up: {e}", file=sys.stderr)
+        print(f"the daemons or the API did not come up: {e}", file=sys.stderr)
         return 2
     header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
     header |= {"device": resolve_device(args.device)}
@@ -279,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{header['machine']}; {date}"
     )
     print_table(runs)
-    same_output(runs)
+    same_output(runs, tiny=args.model is None)
     if args.sweep and any(math.isfinite(r) for r in args.rates):
         plot(runs, args.plot)
     if args.json:

@@ -32,7 +32,8 @@ class PairFailed(RuntimeError):
     """The daemons did not come up; the message holds the tail of their logs."""
 
 
-def _start(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
+def start_cli(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
+    """`pdkv --runtime-dir rt <role> start <opts>` in the background, its output in rt/<role>.log."""
     argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(rt)]
     argv += ["--log-format", "json", "--log-level", "WARNING", role, "start", *opts]
     env = dict(
@@ -59,7 +60,7 @@ async def wait_linked(sock: str, procs: list[subprocess.Popen], timeout: float =
     raise PairFailed(f"{sock} not ready in {timeout:.0f} s")
 
 
-def _stop(procs: list[subprocess.Popen], timeout: float = 30) -> None:
+def stop_procs(procs: list[subprocess.Popen], timeout: float = 30) -> None:
     """SIGTERM each in order (no waiting in between: the run is over, nothing is in flight),
     then wait for all; SIGKILL what is still there after `timeout`."""
     for proc in procs:
@@ -81,7 +82,7 @@ def _log_tails(rt: Path) -> str:
     )
 
 
-def _temp_runtime_dir() -> Path:
+def temp_runtime_dir() -> Path:
     base = tempfile.gettempdir()
     if len(base) + len("/pdkv-serve-xxxxxxxx/prefill.sock") > _SOCK_MAX:
         base = "/tmp"
@@ -93,12 +94,12 @@ def _temp_runtime_dir() -> Path:
 @contextlib.contextmanager
 def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
     """Start a linked pair (see the module docstring) and yield the prefill's client socket."""
-    rt = _temp_runtime_dir()
+    rt = temp_runtime_dir()
     procs: list[subprocess.Popen] = []
     try:
         # both load their model at once; the prefill's link retries until the decode listens
-        procs.append(_start(rt, "decode", common_opts + decode_opts))
-        procs.append(_start(rt, "prefill", common_opts))
+        procs.append(start_cli(rt, "decode", common_opts + decode_opts))
+        procs.append(start_cli(rt, "prefill", common_opts))
         sock = str(rt / "prefill.sock")
         try:
             asyncio.run(wait_linked(sock, procs))
@@ -106,7 +107,7 @@ def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
             raise PairFailed(f"{e}\n{_log_tails(rt)}") from None
         yield sock
     finally:
-        _stop(procs[::-1])  # prefill first: it stops taking requests, then the decode
+        stop_procs(procs[::-1])  # prefill first: it stops taking requests, then the decode
         shutil.rmtree(rt, ignore_errors=True)
 
 

@@ -8,7 +8,9 @@ targets see identical work.
 The driver is open-loop: each request is sent at its arrival time whatever the others are doing.
 Latencies count from the request's scheduled arrival, so a client that falls behind shows in them
 instead of hiding (no coordinated omission). A target is one function, `open_stream(spec)`, that
-yields the token ids of one request as they arrive; the driver timestamps each yield.
+yields one request's output as it arrives, each chunk timestamped by the driver on arrival: token
+ids, or text for a target that streams text (the HTTP API), then for those a `Usage` with the
+target's own count of output tokens.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ class RequestRecord:
     prompt_len: int
     output_len: int
     start: float = 0.0
-    token_times: list[float] = field(default_factory=list)  # one per frame of tokens
+    token_times: list[float] = field(default_factory=list)  # one per frame of tokens or text
     tokens: list[int] = field(default_factory=list)
+    text: str = ""  # what a text target streamed
+    usage_tokens: int | None = None  # a text target's own count (Usage)
     end: float = 0.0
     error: str | None = None
 
@@ -54,7 +58,7 @@ class RequestRecord:
 
     @property
     def output_tokens(self) -> int:
-        return len(self.tokens)
+        return len(self.tokens) if self.usage_tokens is None else self.usage_tokens
 
     def ttft(self) -> float:
         return self.token_times[0] - self.start
@@ -77,6 +81,7 @@ class RequestRecord:
             "e2e_ms": (self.end - self.start) * 1e3,
             "itl_ms": [x * 1e3 for x in self.itls()],
             "tokens": self.tokens,
+            "text": self.text,
         }
 
 
@@ -112,7 +117,16 @@ def make_workload(
     return specs
 
 
-OpenStream = Callable[[RequestSpec], AsyncIterator[list[int]]]
+@dataclass(frozen=True)
+class Usage:
+    """A text target's count of a request's output tokens (the API's usage chunk); it stands for
+    the count of ids, which such a target does not show. Not timestamped: it carries no output."""
+
+    completion_tokens: int
+
+
+Chunk = list[int] | str | Usage
+OpenStream = Callable[[RequestSpec], AsyncIterator[Chunk]]
 
 
 async def run_load(
@@ -131,9 +145,15 @@ async def run_load(
     async def one(spec: RequestSpec, rec: RequestRecord) -> None:
         await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
         try:
-            async for tokens in open_stream(spec):
+            async for chunk in open_stream(spec):
+                if isinstance(chunk, Usage):
+                    rec.usage_tokens = chunk.completion_tokens
+                    continue
                 rec.token_times.append(time.perf_counter() - t0)
-                rec.tokens.extend(tokens)
+                if isinstance(chunk, str):
+                    rec.text += chunk
+                else:
+                    rec.tokens.extend(chunk)
         except Exception as e:  # a failed request is a result, not a crash of the bench
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = time.perf_counter() - t0
@@ -179,8 +199,8 @@ def _dist(xs: Sequence[float]) -> dict[str, float | None]:
 def summarize(records: Sequence[RequestRecord], duration: float) -> dict:
     """Counts, throughput and the latency distributions (ms) of one run.
 
-    TTFT: arrival → first token. ITL: between consecutive token frames of a request, all
-    requests pooled. TPOT: per request (E2E − TTFT) / (tokens − 1). E2E: arrival → last frame."""
+    TTFT: arrival → first token (or text chunk). ITL: between consecutive frames (chunks) of a
+    request, all requests pooled. TPOT: per request (E2E − TTFT) / (tokens − 1). E2E: arrival → last frame."""
     ok = [r for r in records if r.ok and r.token_times]
     out_tokens = sum(r.output_tokens for r in records)
     per = duration if duration > 0 else math.inf

@@ -1,5 +1,6 @@
-"""bench/serve.py for real: its own daemon pair and the in-process engine, tiny model, a handful
-of requests; checks the JSON it writes (what ran, not how fast)."""
+"""bench/serve.py for real: its own daemon pair, an API server of its own in front of it, and the
+in-process engine, tiny model, a handful of requests; checks the JSON it writes (what ran, not how
+fast) and that nothing of the pair or the API is left behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from common.model.tokenizer import ByteTokenizer
+
 SERVE = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
 PROMPT, OUTPUT = "3:20", "2:6"
 
@@ -21,22 +24,40 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = cwd / "serve.json"
     argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "0"]
     argv += ["--prompt-len", PROMPT, "--output-len", OUTPUT, "--seed", "3"]
-    argv += ["--target", "both", "--device", "cpu", "--json", str(out)]
+    argv += ["--target", "all", "--device", "cpu", "--json", str(out)]
     tmp = tmp_path_factory.mktemp("tmp")  # where the bench makes its pair's runtime dir
     env = dict(os.environ, TMPDIR=str(tmp))
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not list(tmp.iterdir()), "the pair's runtime dir (sockets, logs) is removed"
-    assert "TTFT p99" in proc.stdout and "daemons" in proc.stdout and "local" in proc.stdout
+    assert not _processes_under(tmp), "the daemons and the API are stopped"
+    assert "TTFT p99" in proc.stdout
+    assert all(f"\n{t} " in proc.stdout for t in ("daemons", "api", "local")), proc.stdout
     assert "same tokens from daemons and local at 50/s: 6/6 requests" in proc.stdout
+    assert "same text from api as daemons' tokens at 50/s: 6/6 requests" in proc.stdout
     assert not list(cwd.glob("*.png")), "no plot without --sweep"
     return json.loads(out.read_text())
 
 
-def test_both_targets_ran_the_same_workload(report: dict) -> None:
-    assert [(r["target"], r["rate"]) for r in report["runs"]] == [("daemons", 50), ("local", 50)]
-    daemons, local = (r["requests"] for r in report["runs"])
+def _processes_under(path: Path) -> list[str]:
+    """Command lines of live processes that name `path` (the bench's runtime dir is under it)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(path) in text:
+            found.append(text)
+    return found
+
+
+def test_every_target_ran_the_same_workload(report: dict) -> None:
+    runs = [(r["target"], r["rate"]) for r in report["runs"]]
+    assert runs == [("daemons", 50), ("api", 50), ("local", 50)]
+    daemons, api, local = (r["requests"] for r in report["runs"])
     drawn = [(q["prompt_len"], q["output_len"]) for q in daemons]
+    assert drawn == [(q["prompt_len"], q["output_len"]) for q in api]
     assert drawn == [(q["prompt_len"], q["output_len"]) for q in local]
     assert len(drawn) == 6 and len(set(drawn)) > 1, "lengths are drawn, not fixed"
     for p, o in drawn:
@@ -49,15 +70,21 @@ def test_every_request_completed_with_its_drawn_length(report: dict) -> None:
         assert (s["requests"], s["completed"], s["failed"]) == (6, 6, 0), s["errors"]
         for q in run["requests"]:
             assert q["ok"] and q["error"] is None
-            assert q["output_tokens"] == q["output_len"], q
-            assert len(q["itl_ms"]) == q["output_len"] - 1  # one frame per token
+            assert q["output_tokens"] == q["output_len"], q  # the api's: its usage count
+            if run["target"] == "api":  # chunks of text: a partial UTF-8 character is held back
+                assert q["tokens"] == [] and q["text"]
+                assert len(q["itl_ms"]) <= q["output_len"] - 1
+            else:
+                assert len(q["itl_ms"]) == q["output_len"] - 1  # one frame per token
             assert 0 < q["ttft_ms"] <= q["e2e_ms"]
         assert s["output_tokens"] == sum(q["output_len"] for q in run["requests"])
 
 
-def test_greedy_output_is_the_same_through_both_targets(report: dict) -> None:
-    daemons, local = (r["requests"] for r in report["runs"])
+def test_greedy_output_is_the_same_through_every_target(report: dict) -> None:
+    daemons, api, local = (r["requests"] for r in report["runs"])
     assert [q["tokens"] for q in daemons] == [q["tokens"] for q in local]
+    decode = ByteTokenizer().decode  # the tiny model's
+    assert [decode(q["tokens"]) for q in daemons] == [q["text"] for q in api]
 
 
 def test_summary_figures_are_consistent(report: dict) -> None:
