@@ -1,4 +1,8 @@
-"""`pdkv` command line: a thin click shim over keyword-only functions (see common/app/commands.py).
+"""`pdkv` command line: a thin click shim over keyword-only functions (see common/app/commands.py
+and client_commands.py).
+
+This module holds the root group, its global options and the single commands (stop, status,
+generate, demo); the daemons' groups live in cli_daemons.py and the API's in cli_api.py.
 
 Every option can also come from a PDKV_* environment variable (named in --help). The global
 options (--runtime-dir, --log-format, --log-level) are accepted before or after the subcommand.
@@ -14,13 +18,14 @@ from typing import Any
 
 import click
 
-from common.app import commands
+from common.app import client_commands, commands
+from common.app.cli_api import api
+from common.app.cli_daemons import decode, prefill
 from common.app.cli_options import (
     CLIENT_SOCKET,
     LOG_FORMATS,
     LOG_LEVEL_HELP,
     RUNTIME_DIR_HELP,
-    daemon_options,
     global_options,
 )
 from common.rundir import default_runtime_dir
@@ -70,111 +75,9 @@ def cli(ctx: click.Context, runtime_dir: Path, log_format: str, log_level: str) 
     ctx.obj = commands.Globals(runtime_dir=runtime_dir, log_format=log_format, log_level=log_level)
 
 
-@cli.group()
-def decode() -> None:
-    """The decode daemon: imports the prefill pool, pulls KV, decodes with continuous batching."""
-
-
-@decode.command("start")
-@daemon_options
-@click.option(
-    "--max-batch",
-    show_envvar=True,
-    envvar="PDKV_MAX_BATCH",
-    default=64,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Most sequences decoded in one step.",
-)
-@click.pass_obj
-def decode_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
-    """Start the decode daemon (foreground unless --background)."""
-    raise SystemExit(commands.start_daemon(g, role="decode", **opts))
-
-
-@cli.group()
-def prefill() -> None:
-    """The prefill daemon: client front door, prefill forward pass, KV handoff to decode."""
-
-
-@prefill.command("start")
-@daemon_options
-@click.option(
-    "--client-socket",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_SOCKET",
-    default=None,
-    type=click.Path(path_type=Path),
-    help="Where clients connect [default: RUNTIME_DIR/prefill.sock].",
-)
-@click.option(
-    "--lease-timeout",
-    show_envvar=True,
-    envvar="PDKV_LEASE_TIMEOUT",
-    default=30.0,
-    show_default=True,
-    type=float,
-    help="Seconds the decode may hold a request's blocks before RELEASE.",
-)
-@click.option(
-    "--handoff-timeout",
-    show_envvar=True,
-    envvar="PDKV_HANDOFF_TIMEOUT",
-    default=30.0,
-    show_default=True,
-    type=float,
-    help="Seconds a request may wait for free blocks, decode capacity or a dropped link to come "
-    "back (a link that never came up or was refused fails it at the next failed reconnect).",
-)
-@click.option(
-    "--max-pending",
-    show_envvar=True,
-    envvar="PDKV_MAX_PENDING",
-    default=1024,
-    show_default=True,
-    type=click.IntRange(1),
-    help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
-)
-@click.option(
-    "--client-idle-timeout",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_IDLE_TIMEOUT",
-    default=300.0,
-    show_default=True,
-    type=click.FloatRange(0.1),
-    help="Seconds a client connection may stay open with no request in flight and no frame sent.",
-)
-@click.option(
-    "--client-write-timeout",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_WRITE_TIMEOUT",
-    default=30.0,
-    show_default=True,
-    type=click.FloatRange(0.1),
-    help="Seconds a client may leave its stream unread; then its requests are aborted.",
-)
-@click.option(
-    "--max-prompt-tokens",
-    show_envvar=True,
-    envvar="PDKV_MAX_PROMPT_TOKENS",
-    default=8192,
-    show_default=True,
-    type=click.IntRange(1, 262_144),
-    help="Longest prompt accepted; longer ones get BAD_REQUEST.",
-)
-@click.option(
-    "--event-slots",
-    show_envvar=True,
-    envvar="PDKV_EVENT_SLOTS",
-    default=64,
-    show_default=True,
-    type=click.IntRange(1, 1024),
-    help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
-)
-@click.pass_obj
-def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
-    """Start the prefill daemon (foreground unless --background)."""
-    raise SystemExit(commands.start_daemon(g, role="prefill", **opts))
+cli.add_command(decode)
+cli.add_command(prefill)
+cli.add_command(api)
 
 
 @cli.command()
@@ -187,95 +90,6 @@ def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyp
 def stop(g: commands.Globals, which: str, timeout: float) -> None:
     """Stop daemons (and the API) started with --background (SIGTERM, graceful drain)."""
     raise SystemExit(commands.stop(g, which=which, timeout=timeout))
-
-
-@cli.group()
-def api() -> None:
-    """The OpenAI-compatible HTTP API and Prometheus metrics, in front of the prefill daemon."""
-
-
-@api.command("start")
-@click.option(
-    "--host",
-    show_envvar=True,
-    envvar="PDKV_API_HOST",
-    default="127.0.0.1",
-    show_default=True,
-    help="Address to listen on; one other than loopback needs --api-key.",
-)
-@click.option(
-    "--port",
-    show_envvar=True,
-    envvar="PDKV_API_PORT",
-    default=8000,
-    show_default=True,
-    type=click.IntRange(0, 65535),
-    help="TCP port to listen on (0: any free port).",
-)
-@click.option(
-    "--api-key",
-    show_envvar=True,
-    envvar="PDKV_API_KEY",
-    default=None,
-    help="Clients must send `Authorization: Bearer KEY` to /v1/*.",
-)
-@click.option(
-    "--model",
-    show_envvar=True,
-    envvar="PDKV_MODEL",
-    default=None,
-    metavar="DIR",
-    type=click.Path(path_type=Path),
-    help="The daemons' checkpoint dir, for its chat template and name; default: tiny model.",
-)
-@click.option(
-    "--served-model-name",
-    show_envvar=True,
-    envvar="PDKV_SERVED_MODEL_NAME",
-    default=None,
-    help="Model id in /v1/models and requests [default: the checkpoint dir's name, or pdkv-tiny].",
-)
-@click.option(
-    "--client-socket",
-    show_envvar=True,
-    envvar="PDKV_CLIENT_SOCKET",
-    default=None,
-    type=click.Path(path_type=Path),
-    help="The prefill daemon's client socket.",
-)
-@click.option(
-    "--link-socket",
-    show_envvar=True,
-    envvar="PDKV_LINK_SOCKET",
-    default=None,
-    type=click.Path(path_type=Path),
-    help="The decode daemon's socket (for health and metrics).",
-)
-@click.option(
-    "--request-timeout",
-    show_envvar=True,
-    envvar="PDKV_API_REQUEST_TIMEOUT",
-    default=120.0,
-    show_default=True,
-    type=click.FloatRange(0.0, min_open=True),
-    help="Seconds to wait for each answer from the daemons before a 504.",
-)
-@click.option(
-    "--drain-timeout",
-    show_envvar=True,
-    envvar="PDKV_DRAIN_TIMEOUT",
-    default=10.0,
-    show_default=True,
-    type=float,
-    help="Seconds to finish open responses on SIGTERM.",
-)
-@click.option(
-    "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
-)
-@click.pass_obj
-def api_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
-    """Start the HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
-    raise SystemExit(commands.start_api(g, **opts))
 
 
 @cli.command()
@@ -300,7 +114,9 @@ def status(
     (a daemon down, or the link down, e.g. mismatched --block-size): usable as a health check.
     """
     raise SystemExit(
-        commands.status(g, client_socket=client_socket, link_socket=link_socket, as_json=as_json)
+        client_commands.status(
+            g, client_socket=client_socket, link_socket=link_socket, as_json=as_json
+        )
     )
 
 
@@ -357,7 +173,7 @@ def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: 
         prompt = click.get_text_stream("stdin").read()
     elif prompt_file is not None:
         prompt = prompt_file.read()
-    raise SystemExit(commands.generate(g, prompt=prompt, **opts))
+    raise SystemExit(client_commands.generate(g, prompt=prompt, **opts))
 
 
 @cli.command()

@@ -1,10 +1,11 @@
-"""What the CLI's commands do, as keyword-only functions returning exit codes (tests call them too)."""
+"""What the CLI's daemon commands do: start and stop the daemons, the API and the demo, as keyword-
+only functions returning exit codes (tests call them too). status and generate, which talk to the
+running daemons as a client, live in client_commands.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -15,15 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import click
-import msgspec
 
 from common import logs
 from common.app import client
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
-from common.protocol import ConnectionClosed
 from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
-from common.sampling_params import SamplingParams
 
 EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
 _RENAMED = {
@@ -194,159 +192,6 @@ def _alive(pid: int) -> bool:
             os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
         return False
     return True
-
-
-def status(
-    g: Globals,
-    *,
-    client_socket: Path | None = None,
-    link_socket: Path | None = None,
-    as_json: bool = False,
-) -> int:
-    """Print each daemon's state; exit 0 only when both answer and the prefill's link is up."""
-    targets = {
-        "prefill": client_socket or g.runtime_dir / "prefill.sock",
-        "decode": link_socket or g.runtime_dir / "decode.sock",
-    }
-    out: dict[str, Any] = {}
-    for role, path in targets.items():
-        try:
-            out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
-        except (OSError, TimeoutError, PdkvError) as exc:
-            out[role] = {"role": role, "down": f"{type(exc).__name__}: {exc}", "socket": str(path)}
-    api_pid = read_pid(g.runtime_dir / "api.pid")  # optional: not part of the exit code
-    if as_json:
-        click.echo(json.dumps({**out, **({"api": {"pid": api_pid}} if api_pid else {})}, indent=2))
-    else:
-        for role, st in out.items():
-            click.echo(_status_line(role, st))
-        if api_pid:
-            click.echo(f"{'api':8} up    pid {api_pid}  (pdkv stop api)")
-    return EXIT_OK if healthy(out) else EXIT_FAIL
-
-
-def healthy(out: dict[str, Any]) -> bool:
-    """Both daemons answered, and the prefill's link to the decode is up."""
-    if any("down" in st for st in out.values()):
-        return False
-    links = out["prefill"].get("links") or [{}]
-    return links[0].get("state") == "up"
-
-
-def _status_line(role: str, st: dict[str, Any]) -> str:
-    if "down" in st:
-        return f"{role:8} down  ({st['socket']}: {st['down']})"
-    pool = st["pool"]
-    line = (
-        f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  "
-        f"model {st['model'] or '?'} {st['dtype']}  uptime {st['uptime_s']:.0f}s  "
-        f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
-        f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"
-    )
-    if role == "prefill" and st["links"]:
-        link = st["links"][0]
-        line += f"  link {link['state']} (connects {link['connects']}, rtt {link['rtt_us']} us)"
-        if link["state"] != "up" and link.get("last_error"):
-            line += f"  last error: {link['last_error']}"
-    elif role == "decode":
-        line += f"  links {len(st['links'])}"
-    return line
-
-
-def generate(
-    g: Globals,
-    *,
-    prompt: str,
-    client_socket: Path | None = None,
-    stream: bool = True,
-    as_json: bool = False,
-    timeout: float = 120.0,
-    **sampling: Any,
-) -> int:
-    """Run one request through the daemons and print its text (or, `as_json`, one JSON object)."""
-    path = str(client_socket or g.runtime_dir / "prefill.sock")
-    try:
-        params = SamplingParams(**sampling).validate()
-    except (PdkvError, TypeError) as exc:
-        click.echo(f"error: {exc}", err=True)
-        return 2
-    stream = stream and not as_json
-
-    async def run() -> client.Result:
-        result = client.Result(request_id="")
-        async for msg in client.stream(
-            path, prompt=prompt, sampling=params, timeout=timeout, text_deltas=stream
-        ):
-            result.request_id = msg.request_id
-            result.text += msg.text
-            if isinstance(msg, client.Tokens):
-                result.tokens.extend(msg.tokens)
-            if stream and msg.text:
-                click.echo(printable(msg.text), nl=False)
-            if isinstance(msg, client.Finish):
-                result.finish = msg
-        return result
-
-    try:
-        result = asyncio.run(run())
-    except client.RequestFailed as exc:
-        return _generate_failed(as_json, exc.request_id, str(exc.code), str(exc), newline=stream)
-    except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
-        return _generate_failed(
-            as_json,
-            None,
-            "CONNECTION_CLOSED",
-            f"the prefill daemon at {path} closed the connection before the answer was complete "
-            f"({exc}); did it stop or crash? (pdkv status)",
-            newline=stream,
-        )
-    except (OSError, TimeoutError, PdkvError) as exc:
-        return _generate_failed(
-            as_json,
-            None,
-            "UNREACHABLE",
-            f"cannot reach the prefill daemon at {path} ({type(exc).__name__}: {exc}); is it "
-            "running? (pdkv prefill start)",
-            newline=stream,
-        )
-    if as_json:
-        # ASCII-only JSON: no raw control character (C0 or C1) reaches a terminal
-        click.echo(json.dumps(_result_json(result)))
-    else:
-        click.echo("" if stream else printable(result.text))
-    return EXIT_OK
-
-
-def _result_json(result: client.Result) -> dict[str, Any]:
-    finish = result.finish
-    return {
-        "request_id": result.request_id,
-        "tokens": result.tokens,
-        "text": result.text,
-        "finish_reason": finish.reason if finish else None,
-        "usage": msgspec.to_builtins(finish.usage) if finish else None,
-        "timings": dict(finish.timings) if finish else {},
-    }
-
-
-def _generate_failed(
-    as_json: bool, request_id: str | None, code: str, message: str, *, newline: bool
-) -> int:
-    if as_json:
-        error = {"code": code, "message": message}
-        click.echo(json.dumps({"request_id": request_id, "error": error}))
-    else:
-        click.echo(("\n" if newline else "") + f"error: {message}", err=True)
-    return EXIT_FAIL
-
-
-# C0 controls but newline and tab, DEL and the C1 controls: shown escaped, never sent to a terminal
-_CONTROL = {c: f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (9, 10)}
-
-
-def printable(text: str) -> str:
-    """`text` with control characters (ESC, CR, BEL, ...) escaped as \\xNN."""
-    return text.translate(_CONTROL)
 
 
 def start_api(g: Globals, **opts: Any) -> int:

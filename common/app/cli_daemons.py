@@ -1,0 +1,118 @@
+"""`pdkv decode start` and `pdkv prefill start`: the two daemons' command groups, thin shims over
+common/app/commands.py's start_daemon (the options they share live in cli_options.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from common.app import commands
+from common.app.cli_options import daemon_options
+
+
+@click.group()
+def decode() -> None:
+    """The decode daemon: imports the prefill pool, pulls KV, decodes with continuous batching."""
+
+
+@decode.command("start")
+@daemon_options
+@click.option(
+    "--max-batch",
+    show_envvar=True,
+    envvar="PDKV_MAX_BATCH",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most sequences decoded in one step.",
+)
+@click.pass_obj
+def decode_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
+    """Start the decode daemon (foreground unless --background)."""
+    raise SystemExit(commands.start_daemon(g, role="decode", **opts))
+
+
+@click.group()
+def prefill() -> None:
+    """The prefill daemon: client front door, prefill forward pass, KV handoff to decode."""
+
+
+@prefill.command("start")
+@daemon_options
+@click.option(
+    "--client-socket",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_SOCKET",
+    default=None,
+    type=click.Path(path_type=Path),
+    help="Where clients connect [default: RUNTIME_DIR/prefill.sock].",
+)
+@click.option(
+    "--lease-timeout",
+    show_envvar=True,
+    envvar="PDKV_LEASE_TIMEOUT",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds the decode may hold a request's blocks before RELEASE.",
+)
+@click.option(
+    "--handoff-timeout",
+    show_envvar=True,
+    envvar="PDKV_HANDOFF_TIMEOUT",
+    default=30.0,
+    show_default=True,
+    type=float,
+    help="Seconds a request may wait for free blocks, decode capacity or a dropped link to come "
+    "back (a link that never came up or was refused fails it at the next failed reconnect).",
+)
+@click.option(
+    "--max-pending",
+    show_envvar=True,
+    envvar="PDKV_MAX_PENDING",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
+)
+@click.option(
+    "--client-idle-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_IDLE_TIMEOUT",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client connection may stay open with no request in flight and no frame sent.",
+)
+@click.option(
+    "--client-write-timeout",
+    show_envvar=True,
+    envvar="PDKV_CLIENT_WRITE_TIMEOUT",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0.1),
+    help="Seconds a client may leave its stream unread; then its requests are aborted.",
+)
+@click.option(
+    "--max-prompt-tokens",
+    show_envvar=True,
+    envvar="PDKV_MAX_PROMPT_TOKENS",
+    default=8192,
+    show_default=True,
+    type=click.IntRange(1, 262_144),
+    help="Longest prompt accepted; longer ones get BAD_REQUEST.",
+)
+@click.option(
+    "--event-slots",
+    show_envvar=True,
+    envvar="PDKV_EVENT_SLOTS",
+    default=64,
+    show_default=True,
+    type=click.IntRange(1, 1024),
+    help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
+)
+@click.pass_obj
+def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
+    """Start the prefill daemon (foreground unless --background)."""
+    raise SystemExit(commands.start_daemon(g, role="prefill", **opts))
