@@ -7,6 +7,7 @@ from importlib import metadata
 from pathlib import Path
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from common.app.cli import cli
@@ -49,12 +50,13 @@ def test_global_options_after_the_subcommand(tmp_path: Path) -> None:
     assert f"{tmp_path}/a/" not in after.output
 
 
-def test_global_options_after_a_nested_subcommand(tmp_path: Path) -> None:
+@pytest.mark.parametrize("group", ["decode", "prefill", "api"])
+def test_global_options_after_a_nested_subcommand(tmp_path: Path, group: str) -> None:
     """`pdkv decode start --runtime-dir X`: a file where X should be is refused, naming X."""
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
-    result = CliRunner().invoke(cli, ["decode", "start", "--runtime-dir", str(blocker)])
-    assert result.exit_code == 3
+    result = CliRunner().invoke(cli, [group, "start", "--runtime-dir", str(blocker)])
+    assert result.exit_code == 3, result.output
     assert str(blocker) in result.output
 
 

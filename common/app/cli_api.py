@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from common.app import commands
+from common.app.cli_options import global_options
 
 
 @click.group()
@@ -93,6 +94,7 @@ def api() -> None:
 @click.option(
     "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
 )
+@global_options
 @click.pass_obj
 def api_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
