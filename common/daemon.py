@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import grp
 import os
+import resource
 import signal
 import socket
 import sys
@@ -48,6 +49,21 @@ def run(main: Callable[[], Awaitable[int]]) -> int:
     sys.setswitchinterval(0.0002)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main())
+
+
+def raise_fd_limit(want: int) -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE to `want` (never past the hard limit, never lower it).
+
+    Returns (soft before, soft after). The default soft limit (often 1024) would otherwise meet
+    EMFILE before `--max-connections` is reached; the hard limit is the operator's (LimitNOFILE=,
+    ulimit -Hn, the container's), and a daemon stays within it.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        return soft, target
+    return soft, soft
 
 
 #: Exit status of a daemon that ended because it could no longer serve (not 3: systemd's

@@ -33,6 +33,9 @@ from common.throughput import Throughput
 
 log = structlog.get_logger(__name__)
 
+#: fds a daemon needs besides its connections: links, pool, event ring, logs, torch, pipes.
+FD_HEADROOM = 256
+
 
 class DaemonServer:
     role: ClassVar[str]
@@ -91,6 +94,7 @@ class DaemonServer:
 
     # ---- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._fd_limit()
         self._listen = daemon.bind_unix_socket(self.socket_path, group=self.cfg.socket_group)
         write_pidfile(self.cfg.pidfile)
         self.start_parts()
@@ -104,6 +108,20 @@ class DaemonServer:
         )
         self.spawn(accept, f"{self.role}-accept")
         log.info(f"{self.role}_ready", socket=str(self.socket_path), pid=os.getpid())
+
+    def _fd_limit(self) -> None:
+        """Room for --max-connections plus the daemon's own fds (links, pool, logs, torch)."""
+        want = self.cfg.max_connections + FD_HEADROOM
+        before, after = daemon.raise_fd_limit(want)
+        if after < want:
+            log.warning(
+                "fd_limit_below_max_connections",
+                fd_limit=after,
+                max_connections=self.cfg.max_connections,
+                hint="raise LimitNOFILE= / ulimit -Hn, or lower --max-connections",
+            )
+        elif after > before:
+            log.info("fd_limit_raised", before=before, after=after)
 
     async def shutdown(self) -> None:
         """Stop accepting, drain in-flight work under the timeout, end the rest, close."""
