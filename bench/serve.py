@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--client-socket", help="use the running prefill daemon on this socket")
     ap.add_argument("--runtime-dir", help="use the running daemons of this runtime dir")
     ap.add_argument("--api-url", help="api target: this running API (http://HOST:PORT)")
+    ap.add_argument(
+        "--api-key",
+        default=os.environ.get("PDKV_API_KEY"),
+        help="bearer key for --api-url's API (default: $PDKV_API_KEY)",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="uncounted requests per target first")
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
@@ -213,11 +218,13 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
         if "api" in names:
             url = args.api_url or stack.enter_context(api_for(sock, args))
             try:
-                model = model_id(url, timeout=10)
+                model = model_id(url, timeout=10, api_key=args.api_key)
             except OSError as e:
                 raise PairFailed(f"no API answering at {url}: {e}") from None
             runs += run_target(
-                "api", lambda s: api_stream(url, model, s.prompt, s.output_len), args
+                "api",
+                lambda s: api_stream(url, model, s.prompt, s.output_len, api_key=args.api_key),
+                args,
             )
     return runs
 

@@ -40,9 +40,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def model_id(url: str, timeout: float = 1.0) -> str:
+def auth(api_key: str | None) -> dict[str, str]:
+    """The Authorization header for an API started with --api-key (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def model_id(url: str, timeout: float = 1.0, api_key: str | None = None) -> str:
     """The first model GET {url}/v1/models lists: the name completions must ask for."""
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=timeout) as r:
+    req = urllib.request.Request(url.rstrip("/") + "/v1/models", headers=auth(api_key))
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())["data"][0]["id"]
 
 
@@ -77,7 +83,12 @@ def own_api(rt: Path, client_socket: str, timeout: float = 60) -> Iterator[str]:
 
 
 async def api_stream(
-    url: str, model: str, prompt: list[int], output_len: int, timeout: float = 600
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    timeout: float = 600,
+    api_key: str | None = None,
 ) -> AsyncIterator[Chunk]:
     """One greedy streamed completion of exactly `output_len` tokens on its own connection (as the
     daemons target opens one per request): the text of each chunk, then Usage. Raises
@@ -88,7 +99,9 @@ async def api_stream(
     body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     usage = None
     async with (
-        httpx.AsyncClient(base_url=url, timeout=timeout, trust_env=False, verify=_tls()) as http,
+        httpx.AsyncClient(
+            base_url=url, timeout=timeout, trust_env=False, verify=_tls(), headers=auth(api_key)
+        ) as http,
         http.stream("POST", "/v1/completions", json=body) as resp,
     ):
         if resp.status_code != 200:
