@@ -21,6 +21,8 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+from serve_load import ServerTimings
+
 from common.app import client
 from common.sampling_params import SamplingParams
 
@@ -113,11 +115,14 @@ def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
 
 async def daemon_stream(
     sock: str, prompt: list[int], output_len: int, timeout: float = 600
-) -> AsyncIterator[list[int]]:
-    """One greedy request of exactly `output_len` tokens (ignore_eos); yields each frame's ids."""
+) -> AsyncIterator[list[int] | ServerTimings]:
+    """One greedy request of exactly `output_len` tokens (ignore_eos); yields each frame's ids,
+    then the daemons' timings of the request from its FINISH."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     async for msg in client.stream(
         sock, prompt_tokens=prompt, sampling=params, timeout=timeout, text_deltas=False
     ):
         if isinstance(msg, client.Tokens) and msg.tokens:
             yield msg.tokens
+        elif isinstance(msg, client.Finish) and msg.timings:
+            yield ServerTimings(dict(msg.timings))

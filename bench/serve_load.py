@@ -10,7 +10,8 @@ Latencies count from the request's scheduled arrival, so a client that falls beh
 instead of hiding (no coordinated omission). A target is one function, `open_stream(spec)`, that
 yields one request's output as it arrives, each chunk timestamped by the driver on arrival: token
 ids, or text for a target that streams text (the HTTP API), then for those a `Usage` with the
-target's own count of output tokens.
+target's own count of output tokens; a target that knows the server's own timings of a request
+(the daemons' FINISH) yields them last as `ServerTimings`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class RequestRecord:
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # what a text target streamed
     usage_tokens: int | None = None  # a text target's own count (Usage)
+    server: dict[str, float] = field(default_factory=dict)  # the server's timings (FINISH)
     end: float = 0.0
     error: str | None = None
 
@@ -82,6 +84,7 @@ class RequestRecord:
             "itl_ms": [x * 1e3 for x in self.itls()],
             "tokens": self.tokens,
             "text": self.text,
+            "server_timings": self.server,
         }
 
 
@@ -125,7 +128,15 @@ class Usage:
     completion_tokens: int
 
 
-Chunk = list[int] | str | Usage
+@dataclass(frozen=True)
+class ServerTimings:
+    """The server's own timings of a request, in the units their names say (`*_us`, `*_ms`):
+    the daemons' FINISH `timings`. Not timestamped: it carries no output."""
+
+    values: dict[str, float]
+
+
+Chunk = list[int] | str | Usage | ServerTimings
 OpenStream = Callable[[RequestSpec], AsyncIterator[Chunk]]
 
 
@@ -148,6 +159,9 @@ async def run_load(
             async for chunk in open_stream(spec):
                 if isinstance(chunk, Usage):
                     rec.usage_tokens = chunk.completion_tokens
+                    continue
+                if isinstance(chunk, ServerTimings):
+                    rec.server = chunk.values
                     continue
                 rec.token_times.append(time.perf_counter() - t0)
                 if isinstance(chunk, str):
@@ -184,11 +198,12 @@ async def _progress(
         )
 
 
-def _dist(xs: Sequence[float]) -> dict[str, float | None]:
-    """mean/p50/p99 in ms (numpy's linear interpolation); None for an empty sample."""
+def _dist(xs: Sequence[float], scale: float = 1e3) -> dict[str, float | None]:
+    """mean/p50/p99 of `xs` × `scale` (default: s → ms; numpy's linear interpolation); None
+    for an empty sample."""
     if not xs:
         return {"mean": None, "p50": None, "p99": None}
-    a = np.asarray(xs) * 1e3
+    a = np.asarray(xs) * scale
     return {
         "mean": float(a.mean()),
         "p50": float(np.percentile(a, 50)),
@@ -223,5 +238,14 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict:
             ]
         ),
         "e2e_ms": _dist([r.end - r.start for r in ok]),
+        "second_token_ms": _dist([r.itls()[0] for r in ok if len(r.token_times) > 1]),
+        "server_timings": _server_timings(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
+
+
+def _server_timings(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | None]]:
+    """Per numeric timing the server reported (in its own unit), its mean/p50/p99 over the
+    requests that reported it."""
+    keys = sorted({k for r in records for k, v in r.server.items() if isinstance(v, int | float)})
+    return {k: _dist([r.server[k] for r in records if k in r.server], scale=1.0) for k in keys}

@@ -22,6 +22,15 @@ def print_table(runs: list[dict]) -> None:
         for key in ("ttft_ms", "itl_ms", "e2e_ms"):
             line += _ms(s[key], "p50") + _ms(s[key], "p99")
         print(line)
+        second = s.get("second_token_ms", {})
+        if second.get("p50") is not None:
+            print(
+                f"    2nd token after the 1st, ms: p50 {second['p50']:.2f}  p99 {second['p99']:.2f}"
+            )
+        server = s.get("server_timings") or {}
+        if server:
+            parts = [f"{k} {d['p50']:.1f}/{d['p99']:.1f}" for k, d in server.items()]
+            print("    server's own timings p50/p99: " + ", ".join(parts))
         for err in s["errors"]:
             print(f"    error: {err}")
 

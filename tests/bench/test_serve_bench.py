@@ -36,7 +36,7 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert "same tokens from daemons and local at 50/s: 6/6 requests" in proc.stdout
     assert "same text from api as daemons' tokens at 50/s: 6/6 requests" in proc.stdout
     assert not list(cwd.glob("*.png")), "no plot without --sweep"
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "stdout": proc.stdout}
 
 
 def _processes_under(path: Path) -> list[str]:
@@ -96,3 +96,16 @@ def test_summary_figures_are_consistent(report: dict) -> None:
         assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"] + 1e-9
         assert s["request_throughput"] > 0 and s["output_throughput"] > 0
         assert s["duration_s"] > 0
+
+
+def test_the_daemons_report_their_own_timings(report: dict) -> None:
+    daemons, api, local = report["runs"]
+    for q in daemons["requests"]:  # from each FINISH: the handoff as both daemons saw it
+        t = q["server_timings"]
+        assert t["handoff_us"] > 0 and t["decode_handoff_us"] > 0 and t["pull_us"] >= 0, t
+    handoff = daemons["summary"]["server_timings"]["handoff_us"]
+    assert 0 < handoff["p50"] <= handoff["p99"]
+    assert api["summary"]["server_timings"] == local["summary"]["server_timings"] == {}
+    second = daemons["summary"]["second_token_ms"]
+    assert 0 < second["p50"] <= second["p99"]
+    assert "server's own timings p50/p99: " in report["stdout"]
