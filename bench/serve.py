@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--target", choices=list(TARGETS), default="both", help="default both")
     ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N (every target)")
+    ap.add_argument(
+        "--decode-device", help="daemons target: the decode's device (two GPUs); default --device"
+    )
     ap.add_argument("--dtype", help="default float32 on CPU, bfloat16 on CUDA (as the daemons)")
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (every target)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -183,7 +186,10 @@ def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
         common += ["--allow-byte-tokenizer"]
     if args.torch_threads:
         common += ["--torch-threads", str(args.torch_threads)]
-    with own_pair(common, ["--max-batch", str(args.max_batch)]) as sock:
+    decode = ["--max-batch", str(args.max_batch)]
+    if args.decode_device:  # the last --device on the command line wins
+        decode += ["--device", args.decode_device]
+    with own_pair(common, decode) as sock:
         yield sock
 
 

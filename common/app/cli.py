@@ -201,6 +201,12 @@ def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: 
     help="auto, cpu or cuda:N, for both daemons and the reference.",
 )
 @click.option(
+    "--decode-device",
+    default=None,
+    metavar="DEVICE",
+    help="The decode daemon's device, e.g. cuda:1 for a pair on two GPUs [default: --device].",
+)
+@click.option(
     "--model",
     show_envvar=True,
     envvar="PDKV_MODEL",

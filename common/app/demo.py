@@ -126,6 +126,7 @@ def run_demo(
     num_prompts: int = 8,
     max_tokens: int = 24,
     device: str = "auto",
+    decode_device: str | None = None,
     model: str | None = None,
     log_level: str = "INFO",
 ) -> int:
@@ -138,11 +139,17 @@ def run_demo(
     except PdkvError as exc:
         click.echo(f"error: {exc}", err=True)
         return 3
+    try:
+        decode_device = str(resolve_device(decode_device)) if decode_device else device
+    except PdkvError as exc:
+        click.echo(f"error: --decode-device: {exc}", err=True)
+        return 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(num_prompts)]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     runtime = Path(tempfile.mkdtemp(prefix="pdkv-demo-"))
     os.chmod(runtime, 0o700)
-    click.echo(f"pdkv demo: starting decode + prefill (device {device}) in {runtime}", err=True)
+    where = device if decode_device == device else f"prefill {device}, decode {decode_device}"
+    click.echo(f"pdkv demo: starting decode + prefill (device {where}) in {runtime}", err=True)
     if model is None:
         click.echo(
             "  model: the built-in tiny model, random weights: its text is noise; what counts is\n"
@@ -151,7 +158,7 @@ def run_demo(
         )
     procs: dict[str, subprocess.Popen] = {}
     try:
-        procs["decode"] = _spawn(runtime, "decode", device, model, log_level)
+        procs["decode"] = _spawn(runtime, "decode", decode_device, model, log_level)
         procs["prefill"] = _spawn(runtime, "prefill", device, model, log_level)
         asyncio.run(_wait_ready(runtime / "decode.sock", procs["decode"], "decode"))
         asyncio.run(_wait_ready(runtime / "prefill.sock", procs["prefill"], "prefill"))

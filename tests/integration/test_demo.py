@@ -36,3 +36,20 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
     # no log line (the reference's model load) lands in the table on stdout
     assert "model_loaded" not in proc.stdout and "model_loaded" not in proc.stderr
     assert not list(tmp_path.glob("pdkv-demo-*")), "demo left its runtime dir behind"
+
+
+def test_demo_decode_device_is_checked_apart(tmp_path):
+    """--decode-device puts the decode on its own device (two GPUs); one that does not exist
+    here is refused in one line, naming that option, before anything starts."""
+    argv = [sys.executable, "-m", "common.app.cli", "demo", "--device", "cpu"]
+    proc = subprocess.run(
+        [*argv, "--decode-device", "cuda:7", "--prompts", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "TMPDIR": str(tmp_path), "HOME": str(tmp_path)},
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("error: --decode-device: "), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.glob("pdkv-demo-*"))
