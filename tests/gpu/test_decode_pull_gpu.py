@@ -1,0 +1,98 @@
+"""The decode's stream-ordered pull on CUDA: a sequence joins the batch as soon as its pull is
+enqueued, and the first step that reads its blocks waits for the copy on the GPU, not the host.
+
+The pull stream is held back by a long GPU spin queued ahead of the pulls (a slow producer or a
+slow copy), so a step that did not wait on the pull's event would read blocks not yet copied and
+decode different tokens; the greedy outputs must equal the reference."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.config import DecodeConfig
+from common.kvpool import KVPool, PoolLayout
+from common.model import reference
+from common.model.paged import blocks_for, slots_for
+from common.model.sampling import SamplingParams, make_generator, sample
+from common.modelrt import ModelRuntime
+from common.protocol import Finish, Handoff, Release, Tokens
+from common.transfer import KVConsumer
+from common.transfer.regions import export_region
+from decode_server.requests import DecodeRequests
+from tests.decode.conftest import FakeLink
+from tests.decode.test_requests import decode_until
+
+pytestmark = pytest.mark.gpu
+
+SPIN = 200_000_000  # torch.cuda._sleep cycles: ~100 ms at H200 clocks
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def rt(tmp_path: Path) -> Iterator[ModelRuntime]:
+    cfg = DecodeConfig(
+        runtime_dir=tmp_path, device="cuda:0", dtype="float32", num_blocks=256, block_size=4
+    )
+    runtime = ModelRuntime.load(cfg, "decode")
+    yield runtime
+    runtime.close()
+
+
+def _prefill(rt: ModelRuntime, peer: KVPool, rid: str, prompt: list[int], first: int) -> Handoff:
+    """A prefill into the peer pool (blocks from the top, so source and destination ids differ)."""
+    bs = peer.layout.block_size
+    n = blocks_for(len(prompt), bs)
+    blocks = list(range(peer.num_blocks - first - n, peer.num_blocks - first))
+    logits = rt.model.prefill(
+        torch.tensor(prompt, device=rt.device),
+        slots_for(blocks, 0, len(prompt), bs).to(rt.device),
+        peer.tensor,
+    )
+    token = sample(logits, PARAMS, make_generator(PARAMS, 0))
+    return Handoff(
+        request_id=rid,
+        block_ids=blocks,
+        num_tokens=len(prompt),
+        prompt_tokens=prompt,
+        first_token=token,
+        sampling=PARAMS,
+    )
+
+
+async def test_sequences_join_before_their_pull_completes_and_decode_the_reference(rt) -> None:
+    peer = KVPool.create(PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 512}), rt.device)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(256) for _ in range(rng.choice([3, 16, 33, 70]))] for _ in range(8)]
+    handoffs, used = [], 0
+    for i, p in enumerate(prompts):
+        handoffs.append(_prefill(rt, peer, f"r{i}", p, used))
+        used += len(handoffs[-1].block_ids)
+    torch.cuda.synchronize()
+    pull_stream = torch.cuda.Stream(rt.device)
+    consumer = KVConsumer(rt.pool, peer, export_region(peer.tensor), None, pull_stream)
+    link = FakeLink("link-g", consumer)
+    table = DecodeRequests(rt, max_batch=8)
+    with torch.cuda.stream(pull_stream):
+        torch.cuda._sleep(SPIN)  # every pull below queues behind this
+    for h in handoffs:
+        table.handoff(link, h)
+    assert len(table) == len(prompts)  # joined at once, copies still queued on the GPU
+    assert link.of(Release) == []  # RELEASE only once the waiter has seen a copy complete
+    await decode_until(table, lambda: len(link.of(Finish)) == len(prompts))
+    await consumer.drain()
+    for h, p in zip(handoffs, prompts, strict=True):
+        got = [h.first_token] + [
+            t for m in link.of(Tokens) if m.request_id == h.request_id for t in m.tokens
+        ]
+        want = reference.generate(rt.model, p, PARAMS, block_size=rt.layout.block_size)
+        assert got == want, f"{h.request_id} decoded blocks not yet pulled"
+    assert sorted(r.request_id for r in link.of(Release)) == sorted(h.request_id for h in handoffs)
+    assert rt.allocator.num_free == rt.allocator.total
+    consumer.close()
+    await asyncio.sleep(0)
