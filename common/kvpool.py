@@ -187,7 +187,8 @@ class KVPool:
             type(src_ids) is list
             and type(dst_ids) is list
             and len(dst_ids) <= _SMALL
-            and src.device.type == "cpu" == self.device.type
+            and src._addr  # CPU pools (a torch.device per .device costs ~0.5 µs here)
+            and self._addr
             and not self._overlaps(src)
         ):
             self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in a few µs

@@ -17,7 +17,6 @@ never writes blocks another request owns, and a new pull never races a step's KV
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 
@@ -48,6 +47,7 @@ class DecodeRequests:
         self.rt = rt
         self.engine = DecodeEngine(rt, max_batch=max_batch)
         self.vocab_size = rt.model.config.vocab_size
+        self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
         self._copying: set[str] = set()  # keys whose pull is not yet reported complete
         self._stepping = False  # a decode step is in flight (run)
@@ -70,8 +70,8 @@ class DecodeRequests:
                 finally:
                     self._stepping = False
                     self._free_deferred()
-                self._answer(results)
-                await asyncio.sleep(0)  # let link traffic in between steps
+                self._answer(results)  # no sleep(0) after: every step suspends in rt.run,
+                # and link traffic (a HANDOFF joining the next step) is handled meanwhile
         finally:
             self._free_deferred()
 
@@ -144,7 +144,7 @@ class DecodeRequests:
             generated=[h.first_token],
             blocks=[],
             sampling=h.sampling,
-            stop_ids=self.rt.model.config.stop_token_ids,
+            stop_ids=self._stop_ids,
             block_size=self.rt.layout.block_size,
         )
         need = blocks_needed(h.num_tokens, h.sampling.max_tokens, self.rt.layout.block_size)

@@ -10,7 +10,7 @@ from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A request being decoded. Owned by the decode engine; `peer` is the link it came from.
 
