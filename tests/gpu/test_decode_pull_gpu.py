@@ -7,7 +7,6 @@ decode different tokens; the greedy outputs must equal the reference."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,17 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.allocator import BlockAllocator
 from common.config import DecodeConfig
 from common.kvpool import KVPool, PoolLayout
 from common.model import reference
-from common.model.paged import blocks_for, slots_for
-from common.model.sampling import SamplingParams, make_generator, sample
+from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
-from common.protocol import Finish, Handoff, Release, Tokens
-from common.transfer import KVConsumer
-from common.transfer.regions import export_region
+from common.protocol import Finish, Release, Tokens
+from common.transfer import KVConsumer, KVProducer
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink
+from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_requests import decode_until
 
 pytestmark = pytest.mark.gpu
@@ -44,38 +42,23 @@ def rt(tmp_path: Path) -> Iterator[ModelRuntime]:
     runtime.close()
 
 
-def _prefill(rt: ModelRuntime, peer: KVPool, rid: str, prompt: list[int], first: int) -> Handoff:
-    """A prefill into the peer pool (blocks from the top, so source and destination ids differ)."""
-    bs = peer.layout.block_size
-    n = blocks_for(len(prompt), bs)
-    blocks = list(range(peer.num_blocks - first - n, peer.num_blocks - first))
-    logits = rt.model.prefill(
-        torch.tensor(prompt, device=rt.device),
-        slots_for(blocks, 0, len(prompt), bs).to(rt.device),
-        peer.tensor,
-    )
-    token = sample(logits, PARAMS, make_generator(PARAMS, 0))
-    return Handoff(
-        request_id=rid,
-        block_ids=blocks,
-        num_tokens=len(prompt),
-        prompt_tokens=prompt,
-        first_token=token,
-        sampling=PARAMS,
-    )
-
-
 async def test_sequences_join_before_their_pull_completes_and_decode_the_reference(rt) -> None:
-    peer = KVPool.create(PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 512}), rt.device)
+    layout = PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 512})
+    side = Side(
+        KVProducer(
+            KVPool.create(layout, rt.device), BlockAllocator(512), rt.backend, event_slots=4
+        ),
+        rt,
+    )
+    side.producer.allocator.allocate("pad", 100)  # source ids differ from the decode's
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(rng.choice([3, 16, 33, 70]))] for _ in range(8)]
-    handoffs, used = [], 0
-    for i, p in enumerate(prompts):
-        handoffs.append(_prefill(rt, peer, f"r{i}", p, used))
-        used += len(handoffs[-1].block_ids)
+    handoffs = [side.prefill(f"r{i}", p, PARAMS) for i, p in enumerate(prompts)]
     torch.cuda.synchronize()
     pull_stream = torch.cuda.Stream(rt.device)
-    consumer = KVConsumer(rt.pool, peer, export_region(peer.tensor), None, pull_stream)
+    # in one process the producer's pool is read directly (an IPC handle cannot be reopened by
+    # its exporter); the stream-ordered pull and the engine are the daemon's own
+    consumer = KVConsumer(rt.pool, side.pool, side.producer.region, None, pull_stream)
     link = FakeLink("link-g", consumer)
     table = DecodeRequests(rt, max_batch=8)
     with torch.cuda.stream(pull_stream):
@@ -95,4 +78,4 @@ async def test_sequences_join_before_their_pull_completes_and_decode_the_referen
     assert sorted(r.request_id for r in link.of(Release)) == sorted(h.request_id for h in handoffs)
     assert rt.allocator.num_free == rt.allocator.total
     consumer.close()
-    await asyncio.sleep(0)
+    side.producer.close()

@@ -71,9 +71,14 @@ def test_cross_gpu_pull_of_a_torch_ipc_pool_is_ordered_after_the_event(spawn) ->
     local = KVPool.create(layout, "cuda:1")
     ring = imported_event_ring(handles, 1)
     stream = torch.cuda.Stream(1)
+    ids = random.Random(5).sample(range(layout.num_blocks), 256)
+    with torch.cuda.stream(stream):  # warm the allocators (device and pinned) on both GPUs
+        local.copy_blocks_from(peer, ids, list(range(256)))
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert torch.all(local.tensor[:256] == 0.0)
     cmd.put("go")
     slot = out.get(timeout=gpu_procs.TIMEOUT)
-    ids = random.Random(5).sample(range(layout.num_blocks), 256)
     ring.wait(slot, stream)  # as KVConsumer does: the wait on the decode GPU's pull stream
     with torch.cuda.stream(stream):
         local.copy_blocks_from(peer, ids, list(range(256)))
