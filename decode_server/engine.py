@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import asyncio
 
-import structlog
 import torch
 
 from common.model.sampling import SamplingError, make_generator, sample_batch_isolated
 from common.modelrt import ModelRuntime
 from decode_server.sequence import Sequence
-
-log = structlog.get_logger(__name__)
 
 
 class DecodeEngine:
