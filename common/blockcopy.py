@@ -77,10 +77,27 @@ def copy_checked_blocks(
         return
     if dst.is_cuda and stream is not None and not isinstance(stream, int):
         with torch.cuda.stream(stream):
-            dst.index_copy_(0, d_ids.to(dst.device), src.index_select(0, s_ids.to(src.device)))
+            dst.index_copy_(0, ids_on(d_ids, dst.device), gather_after(src, s_ids, dst.device))
         return
-    picked = src.index_select(0, s_ids.to(src.device)).to(dst.device)
-    dst.index_copy_(0, d_ids.to(dst.device), picked)
+    dst.index_copy_(0, ids_on(d_ids, dst.device), gather_after(src, s_ids, dst.device))
+
+
+def ids_on(ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU int64 ids on `device`; to a GPU through pinned memory, without a host wait (a pageable
+    upload synchronizes its stream, and a pull's stream waits on the producer's event)."""
+    if device.type != "cuda":
+        return ids
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
+def gather_after(src: torch.Tensor, s_ids: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """src[s_ids] on `device`, ordered after `device`'s current stream (where the caller put
+    the wait on the producer's event). From another GPU the gather runs on that GPU's current
+    stream, so that stream first waits on ours; torch's cross-device copy then makes ours wait
+    on the gather before anything after it on our stream reads the result."""
+    if src.is_cuda and device.type == "cuda" and src.device != device:
+        torch.cuda.current_stream(src.device).wait_stream(torch.cuda.current_stream(device))
+    return src.index_select(0, ids_on(s_ids, src.device)).to(device)
 
 
 def _copy_cuda(

@@ -179,14 +179,16 @@ class KVPool:
         gather + one scatter, which is safe when source and destination blocks overlap. On one GPU
         it is common.blockcopy.copy_blocks, queued on the current stream: the caller orders it
         after the producer's event and records an event (or synchronizes) before reading the
-        result. A source on another device is read through torch's peer copy. This is the one
+        result. A source on another device is read through torch's peer copy, the gather on its
+        GPU ordered after this device's current stream too. This is the one
         block copy of the project: the daemons' pulls and the CacheManager all come here.
         """
         if (
             type(src_ids) is list
             and type(dst_ids) is list
             and len(dst_ids) <= _SMALL
-            and src.device.type == "cpu" == self.device.type
+            and src._addr  # CPU pools (a torch.device per .device costs ~0.5 µs here)
+            and self._addr
             and not self._overlaps(src)
         ):
             self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in a few µs
@@ -207,9 +209,12 @@ class KVPool:
         overlap = self._overlaps(src)
         if not overlap and src.device != self.device:
             # another device, or memory mapped in another GPU's context (cuda-torch imports):
-            # torch's peer copy reads it, a kernel on this GPU could not
-            picked = src.tensor.index_select(0, torch.from_numpy(s).to(src.device))
-            self.tensor.index_copy_(0, torch.from_numpy(d).to(self.device), picked.to(self.device))
+            # torch's peer copy reads it, a kernel on this GPU could not; the gather on the
+            # source GPU is ordered after our current stream (the producer's event wait)
+            from common.blockcopy import gather_after, ids_on
+
+            picked = gather_after(src.tensor, torch.from_numpy(s), self.device)
+            self.tensor.index_copy_(0, ids_on(torch.from_numpy(d), self.device), picked)
             return
         if not overlap and self.device.type == "cuda":
             from common.blockcopy import copy_checked_blocks  # one kernel launch for the list

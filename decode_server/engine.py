@@ -1,58 +1,52 @@
-"""The decode daemon's continuous-batching loop.
+"""The decode daemon's continuous-batching engine: one step at a time, driven by its owner.
 
-Sequences join and leave at step boundaries: `add` queues a sequence, and the loop takes every
-queued sequence into the batch (up to `max_batch`) before the next step; a sequence that finished
-leaves the batch after the step that finished it. Each step runs on the torch thread; the loop
-itself never blocks. After each step, `on_step(results)` gets every (sequence, new token) pair of
-that step, on the loop; the engine owns no blocks: whoever removes or finishes a sequence frees
-them (DecodeRequests).
+Sequences join and leave at step boundaries: `add` queues a sequence, and `step()` takes every
+queued sequence into the batch (up to `max_batch`) before it runs; a sequence that finished
+leaves the batch after the step that finished it. The owner drives it (DecodeRequests.run):
+`await wait_for_work()`, then `results = await step()` — every (sequence, new token) pair of that
+step — and answers them. Nothing here calls back up; the engine owns no blocks: whoever removes
+or finishes a sequence frees them.
+
+A sequence may join before its KV is in the pool: on CUDA its pull is stream-ordered and
+`seq.ready` is the event recorded after the copy on the pull stream. The step that first reads
+the sequence makes the compute stream (`rt.stream`) wait on that event on the GPU before it
+launches anything (`_wait_for_pulls`, on the torch thread), then clears it. Why that wait binds to
+the right record across threads: the event is recorded on the loop thread before `add`, and a
+step runs on the torch thread only after `step()` took the sequence into its batch on the loop
+thread and submitted it (`rt.run`): the record happened before the wait was called, and each pull
+records a fresh event, never re-recorded. The host never waits for a pull here.
 
 Failures are isolated where they can be: a sequence whose logits are not finite, or whose draw
-fails, leaves the batch with `seq.error` set (the callback answers its request) and the others go
-on. A failure of the step itself (the forward pass) belongs to no sequence: the loop logs it and
-calls `on_fatal`, and the daemon exits non-zero rather than live on without decoding.
+fails, leaves the batch with `seq.error` set (the owner answers its request) and the others go
+on. A failure of the step itself (the forward pass) belongs to no sequence: `step()` raises it,
+and the owner ends the daemon (exit status 1) rather than live on without decoding.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Callable
 
-import structlog
 import torch
 
 from common.model.sampling import SamplingError, make_generator, sample_batch_isolated
 from common.modelrt import ModelRuntime
 from decode_server.sequence import Sequence
 
-log = structlog.get_logger(__name__)
-
 
 class DecodeEngine:
-    def __init__(
-        self,
-        rt: ModelRuntime,
-        *,
-        max_batch: int,
-        on_step: Callable[[list[tuple[Sequence, int]]], None],
-        on_fatal: Callable[[BaseException], None],
-    ) -> None:
+    def __init__(self, rt: ModelRuntime, *, max_batch: int) -> None:
         self.rt = rt
         self.max_batch = max_batch
-        self._on_step = on_step
-        self._on_fatal = on_fatal
-        self.failure: BaseException | None = None  # why the loop ended, if it did
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._work = asyncio.Event()
         self.steps = 0
 
     # ---- membership ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        """Queue a sequence; it joins the batch at the next step."""
         self._waiting[seq.key] = seq
-        self._wake.set()
+        self._work.set()
 
     def remove(self, key: str) -> Sequence | None:
         """Take a sequence out by its key (abort, link loss); its blocks are the caller's to free."""
@@ -64,47 +58,30 @@ class DecodeEngine:
     def __len__(self) -> int:
         return len(self._active) + len(self._waiting)
 
-    # ---- loop ----------------------------------------------------------------------------------
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._loop(), name="decode-loop")
+    # ---- steps ---------------------------------------------------------------------------------
+    async def wait_for_work(self) -> None:
+        """Return once a sequence is in the batch or queued to join it."""
+        while not self._active and not self._waiting:
+            self._work.clear()
+            await self._work.wait()
 
-    async def stop(self) -> None:
-        """Cancel the loop; a loop that already failed has been reported (on_fatal), not raised."""
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    @property
-    def running(self) -> bool:
-        """True while the loop can still decode."""
-        return self._task is not None and not self._task.done()
-
-    async def _loop(self) -> None:
-        try:
-            while True:
-                if not self._active and not self._waiting:
-                    self._wake.clear()
-                    await self._wake.wait()
-                await self._step_once()
-                await asyncio.sleep(0)  # let link traffic in between steps
-        except Exception as exc:  # not attributable to one sequence: the daemon must end
-            self.failure = exc
-            log.critical("decode_loop_failed", batch=len(self._active), exc_info=exc)
-            self._on_fatal(exc)
-
-    async def _step_once(self) -> None:
+    async def step(self) -> list[tuple[Sequence, int]]:
+        """Admit the queued sequences, run one step on the torch thread, and return each batch
+        member's (sequence, token) — token -1 with `seq.error` set for one that failed alone.
+        Sequences removed while the step ran are left out. Raises what failed the step itself."""
         while self._waiting and len(self._active) < self.max_batch:
             key, seq = next(iter(self._waiting.items()))
             del self._waiting[key]
             self._active[key] = seq
         batch = list(self._active.values())
+        if not batch:
+            return []
         tokens = await self.rt.run(self._step, batch)
         self.steps += 1
         results = []
         for seq, tok in zip(batch, tokens, strict=True):
             if self._active.get(seq.key) is not seq:
-                continue  # aborted while the step ran
+                continue  # removed while the step ran
             if isinstance(tok, SamplingError):
                 del self._active[seq.key]
                 seq.error = str(tok)
@@ -114,11 +91,20 @@ class DecodeEngine:
             if seq.check_finished():
                 del self._active[seq.key]
             results.append((seq, tok))
-        self._on_step(results)
+        return results
+
+    def _wait_for_pulls(self, batch: list[Sequence]) -> None:
+        """Torch thread, before the step's first launch: the compute stream waits (on the GPU)
+        for the pulls of sequences that joined since the last step."""
+        for s in batch:
+            if s.ready is not None:
+                s.ready.wait(self.rt.stream)  # torch.cuda.Event.wait: cudaStreamWaitEvent
+                s.ready = None
 
     def _step(self, batch: list[Sequence]) -> list[int | SamplingError]:
         """One decode step for `batch` (torch thread): each sequence's next token, or the
         SamplingError that ends that sequence alone."""
+        self._wait_for_pulls(batch)
         dev = self.rt.device
         width = max(len(s.blocks) for s in batch)
         generators = [make_generator(s.sampling, len(s.generated)) for s in batch]

@@ -1,15 +1,24 @@
 """Requests in the decode daemon, across all links: HANDOFF → pull → RELEASE → batch → TOKENS/FINISH.
 
 Per HANDOFF: validate, reserve this request's blocks for its whole life (or answer NO_CAPACITY),
-pull the prompt's blocks from the peer's pool into ours, send RELEASE once the copy is complete,
-and add the sequence to the continuous-batching loop. Sequences are keyed `link/request_id`:
-request ids are only unique per prefill daemon.
+start the pull of the prompt's blocks from the peer's pool into ours, and add the sequence to the
+batch at once: on CUDA the pull is stream-ordered and the step that first reads the blocks waits
+for it on the GPU (engine.py), on CPU the copy is already complete. RELEASE goes out when the
+consumer reports the copy complete (`_copied`: at once on CPU, from its waiter thread on CUDA).
+Sequences are keyed `link/request_id`: request ids are only unique per prefill daemon.
+
+Blocks: a sequence's blocks are freed exactly once, when it ends (FINISH, error, abort, link
+loss, shutdown) — but not under work that may still touch them: if it ends while its pull is in
+flight, when the pull completes; if it ends while a step runs, when that step returns. So a copy
+never writes blocks another request owns, and a new pull never races a step's KV write.
+
+`run()` is the decode loop: the engine steps, and each step's results go to the links from here.
 """
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable
 
 import structlog
 
@@ -34,65 +43,110 @@ log = structlog.get_logger(__name__)
 
 
 class DecodeRequests:
-    def __init__(
-        self, rt: ModelRuntime, *, max_batch: int, on_fatal: Callable[[BaseException], None]
-    ) -> None:
+    def __init__(self, rt: ModelRuntime, *, max_batch: int) -> None:
         self.rt = rt
-        self.engine = DecodeEngine(
-            rt, max_batch=max_batch, on_step=self._on_step, on_fatal=on_fatal
-        )
+        self.engine = DecodeEngine(rt, max_batch=max_batch)
         self.vocab_size = rt.model.config.vocab_size
-        self.seq_peer: dict[str, Peer] = {}  # key -> the link the sequence came from
-        self._pulling: dict[str, bool] = {}  # key -> aborted while its pull was in flight
+        self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
+        self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
+        self._copying: set[str] = set()  # keys whose pull is not yet reported complete
+        self._stepping = False  # a decode step is in flight (run)
+        self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
         self.throughput = Throughput()  # tokens decoded, sequences finished: for status
 
     def __len__(self) -> int:
         return len(self.engine)
 
+    async def run(self) -> None:
+        """The decode loop: step while there is work, answer each step's sequences. Ends only
+        when cancelled; a failing step raises (nothing here can decode any more)."""
+        try:
+            while True:
+                await self.engine.wait_for_work()
+                self._stepping = True
+                try:
+                    results = await self.engine.step()
+                finally:
+                    self._stepping = False
+                    self._free_deferred()
+                self._answer(results)  # no sleep(0) after: every step suspends in rt.run,
+                # and link traffic (a HANDOFF joining the next step) is handled meanwhile
+        finally:
+            self._free_deferred()
+
     def abort(self, peer: Peer, request_id: str) -> None:
         """ABORT from the prefill (its client went away): free the sequence, or CACHE_NOT_EXIST."""
         key = seq_key(peer.link_id, request_id)
-        if key in self._pulling:
-            self._pulling[key] = True  # freed once the in-flight pull completes
-            return
-        seq = self.engine.remove(key)
-        if seq is None:
+        if key not in self.seq_peer:
             peer.post_error(
                 ErrorCode.CACHE_NOT_EXIST, "ABORT names no request of this link", request_id
             )
             return
-        self._free(seq)
-        seq.finish_reason = "abort"
-        log.info("request_aborted", request_id=seq.request_id, link=peer.link_id)
+        self.engine.remove(key)
+        self._free(key)
+        log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
     def drop_peer(self, peer: Peer) -> int:
-        """Link lost: drop its sequences and free their blocks; returns how many."""
-        dropped = 0
-        for seq in self.engine.sequences():
-            if seq.peer == peer.link_id:
-                self.engine.remove(seq.key)
-                self._free(seq)
-                dropped += 1
-        return dropped
+        """Link lost (its pulls drained): drop its sequences and free their blocks; how many."""
+        keys = [k for k, p in self.seq_peer.items() if p is peer]
+        for key in keys:
+            self.engine.remove(key)
+            self._free(key)
+        return len(keys)
 
     def handoff(self, peer: Peer, h: Handoff) -> None:
-        """Validate, reserve blocks for the request's whole life, pull, RELEASE, join the batch."""
+        """Validate, reserve blocks for the request's whole life, start the pull, join the batch."""
         recv_ns = time.monotonic_ns()
+        seq = self._admit(peer, h)
+        if seq is None:
+            return
+        key, consumer = seq.key, peer.consumer
+        assert consumer is not None  # _admit checked
+        self.seq_peer[key] = peer
+        self._copying.add(key)
+        decode = seq.check_finished() is None  # else FINISH right after RELEASE (_copied)
+        done = functools.partial(self._copied, peer, h, seq, recv_ns)
+        try:
+            seq.ready = consumer.pull(
+                h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done
+            )
+        except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
+            self._copying.discard(key)
+            self._fail(peer, seq, exc)
+            return
+        if decode:
+            self.engine.add(seq)
+        log.debug(
+            "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
+        )
+
+    def _admit(self, peer: Peer, h: Handoff) -> Sequence | None:
+        """Check a HANDOFF and reserve its blocks: its Sequence, or None once answered."""
         key = seq_key(peer.link_id, h.request_id)
         consumer = peer.consumer
         try:
             if consumer is None:
                 raise ValueError("HANDOFF before REGISTER")
             consumer.validate(h, self.vocab_size)
-            if key in self.seq_peer:
+            if key in self.rt.allocator:  # live, pulling, or its blocks not yet freed
                 raise ValueError("request id already in flight on this link")
         except (ValueError, PdkvError) as exc:
             log.warning(
                 "handoff_rejected", request_id=h.request_id, link=peer.link_id, error=str(exc)
             )
             peer.post_error(ErrorCode.BAD_REQUEST, str(exc), h.request_id)
-            return
+            return None
+        seq = Sequence(
+            request_id=h.request_id,
+            peer=peer.link_id,
+            prompt_len=h.num_tokens,
+            generated=[h.first_token],
+            blocks=[],
+            sampling=h.sampling,
+            stop_ids=self._stop_ids,
+            block_size=self.rt.layout.block_size,
+        )
         need = blocks_needed(h.num_tokens, h.sampling.max_tokens, self.rt.layout.block_size)
         if need > self.rt.allocator.total:
             peer.post_error(
@@ -101,9 +155,9 @@ class DecodeRequests:
                 f"{self.rt.allocator.total} (lower max_tokens or raise the decode's --num-blocks)",
                 h.request_id,
             )
-            return
+            return None
         try:
-            blocks = self.rt.allocator.allocate(key, need)
+            seq.blocks = self.rt.allocator.allocate(key, need)
         except OutOfBlocks as exc:
             log.info(
                 "handoff_no_capacity",
@@ -113,64 +167,41 @@ class DecodeRequests:
                 free=exc.free,
             )
             peer.post_error(ErrorCode.NO_CAPACITY, str(exc), h.request_id)
+            return None
+        return seq
+
+    def _copied(
+        self, peer: Peer, h: Handoff, seq: Sequence, recv_ns: int, exc: BaseException | None
+    ) -> None:
+        """The consumer's `done`, exactly once per started pull: RELEASE (the peer may reuse its
+        blocks and event slot), or fail the request; blocks of a sequence that ended meanwhile
+        are freed now, and one with nothing to decode gets its FINISH."""
+        key = seq.key
+        self._copying.discard(key)
+        if exc is not None:
+            self._fail(peer, seq, exc)
             return
-        self.seq_peer[key] = peer
-        self._pulling[key] = False
-
-        def done(exc: BaseException | None) -> None:
-            if exc is None:
-                self._pulled(peer, h, key, blocks, recv_ns)
-            else:
-                self._pull_failed(peer, h, key, exc)
-
-        consumer.pull(h.block_ids, blocks[: len(h.block_ids)], h.event_slot, done)
-
-    def _pull_failed(self, peer: Peer, h: Handoff, key: str, exc: BaseException) -> None:
-        """The copy failed (a bug or a bad mapping): fail this request, keep the link."""
-        log.error("pull_failed", request_id=h.request_id, link=peer.link_id, exc_info=exc)
-        self._pulling.pop(key, None)
-        self.seq_peer.pop(key, None)
-        if key in self.rt.allocator:
-            self.rt.allocator.free(key)
-        peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", h.request_id)
-
-    def _pulled(self, peer: Peer, h: Handoff, key: str, blocks: list[int], recv_ns: int) -> None:
-        """The copy is complete: RELEASE, then join the batch (unless aborted meanwhile)."""
         done_ns = time.monotonic_ns()
-        aborted = self._pulling.pop(key, True)
+        seq.handoff_us = (done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0
+        seq.pull_us = (done_ns - recv_ns) / 1000
         peer.post(Release(request_id=h.request_id, event_slot=h.event_slot))
         peer.handoffs += 1
         self.handoffs += 1
-        if aborted or peer.closed:
-            self.seq_peer.pop(key, None)
-            if key in self.rt.allocator:
-                self.rt.allocator.free(key)
-            return
-        seq = Sequence(
-            request_id=h.request_id,
-            peer=peer.link_id,
-            prompt_len=h.num_tokens,
-            generated=[h.first_token],
-            blocks=blocks,
-            sampling=h.sampling,
-            stop_ids=self.rt.model.config.stop_token_ids,
-            block_size=self.rt.layout.block_size,
-            handoff_us=(done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0,
-            pull_us=(done_ns - recv_ns) / 1000,
-        )
-        if seq.check_finished():
-            peer.post(self._finished(peer, seq))  # nothing left to decode
-            return
-        self.engine.add(seq)
-        log.debug(
-            "handoff_accepted",
-            request_id=h.request_id,
-            link=peer.link_id,
-            blocks=len(h.block_ids),
-            pull_us=round(seq.pull_us, 1),
-        )
+        if key not in self.seq_peer:  # ended (abort, link loss) while its pull ran
+            self._free_blocks(key)
+        elif seq.finish_reason:  # finished at HANDOFF (a step's finish ends it in the same turn)
+            peer.post(self._finished(peer, seq))
 
-    def _on_step(self, results: list[tuple[Sequence, int]]) -> None:
+    def _fail(self, peer: Peer, seq: Sequence, exc: BaseException) -> None:
+        """The copy failed (a bug or a bad mapping): fail this request, keep the link."""
+        log.error("pull_failed", request_id=seq.request_id, link=peer.link_id, exc_info=exc)
+        live = seq.key in self.seq_peer
+        self.engine.remove(seq.key)
+        self._free(seq.key)
+        if live:
+            peer.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", seq.request_id)
+
+    def _answer(self, results: list[tuple[Sequence, int]]) -> None:
         """After a step: each link gets its sequences' TOKENS (and FINISHes) in one write."""
         out: dict[str, tuple[Peer, list[Message]]] = {}
         finished = sum(1 for seq, _ in results if seq.finish_reason)
@@ -184,7 +215,7 @@ class DecodeRequests:
                 log.warning(
                     "sequence_failed", request_id=seq.request_id, link=peer.link_id, error=seq.error
                 )
-                self._free(seq)
+                self._free(seq.key)
                 msgs.append(make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
                 continue
             msgs.append(Tokens(request_id=seq.request_id, tokens=[tok]))
@@ -195,7 +226,7 @@ class DecodeRequests:
 
     def _finished(self, peer: Peer, seq: Sequence) -> Finish:
         """Free a finished sequence's blocks; its FINISH (the prefill logs the request's line)."""
-        self._free(seq)
+        self._free(seq.key)
         decode_ms = (time.monotonic() - seq.started) * 1000
         log.debug(
             "sequence_finished",
@@ -216,16 +247,29 @@ class DecodeRequests:
             },
         )
 
-    def _free(self, seq: Sequence) -> None:
-        key = seq.key
+    def _free(self, key: str) -> None:
+        """A sequence ended: forget it and free its blocks, now or (pull in flight) in _copied."""
         self.seq_peer.pop(key, None)
-        if key in self.rt.allocator:
+        if key not in self._copying:
+            self._free_blocks(key)
+
+    def _free_blocks(self, key: str) -> None:
+        """Free a key's blocks — after the step in flight, if one is: it may still write the
+        ended sequence's KV slot, and a pull into the same blocks is not ordered after it."""
+        if self._stepping:
+            self._deferred.append(key)
+        elif key in self.rt.allocator:
             self.rt.allocator.free(key)
+
+    def _free_deferred(self) -> None:
+        keys, self._deferred = self._deferred, []
+        for key in keys:
+            self._free_blocks(key)
 
     def drop(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         """End a sequence with an ERROR to its link (e.g. SHUTTING_DOWN)."""
         peer = self.seq_peer.get(seq.key)
         self.engine.remove(seq.key)
-        self._free(seq)
+        self._free(seq.key)
         if peer is not None:
             peer.post_error(code, message, seq.request_id)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Sequence:
     """A request being decoded. Owned by the decode engine; `peer` is the link it came from.
 
@@ -31,6 +32,9 @@ class Sequence:
     started: float = field(default_factory=time.monotonic)
     finish_reason: str | None = None
     error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)
+    # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that
+    # reads its blocks makes the compute stream wait on it, then clears it. None: nothing to wait.
+    ready: Any = None
 
     @property
     def key(self) -> str:

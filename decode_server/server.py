@@ -9,6 +9,7 @@ then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from typing import Any
@@ -51,7 +52,9 @@ class DecodeServer(DaemonServer):
         super().__init__(cfg, rt, cfg.link_path, stop)
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, on_fatal=self._fatal)
+        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch)
+        self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
+        self._failure: BaseException | None = None  # why the decode loop ended, if it did
         self.peers: dict[str, Peer] = {}
         self.pull_stream = None  # CUDA: every link's pulls run on this stream, launched here
         if rt.device.type == "cuda":
@@ -60,17 +63,23 @@ class DecodeServer(DaemonServer):
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
-        self.requests.engine.start()
+        self._decoding = asyncio.create_task(self._decode(), name="decode-loop")
+
+    async def _decode(self) -> None:
+        """Run the decode loop; if a step fails, nothing here decodes any more: the daemon ends
+        (exit status 1)."""
+        try:
+            await self.requests.run()
+        except Exception as exc:  # not attributable to one sequence
+            self._failure = exc
+            log.critical("decode_loop_failed", batch=len(self.requests), exc_info=exc)
+            self.stop_flag.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
 
     def in_flight(self) -> int:
         return len(self.requests)
 
-    def _fatal(self, exc: BaseException) -> None:
-        """The batching loop died: nothing here decodes any more, so the daemon ends (non-zero)."""
-        self.stop_flag.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
-
     def failure(self) -> BaseException | None:
-        return self.requests.engine.failure
+        return self._failure
 
     async def end_remaining(self) -> None:
         code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
@@ -81,7 +90,10 @@ class DecodeServer(DaemonServer):
         for peer in list(self.peers.values()):
             await peer.flush()
             await self._end_link(peer)
-        await self.requests.engine.stop()
+        if self._decoding is not None:
+            self._decoding.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._decoding
 
     @property
     def throughput(self) -> Throughput:

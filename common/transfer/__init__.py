@@ -3,7 +3,9 @@
 - `producer.KVProducer` (the prefill's, one per process): exports the pool once, owns the event
   ring (acquire, record, quarantine, release), builds the REGISTER payload and keeps the leases.
 - `consumer.KVConsumer` (the decode's, one per link): opens the peer's pool once, validates a
-  HANDOFF, pulls (event wait + copy, ordered on the pull stream), tracks pulls in flight, closes.
+  HANDOFF, starts pulls (event wait + copy, ordered on the pull stream; on CUDA the reader waits
+  on the returned event, and `completion.CompletionWaiter` reports the copy done for RELEASE),
+  tracks pulls in flight, closes.
 
 Both copy through `KVPool.copy_blocks_from`, the one block copy for every backend; the daemons
 and `common.cache_manager.CacheManager` use the same objects. Messages cross between the sides only

@@ -7,13 +7,22 @@ Contract:
   are closed either way.
 - `validate(handoff, vocab_size)` checks one HANDOFF against the peer's pool and this link's
   ring; ValueError or IpcError with the reason.
-- `pull(src_ids, dst_ids, slot, done)` copies peer blocks into `local` ordered after the peer's
-  writes, and calls `done(None)` once the copy is complete — at once on CPU (the frame was the
-  signal), from a task on CUDA (the pull stream waits on event `slot`, the copy runs on that
-  stream, a local event after it is polled from the loop) — or `done(exc)` if it failed. Never
-  raises; a RELEASE may go out as soon as `done(None)` runs.
-- `drain()` waits for every pull still in flight; `close()` (idempotent, after drain) unmaps the
-  peer's pool and closes its events. A mapping is never closed under a copy that reads it.
+- `pull(src_ids, dst_ids, slot, done)` starts the copy of peer blocks into `local`, ordered after
+  the peer's writes, and returns what a reader must wait on:
+  - CPU: the copy runs inline (the frame was the signal); `done(None)` runs before `pull`
+    returns, and `pull` returns None: the blocks may be read at once.
+  - CUDA: the pull stream waits on the peer's event `slot` (the GPU waits, not the CPU), the copy
+    is enqueued behind it, and `pull` returns an event recorded after the copy. Nothing waits on
+    the host: a reader makes its own stream wait on that event (`stream.wait_event`) before it
+    reads the blocks, and may be enqueued at once. A waiter thread (transfer.completion) observes
+    the event and runs `done(None)` on the loop once the copy is complete, or `done(exc)` if it
+    failed.
+  `pull` raises (IpcError, PdkvError, a CUDA error) when the copy could not be started; then
+  `done` never runs. Otherwise `done` runs exactly once, and a RELEASE may go out only then: the
+  peer may overwrite its blocks and re-record the event slot after it.
+- `drain()` waits until every started pull has completed and its `done` has run; `close()`
+  (idempotent, after drain) unmaps the peer's pool, closes its events and stops the waiter. A
+  mapping is never closed under a copy that reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 import torch
@@ -34,10 +44,12 @@ from common.ipc.events import ImportedEventRing
 from common.kvpool import KVPool, PoolLayout
 from common.model.paged import blocks_for
 from common.protocol import ErrorCode, Handoff, Register
+from common.transfer.completion import CompletionWaiter
 from common.transfer.regions import open_region
 
 log = structlog.get_logger(__name__)
 PullDone = Callable[[BaseException | None], None]
+Ready = Any  # a torch.cuda.Event on CUDA (anything with synchronize(): completion.Waitable)
 
 
 class TransferRefused(PdkvError):
@@ -62,7 +74,10 @@ class KVConsumer:
         self._region = region
         self._events = events
         self._stream = stream
-        self._pulls: set[asyncio.Task[None]] = set()
+        self._waiter: CompletionWaiter | None = None  # started by the first CUDA pull
+        self._in_flight = 0  # pulls started and not yet reported complete
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @classmethod
     def open(
@@ -148,45 +163,55 @@ class KVConsumer:
             raise ValueError(f"event slot {h.event_slot} does not exist on this link")
 
     # ---- pulls -----------------------------------------------------------------------------------
-    def pull(self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone) -> None:
-        """Copy peer blocks src_ids into local dst_ids; `done` as the module docstring says."""
-        if self._stream is None:
-            try:
-                self.local.copy_blocks_from(self._peer(), src_ids, dst_ids)
-            except Exception as exc:  # a bug or a bad id: fail this pull, never the link
-                done(exc)
-                return
-            done(None)
-            return
-        task = asyncio.get_running_loop().create_task(self._pull_cuda(src_ids, dst_ids, slot, done))
-        self._pulls.add(task)
-        task.add_done_callback(self._pulls.discard)
-
-    async def _pull_cuda(
+    def pull(
         self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone
-    ) -> None:
-        try:
-            peer = self._peer()
-            if slot >= 0 and self._events is not None:
-                self._events.wait(slot, self._stream)  # the GPU waits, not the CPU
-            with torch.cuda.stream(self._stream):
-                self.local.copy_blocks_from(peer, src_ids, dst_ids)
-                copied = torch.cuda.Event()
-                copied.record(self._stream)
-            await wait_event(copied)
-        except Exception as exc:
+    ) -> Ready | None:
+        """Start copying peer blocks src_ids into local dst_ids; returns None when the copy is
+        complete already (CPU), else the event a reader's stream waits on. As the module
+        docstring says: raises if the copy could not be started, else `done` runs once."""
+        peer = self._peer()
+        if self._stream is None:
+            self.local.copy_blocks_from(peer, src_ids, dst_ids)
+            done(None)
+            return None
+        ready = self._enqueue(peer, src_ids, dst_ids, slot)
+        self._track(ready, done)
+        return ready
+
+    def _enqueue(self, peer: KVPool, src_ids: list[int], dst_ids: list[int], slot: int) -> Ready:
+        """CUDA: the pull stream waits on the peer's event `slot`, the copy follows on that
+        stream, and an event recorded after it is returned. Nothing here waits on the host."""
+        if slot >= 0 and self._events is not None:
+            self._events.wait(slot, self._stream)  # the GPU waits, not the CPU
+        with torch.cuda.stream(self._stream):
+            self.local.copy_blocks_from(peer, src_ids, dst_ids)
+        copied = torch.cuda.Event(blocking=True)  # the waiter thread sleeps on it, never spins
+        copied.record(self._stream)
+        return copied
+
+    def _track(self, ready: Ready, done: PullDone) -> None:
+        """Count the pull in flight until the waiter thread reports it complete."""
+        if self._waiter is None:
+            self._waiter = CompletionWaiter(asyncio.get_running_loop())
+        self._in_flight += 1
+        self._idle.clear()
+
+        def complete(exc: BaseException | None) -> None:  # on the loop
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
             done(exc)
-            return
-        done(None)
+
+        self._waiter.watch(ready, complete)
 
     @property
     def pulls_in_flight(self) -> int:
-        return len(self._pulls)
+        return self._in_flight
 
     async def drain(self) -> None:
-        """Wait until no pull reads the peer's pool."""
-        while self._pulls:
-            await asyncio.gather(*self._pulls, return_exceptions=True)
+        """Wait until no pull reads the peer's pool (every started pull's `done` has run)."""
+        while self._in_flight:
+            await self._idle.wait()
 
     def _peer(self) -> KVPool:
         if self.peer is None:
@@ -198,21 +223,15 @@ class KVConsumer:
         drain() (a pull still in flight would read unmapped memory)."""
         if self.peer is None:
             return
-        if self._pulls:
-            log.warning("consumer_closed_with_pulls_in_flight", pulls=len(self._pulls))
+        if self._in_flight:
+            log.warning("consumer_closed_with_pulls_in_flight", pulls=self._in_flight)
+        elif self._waiter is not None:
+            self._waiter.close()  # idle: returns at once (with pulls in flight, leave it be)
         self.peer = None
         if self._events is not None:
             self._events.close()
             self._events = None
         self._region.close()
-
-
-async def wait_event(event: torch.cuda.Event) -> None:
-    """Await a CUDA event without blocking the loop: poll, yielding, then back off to 200 µs."""
-    spins = 0
-    while not event.query():
-        spins += 1
-        await asyncio.sleep(0 if spins < 64 else 0.0002)
 
 
 def _close_fds(fds: list[int]) -> None:
@@ -221,4 +240,4 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-__all__ = ["KVConsumer", "PullDone", "TransferRefused", "wait_event"]
+__all__ = ["KVConsumer", "PullDone", "Ready", "TransferRefused"]

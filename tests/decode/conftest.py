@@ -59,8 +59,11 @@ class Side:
         """A real prefill into this side's pool, and the HANDOFF that names it."""
         bs = self.pool.layout.block_size
         blocks = self.producer.allocator.allocate(rid, blocks_for(len(prompt), bs))
+        dev = self.pool.device
         logits = self.rt.model.prefill(
-            torch.tensor(prompt), slots_for(blocks, 0, len(prompt), bs), self.pool.tensor
+            torch.tensor(prompt, device=dev),
+            slots_for(blocks, 0, len(prompt), bs).to(dev),
+            self.pool.tensor,
         )
         first = sample(logits, params, make_generator(params, 0))
         return Handoff(

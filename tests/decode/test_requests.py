@@ -4,6 +4,8 @@ RELEASE → batch → TOKENS/FINISH, capacity, abort and link loss, with real fo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import pytest
 
@@ -18,11 +20,23 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture
 def table(rt):  # type: ignore[no-untyped-def]
-    fatal: list[BaseException] = []
-    requests = DecodeRequests(rt, max_batch=8, on_fatal=fatal.append)
+    requests = DecodeRequests(rt, max_batch=8)
     yield requests
-    assert fatal == [], "the decode loop failed"
     assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
+
+
+async def decode_until(table: DecodeRequests, done) -> None:  # type: ignore[no-untyped-def]
+    """Run the decode loop until done() holds; a failing step fails the test."""
+    loop = asyncio.create_task(table.run())
+    try:
+        async with asyncio.timeout(30):
+            while not done():
+                assert not loop.done(), loop.exception()
+                await asyncio.sleep(0.01)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
 
 
 def _errors(link: FakeLink) -> list[tuple[str, str | None]]:
@@ -37,13 +51,7 @@ async def test_a_handoff_is_released_at_once_and_decodes_to_the_reference(
     table.handoff(link, h)
     assert link.of(Release) == [Release(request_id="r1", event_slot=-1)]  # CPU: before any step
     assert len(table) == 1 and link.handoffs == 1
-    table.engine.start()
-    try:
-        async with asyncio.timeout(30):
-            while not link.of(Finish):
-                await asyncio.sleep(0.01)
-    finally:
-        await table.engine.stop()
+    await decode_until(table, lambda: link.of(Finish))
     tokens = [h.first_token] + [t for m in link.of(Tokens) for t in m.tokens]
     want = reference.generate(rt.model, prompt, GREEDY, block_size=rt.layout.block_size)
     assert tokens == want
@@ -92,3 +100,30 @@ def test_a_bad_handoff_is_refused_without_taking_blocks(side: Side, link, table,
     assert _errors(link) == [(ErrorCode.BAD_REQUEST, "r")]
     assert link.of(Release) == [] and len(table) == 0
     side.producer.allocator.free("r")
+
+
+async def test_a_sequence_aborted_mid_step_keeps_its_blocks_until_the_step_returns(
+    side: Side, link, table, rt
+):
+    """The step in flight may still write the sequence's KV slot: a pull into its blocks, were
+    they freed and handed to another request, would race that write."""
+    table.handoff(link, side.prefill("r1", [5, 6, 7], GREEDY))
+    gate = threading.Event()
+    held = asyncio.ensure_future(rt.run(gate.wait, 30))  # the torch thread is busy
+    loop = asyncio.create_task(table.run())
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop takes r1 into a step, queued behind `held`
+    table.abort(link, "r1")
+    assert len(table) == 0 and "link-a/r1" in rt.allocator  # still under the step
+    gate.set()
+    await held
+    try:
+        async with asyncio.timeout(30):
+            while "link-a/r1" in rt.allocator:
+                await asyncio.sleep(0.005)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+    assert link.of(Tokens) == []  # the aborted sequence's token was dropped
+    side.producer.allocator.free("r1")

@@ -70,14 +70,20 @@ def exporter_then_die(nbytes: int, out: Any, cmd: Any) -> None:
 
 
 def prefill_after_spin(
-    n: int, final: float, spin_cycles: int, out: Any, cmd: Any, device: int = 0
+    n: int,
+    final: float,
+    spin_cycles: int,
+    out: Any,
+    cmd: Any,
+    device: int = 0,
+    backend: str = "cuda-raw",
 ) -> None:
-    """Exporter: share a tensor and an event ring; on "go", spin the stream, write `final`,
-    record a slot and send it at once (before the GPU is done)."""
+    """Exporter: share a tensor (with `backend`) and an event ring; on "go", spin the stream,
+    write `final`, record a slot and send it at once (before the GPU is done)."""
     faulthandler.enable()
     torch.cuda.set_device(device)
     t = torch.zeros(n, dtype=torch.float32, device=f"cuda:{device}")
-    region = backend_for("cuda-raw").export(t)
+    region = backend_for(backend).export(t)
     ring = EventRing.create(2, device)
     torch.cuda.synchronize()
     out.put((encode(region.desc), ring.handles()))
