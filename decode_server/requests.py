@@ -117,6 +117,8 @@ class DecodeRequests:
             return
         if decode:
             self.engine.add(seq)
+        if h.sent_ns:
+            seq.usable_us = (time.monotonic_ns() - h.sent_ns) / 1000
         log.debug(
             "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
         )
@@ -219,6 +221,8 @@ class DecodeRequests:
                 msgs.append(make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
                 continue
             msgs.append(Tokens(request_id=seq.request_id, tokens=[tok]))
+            if not seq.first_step_us:
+                seq.first_step_us = (time.monotonic() - seq.started) * 1e6
             if seq.finish_reason:
                 msgs.append(self._finished(peer, seq))
         for peer, msgs in out.values():
@@ -243,6 +247,8 @@ class DecodeRequests:
             timings={
                 "decode_handoff_us": round(seq.handoff_us, 1),
                 "pull_us": round(seq.pull_us, 1),
+                "usable_us": round(seq.usable_us, 1),
+                "first_step_us": round(seq.first_step_us, 1),
                 "decode_ms": round(decode_ms, 3),
             },
         )

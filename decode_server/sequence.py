@@ -29,7 +29,9 @@ class Sequence:
     block_size: int
     handoff_us: float = 0.0
     pull_us: float = 0.0
+    usable_us: float = 0.0  # HANDOFF sent -> its pull enqueued and the sequence in the batch
     started: float = field(default_factory=time.monotonic)
+    first_step_us: float = 0.0  # admitted (`started`) -> its first decoded token posted
     finish_reason: str | None = None
     error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)
     # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that
