@@ -25,9 +25,7 @@ daemons' FrameChannel).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 from dataclasses import dataclass, field
 
 import msgspec
@@ -35,6 +33,7 @@ import torch
 
 from common.allocator import BlockAllocator
 from common.errors import IpcError, PdkvError
+from common.fd_inbox import close_fds
 from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
 from common.layerwise import LayerSynchronizer, TransferTask, start_layerwise
@@ -150,7 +149,7 @@ class CacheManager:
         try:
             exp = msgspec.json.decode(payload, type=PlainExport)
         except msgspec.DecodeError as exc:
-            _close_fds(fds)
+            close_fds(fds)
             raise IpcError(f"not a cache export: {exc}") from None
         region = open_region(exp.region, fds, device)
         return self._add(Cache(next(_ids), region.to_tensor(), None, remote=True, region=region))
@@ -247,13 +246,7 @@ def _open_link(payload: bytes, fds: list[int], device: torch.device) -> KVConsum
         landing = KVPool(one, torch.empty(one.shape, dtype=one.torch_dtype, device=device))
         return KVConsumer.open(reg, take, landing)
     finally:
-        _close_fds(fds[taken:])  # taken ones: the mapping's, or closed by a refusing open
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
+        close_fds(fds[taken:])  # taken ones: the mapping's, or closed by a refusing open
 
 
 def _copy_whole(src: Cache, dst: Cache) -> None:
