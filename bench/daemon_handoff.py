@@ -8,7 +8,11 @@ RELEASE received), `decode_handoff_us` (HANDOFF sent → the decode holds the KV
 whose handoffs follow each other back to back, every handoff here comes between a client's
 request, a prefill forward pass and a decode step: the code on the path runs cold.
 
-    .venv/bin/python bench/daemon_handoff.py [--requests 500] [--spin-us 0] [--out r.json]
+`--pin` puts the decode daemon on the last CPU and the prefill daemon and this client on the
+others (docs/operations.md, "CPU placement": on a 2-vCPU VM the RELEASE otherwise waits for the
+CPU behind the decode's own step).
+
+    .venv/bin/python bench/daemon_handoff.py [--requests 500] [--spin-us 0] [--pin] [--out r.json]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-def start(rt: Path, role: str, spin_us: int) -> subprocess.Popen:
+def start(rt: Path, role: str, spin_us: int, cpus: set[int] | None = None) -> subprocess.Popen:
     log = open(rt / f"{role}.log", "wb")  # noqa: SIM115
     argv = [
         sys.executable,
@@ -47,7 +51,10 @@ def start(rt: Path, role: str, spin_us: int) -> subprocess.Popen:
         "json",
     ]
     argv += ["--log-level", "WARNING", role, "start", "--device", "cpu", "--spin-us", str(spin_us)]
-    return subprocess.Popen(argv, stdout=log, stderr=log)
+    proc = subprocess.Popen(argv, stdout=log, stderr=log)
+    if cpus:  # before the interpreter has started a thread: every later one inherits it
+        os.sched_setaffinity(proc.pid, cpus)
+    return proc
 
 
 async def wait_up(sock: str, linked: bool) -> None:
@@ -84,11 +91,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--spin-us", type=int, default=0)
+    ap.add_argument("--pin", action="store_true", help="decode on the last CPU, the rest elsewhere")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    last = max(os.sched_getaffinity(0))
+    decode_cpus = {last} if args.pin else None
+    others = os.sched_getaffinity(0) - {last} if args.pin else None
+    if others:
+        os.sched_setaffinity(0, others)
     rt = Path(tempfile.mkdtemp(prefix="pdkv-dh-"))
     os.chmod(rt, 0o700)
-    procs = [start(rt, "decode", args.spin_us), start(rt, "prefill", args.spin_us)]
+    procs = [
+        start(rt, "decode", args.spin_us, decode_cpus),
+        start(rt, "prefill", args.spin_us, others),
+    ]
     try:
         got = asyncio.run(measure(rt, args.requests, args.warmup))
     finally:
@@ -99,10 +115,15 @@ def main() -> None:
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}",
         "date": time.strftime("%Y-%m-%d"),
         "spin_us": args.spin_us,
+        "pinned": args.pin,
         "requests": args.requests,
         "results": {k: {"p50": pct(v, 0.5), "p99": pct(v, 0.99)} for k, v in got.items()},
     }
-    print(f"handoff through the daemons, {res['machine']}, {res['date']}, spin {args.spin_us} us")
+    pinned = ", decode pinned apart" if args.pin else ""
+    print(
+        f"handoff through the daemons, {res['machine']}, {res['date']}, "
+        f"spin {args.spin_us} us{pinned}"
+    )
     for k, v in res["results"].items():
         print(f"  {k:18} p50 {v['p50']:9.1f} us   p99 {v['p99']:9.1f} us")
     if args.out:

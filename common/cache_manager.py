@@ -1,6 +1,5 @@
-"""The transfer layer as a library, in the shape of LLM-DataDist's cache manager.
-
-The daemons are its first users in spirit; an engine can use it directly:
+"""The transfer layer as a library, in the shape of LLM-DataDist's cache manager: a thin facade
+over the daemons' own transfer objects.
 
     mgr = CacheManager()
     cache = mgr.register_blocks_cache(KVPool.create(layout))     # owner side
@@ -13,90 +12,65 @@ The daemons are its first users in spirit; an engine can use it directly:
 
 A cache is *local* (this process owns the memory: registered) or *remote* (imported from a peer's
 export: the same memory, mapped here). Blocks caches are KVPools (block-major, one block's K and V
-for all layers contiguous); plain caches are any shareable tensor moved whole. Every copy goes
-through the same pieces as the daemons: KVPool.copy_blocks_from (runs of adjacent blocks on CPU,
-the block-copy kernel on CUDA) and the SharedRegion backends (shm, cuda-raw, cuda-torch). Nothing
-here touches a socket: how payload and fds travel is the caller's choice (common.ipc.fdpass, or the
+for all layers contiguous); plain caches are any shareable tensor moved whole.
+
+A blocks cache travels exactly as the daemons' pool does: exporting it builds a KVProducer over
+it (the pool exported once, its REGISTER frame and fds are the payload), importing it opens a
+KVConsumer from that REGISTER (the consumer's checks, refusals and fd rules), and a pull is the
+consumer's pull, through `KVPool.copy_blocks_from` like every copy. A payload from a prefill
+daemon's producer imports here, and an export from here opens in a bare KVConsumer. Nothing here
+touches a socket: how payload and fds travel is the caller's choice (common.ipc.fdpass, or the
 daemons' FrameChannel).
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import msgspec
 import torch
 
-from common.blockids import block_id_array
+from common.allocator import BlockAllocator
 from common.errors import IpcError, PdkvError
+from common.fd_inbox import close_fds
 from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
-from common.transfer.regions import export_region, open_region
+from common.layerwise import LayerSynchronizer, TransferTask, start_layerwise
+from common.protocol import ErrorCode, Register, decode, encode
+from common.protocol.version import MAGIC
+from common.transfer import KVConsumer, KVProducer, TransferRefused
+from common.transfer.regions import default_backend, export_region, open_region
 
 _ids = itertools.count(1)
 
 
-class CacheExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What an owner sends a peer so it can import a cache (once). JSON; fds travel beside it."""
+class PlainExport(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What an owner sends a peer so it can import a plain cache (once). JSON; fds beside it.
+    (A blocks cache's export is the daemons' REGISTER frame instead.)"""
 
     region: RegionDescriptor
-    layout: dict[str, int | str] | None = None  # None: a plain cache
 
 
 @dataclass(eq=False)
 class Cache:
-    """A registered (local) or imported (remote) cache. `layout` is None for a plain cache."""
+    """A registered (local) or imported (remote) cache. `layout` is None for a plain cache.
+    A local blocks cache gets its `producer` when first exported; a remote one holds the
+    `consumer` that opened it (`pool` is then the consumer's view of the peer's pool)."""
 
     cache_id: int
     tensor: torch.Tensor
     layout: PoolLayout | None
     remote: bool
-    region: SharedRegion | None = None
+    region: SharedRegion | None = None  # a plain cache's, once exported or imported
     pool: KVPool | None = field(default=None, repr=False)
+    producer: KVProducer | None = field(default=None, repr=False)
+    consumer: KVConsumer | None = field(default=None, repr=False)
 
     def blocks(self) -> KVPool:
         if self.pool is None:
             raise IpcError(f"cache {self.cache_id} is a plain cache, not a blocks cache")
         return self.pool
-
-
-class LayerSynchronizer(Protocol):
-    """Paces a layer-wise transfer: `synchronize_layer(i)` returns once layer i of the source may
-    be read (e.g. the producer's forward pass has written it), False on timeout."""
-
-    def synchronize_layer(self, layer_index: int, timeout_s: float) -> bool: ...
-
-
-class TransferTask:
-    """A transfer running in the background; `synchronize()` waits and re-raises its error."""
-
-    def __init__(self, run) -> None:  # type: ignore[no-untyped-def]
-        self._error: BaseException | None = None
-        self.layers_done = 0
-
-        def body() -> None:
-            try:
-                run(self)
-            except BaseException as exc:  # handed to synchronize()
-                self._error = exc
-
-        self._thread = threading.Thread(target=body, name="pdkv-transfer", daemon=True)
-        self._thread.start()
-
-    @property
-    def done(self) -> bool:
-        return not self._thread.is_alive()
-
-    def synchronize(self, timeout_s: float | None = None) -> None:
-        """Block until the transfer ends; TimeoutError if it is still running after timeout_s."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"transfer still running after {timeout_s} s")
-        if self._error is not None:
-            raise self._error
 
 
 class CacheManager:
@@ -115,11 +89,18 @@ class CacheManager:
         return self._add(Cache(next(_ids), tensor, None, remote=False))
 
     def unregister_cache(self, cache: Cache) -> None:
-        """Forget a cache; an imported one is unmapped (drop your views of it first). Idempotent."""
+        """Forget a cache: an exported one is no longer shared (its producer closes), an imported
+        one is unmapped (its consumer closes; drop your views of it first). Idempotent."""
         self._caches.pop(cache.cache_id, None)
-        if cache.region is not None:
+        if cache.producer is not None:
+            cache.producer.close()
+            cache.producer = None
+        if cache.remote:
             cache.pool = None
             cache.tensor = torch.empty(0)
+        if cache.consumer is not None:
+            cache.consumer.close()
+        if cache.region is not None:
             cache.region.close()
 
     def close(self) -> None:
@@ -132,35 +113,57 @@ class CacheManager:
 
     # ---- sharing ---------------------------------------------------------------------------------
     def export_cache(self, cache: Cache) -> tuple[bytes, list[int]]:
-        """(payload, fds) a peer passes to import_cache. Export once per peer, not per transfer."""
+        """(payload, fds) a peer passes to import_cache; the fds stay owned here. Export once per
+        peer, not per transfer. A blocks cache's payload is the REGISTER frame of the KVProducer
+        built over it on the first export (the pool is exported once per process)."""
         if cache.remote:
             raise IpcError(f"cache {cache.cache_id} is imported; only its owner can export it")
-        if cache.region is None:
-            cache.region = export_region(cache.tensor)
-        layout = cache.layout.to_wire() if cache.layout is not None else None
-        payload = msgspec.json.encode(CacheExport(region=cache.region.desc, layout=layout))
-        return payload, cache.region.fds()
+        if cache.pool is None:
+            if cache.region is None:
+                cache.region = export_region(cache.tensor)
+            return msgspec.json.encode(PlainExport(region=cache.region.desc)), cache.region.fds()
+        if cache.producer is None:
+            pool = cache.pool
+            allocator = BlockAllocator(pool.num_blocks)  # leases, if an owner wants them
+            cache.producer = KVProducer(
+                pool, allocator, default_backend(pool.device), event_slots=1
+            )
+        reg, fds = cache.producer.register()
+        return encode(reg), fds
 
     def import_cache(
         self, payload: bytes, fds: list[int], *, device: torch.device | str = "cpu"
     ) -> Cache:
-        """Map a peer's exported cache (the fds are taken over). `device`: where this process
-        reads it from (a peer GPU's pool is mapped in this GPU's context for the copy kernel)."""
+        """Map a peer's exported cache; the fds are taken over (closed here if it is refused).
+        `device`: where this process reads it from (a peer GPU's pool is mapped in this GPU's
+        context for the copy kernel). A blocks cache is opened by a KVConsumer: TransferRefused
+        with its ERROR code when the payload is not a REGISTER the consumer can honour."""
+        device = torch.device(device)
+        if payload[: len(MAGIC)] == MAGIC:
+            consumer = _open_link(payload, fds, device)
+            peer = consumer.peer
+            assert peer is not None  # just opened
+            cache = Cache(next(_ids), peer.tensor, peer.layout, remote=True, pool=peer)
+            cache.consumer = consumer
+            return self._add(cache)
         try:
-            exp = msgspec.json.decode(payload, type=CacheExport)
+            exp = msgspec.json.decode(payload, type=PlainExport)
         except msgspec.DecodeError as exc:
+            close_fds(fds)
             raise IpcError(f"not a cache export: {exc}") from None
-        region = open_region(exp.region, fds, torch.device(device))
-        tensor = region.to_tensor()
-        layout = PoolLayout.from_wire(exp.layout) if exp.layout is not None else None
-        pool = KVPool(layout, tensor) if layout is not None else None
-        return self._add(Cache(next(_ids), tensor, layout, remote=True, region=region, pool=pool))
+        region = open_region(exp.region, fds, device)
+        return self._add(Cache(next(_ids), region.to_tensor(), None, remote=True, region=region))
 
     # ---- transfers -------------------------------------------------------------------------------
     def pull_blocks(self, src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int]) -> None:
-        """Copy src's blocks src_ids into dst's dst_ids (dst local); complete on return."""
+        """Copy src's blocks src_ids into dst's dst_ids (dst local); complete on return. From a
+        remote cache, this is its consumer's pull into dst."""
         _need(not dst.remote, "pull_blocks writes a local cache: dst must be registered here")
-        _copy_blocks(src, dst, src_ids, dst_ids)
+        src.blocks()  # a plain cache has no blocks to pull
+        if src.consumer is None:
+            _copy_blocks(src, dst, src_ids, dst_ids)
+            return
+        _pull(src.consumer.into(dst.blocks()), src_ids, dst_ids)
 
     def push_blocks(self, src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy local src's blocks into a peer's cache dst; complete on return."""
@@ -190,27 +193,7 @@ class CacheManager:
         """Copy the blocks layer by layer in the background, each layer only once
         `layer_sync.synchronize_layer(i)` allowed it (so a transfer can overlap the producer's
         forward pass). The task's synchronize() re-raises a failure or a synchronizer timeout."""
-        s_pool, d_pool = src.blocks(), dst.blocks()
-        if s_pool.layout.compat_fields() != d_pool.layout.compat_fields():
-            raise IpcError("caches of different layouts cannot exchange blocks")
-        s_ids = block_id_array(src_ids, s_pool.num_blocks, "source")
-        d_ids = block_id_array(dst_ids, d_pool.num_blocks, "destination")
-        if s_ids.size != d_ids.size:
-            raise IpcError(f"{s_ids.size} source block ids but {d_ids.size} destination ids")
-        s_idx = torch.from_numpy(s_ids).to(s_pool.device)
-        d_idx = torch.from_numpy(d_ids).to(d_pool.device)
-
-        def run(task: TransferTask) -> None:
-            for layer in range(s_pool.layout.num_layers):
-                if not layer_sync.synchronize_layer(layer, timeout_s):
-                    raise TimeoutError(f"layer {layer} was not ready within {timeout_s} s")
-                picked = s_pool.tensor[:, layer].index_select(0, s_idx)
-                d_pool.tensor[:, layer].index_copy_(0, d_idx, picked.to(d_pool.device))
-                if d_pool.device.type == "cuda":
-                    torch.cuda.current_stream(d_pool.device).synchronize()
-                task.layers_done = layer + 1
-
-        return TransferTask(run)
+        return start_layerwise(src.blocks(), dst.blocks(), src_ids, dst_ids, layer_sync, timeout_s)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -225,6 +208,47 @@ def _copy_blocks(src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int])
         torch.cuda.current_stream(d_pool.device).synchronize()
 
 
+def _pull(link: KVConsumer, src_ids: list[int], dst_ids: list[int]) -> None:
+    """The facade's one call of KVConsumer.pull (adapt here if its signature moves). The link
+    has no pull stream, so the copy runs at once on the caller's current stream, ordered after
+    the caller's own work; on CUDA this waits for it, so the pull is complete on return."""
+    outcome: list[BaseException | None] = []
+    link.pull(src_ids, dst_ids, -1, outcome.append)
+    if outcome and outcome[0] is not None:
+        raise outcome[0]
+    if link.local.device.type == "cuda":
+        torch.cuda.current_stream(link.local.device).synchronize()
+
+
+def _open_link(payload: bytes, fds: list[int], device: torch.device) -> KVConsumer:
+    """A KVConsumer over the peer pool a REGISTER frame names. It is opened into a one-block
+    landing pool of the peer's layout (a consumer needs a local pool; CacheManager names the
+    real destination per pull, through `into`). Every fd not taken over is closed."""
+    taken = 0
+
+    def take(n: int) -> list[int]:
+        nonlocal taken
+        if n > len(fds):
+            raise TransferRefused(
+                ErrorCode.BAD_REQUEST, f"REGISTER names {n} fds, {len(fds)} came with it"
+            )
+        taken = n
+        return fds[:n]
+
+    try:
+        try:
+            reg = decode(payload)
+            if not isinstance(reg, Register):
+                raise PdkvError(f"a {type(reg).__name__} frame, not a REGISTER")
+            one = PoolLayout(**{**reg.layout, "num_blocks": 1})  # type: ignore[arg-type]
+        except (PdkvError, TypeError) as exc:
+            raise TransferRefused(ErrorCode.BAD_REQUEST, f"not a cache export: {exc}") from None
+        landing = KVPool(one, torch.empty(one.shape, dtype=one.torch_dtype, device=device))
+        return KVConsumer.open(reg, take, landing)
+    finally:
+        close_fds(fds[taken:])  # taken ones: the mapping's, or closed by a refusing open
+
+
 def _copy_whole(src: Cache, dst: Cache) -> None:
     if src.tensor.shape != dst.tensor.shape or src.tensor.dtype != dst.tensor.dtype:
         raise IpcError(
@@ -234,3 +258,6 @@ def _copy_whole(src: Cache, dst: Cache) -> None:
     dst.tensor.copy_(src.tensor)
     if dst.tensor.device.type == "cuda":
         torch.cuda.current_stream(dst.tensor.device).synchronize()
+
+
+__all__ = ["Cache", "CacheManager", "LayerSynchronizer", "PlainExport", "TransferTask"]

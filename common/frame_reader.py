@@ -3,11 +3,10 @@ descriptors (SCM_RIGHTS).
 
 asyncio's streams cannot carry ancillary data, and the shm backend passes its memfd with the REGISTER
 frame, so the link reads with this instead: a reader callback drains the socket with recvmsg into a
-buffer (fds queued in arrival order). Frames leave the buffer either through `recv`
-(`readexactly` serves the frame decoder; reading pauses past `max_buffer` bytes) or, on an
+buffer, and the fds that came with the bytes into common/fd_inbox.py's FdInbox. Frames leave the
+buffer either through `recv` (`readexactly` serves the frame decoder; reading pauses past `max_buffer` bytes) or, on an
 established link, through `dispatch(handler)`, which splits and handles them in the callback
-itself; `spin` polls instead of sleeping while an answer is due. Every fd received beyond what the
-protocol expects is closed.
+itself; `spin` polls instead of sleeping while an answer is due.
 
 Per-connection memory stays small while a connection is idle or carries small frames: reads go
 into a 16 KiB buffer, and a 256 KiB one exists only while a frame larger than that arrives. fds
@@ -18,28 +17,21 @@ bytes trickle in.
 
 from __future__ import annotations
 
-import array
 import asyncio
-import os
 import socket
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 
 from common.errors import ProtocolError
+from common.fd_inbox import CMSG_SPACE, MAX_FDS_HELD, MAX_FDS_PER_MSG, FdInbox
 from common.protocol import ConnectionClosed, Message, read_frame, split_frame
 from common.protocol.frame import HEADER, HEADER_SIZE
 
-#: At most this many fds are accepted per recvmsg; more is a protocol error.
-MAX_FDS_PER_MSG = 16
-#: Default cap on fds a connection may hold unclaimed (a REGISTER needs one per region).
-MAX_FDS_HELD = 16
 _RECV_SIZE = 256 * 1024  # read buffer while a large frame arrives
 _SMALL_RECV_SIZE = 16 * 1024  # read buffer otherwise
 _SHRINK_ABOVE = 64 * 1024  # an empty frame buffer that grew past this is given back
 _MSG_CTRUNC = int(socket.MSG_CTRUNC)  # plain int: IntFlag's & costs microseconds per message
-_CMSG_SPACE = socket.CMSG_SPACE(MAX_FDS_PER_MSG * array.array("i").itemsize)
 
 
 class FrameReader:
@@ -56,8 +48,7 @@ class FrameReader:
         self._buf = bytearray()
         self._small = bytearray(_SMALL_RECV_SIZE)
         self._big: bytearray | None = None  # only while a large frame arrives
-        self._fds: deque[int] = deque()
-        self.max_fds = max_fds  # fds held unclaimed beyond this are closed (see _take_ancillary)
+        self._fds = FdInbox(max_fds)
         self._eof = False
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
@@ -78,7 +69,7 @@ class FrameReader:
         try:
             # into a buffer allocated once: a fresh 256 KiB bytes per call would be an mmap +
             # munmap each time (above malloc's mmap threshold), ~100 µs per message
-            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([rbuf], _CMSG_SPACE)
+            nbytes, ancdata, flags, _ = self.sock.recvmsg_into([rbuf], CMSG_SPACE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -88,7 +79,8 @@ class FrameReader:
             return
         now = self.last_rx = time.monotonic()
         if ancdata:
-            self._take_ancillary(ancdata)
+            error = self._fds.arrived(ancdata, accepting=self._handler is None)
+            self._error = error or self._error
         if flags & _MSG_CTRUNC:
             self._error = ProtocolError(f"more than {MAX_FDS_PER_MSG} fds in one message")
         if not nbytes:
@@ -124,23 +116,6 @@ class FrameReader:
             self._big = None
             if sys.getsizeof(self._buf) > _SHRINK_ABOVE:
                 self._buf = bytearray()
-
-    def _take_ancillary(self, ancdata: list[tuple[int, int, bytes]]) -> None:
-        """Queue received fds up to `max_fds` held (never in dispatch mode); close the rest at
-        once. Past the cap on a connection that expects fds, the channel fails."""
-        for level, kind, payload in ancdata:
-            if level != socket.SOL_SOCKET or kind != socket.SCM_RIGHTS:
-                continue
-            fds = array.array("i")
-            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-            room = 0 if self._handler is not None else self.max_fds - len(self._fds)
-            self._fds.extend(fds[: max(room, 0)])
-            for fd in fds[max(room, 0) :]:
-                os.close(fd)
-            if len(fds) > room and self.max_fds and self._handler is None:
-                self._error = ProtocolError(
-                    f"more than {self.max_fds} file descriptors held by one connection"
-                )
 
     def _stop_reading(self) -> None:
         if self._reading:
@@ -262,13 +237,18 @@ class FrameReader:
         """The next message (ConnectionClosed at a clean EOF, ProtocolError on bad bytes)."""
         return await read_frame(self)
 
+    @property
+    def max_fds(self) -> int:
+        """fds held unclaimed beyond this are closed on arrival (0: every one)."""
+        return self._fds.max_fds
+
+    @max_fds.setter
+    def max_fds(self, n: int) -> None:
+        self._fds.max_fds = n
+
     def take_fds(self, n: int) -> list[int]:
         """The next n fds received, in order; ProtocolError if fewer arrived."""
-        if len(self._fds) < n:
-            raise ProtocolError(
-                f"expected {n} file descriptors with the frame, got {len(self._fds)}"
-            )
-        return [self._fds.popleft() for _ in range(n)]
+        return self._fds.take(n)
 
     def fail(self, exc: BaseException) -> None:
         """Make the pending and every later read raise `exc` (e.g. a missed heartbeat)."""
@@ -313,5 +293,7 @@ class FrameReader:
         self._end(ConnectionClosed("channel closed"))  # before _wake: closing is not a bad frame
         self._eof = True
         self._wake()
-        while self._fds:
-            os.close(self._fds.popleft())
+        self._fds.close()
+
+
+__all__ = ["MAX_FDS_HELD", "MAX_FDS_PER_MSG", "FrameReader"]

@@ -1,9 +1,11 @@
 """The library API against a real second process that owns the caches: shm on CPU, and CUDA IPC
-on a GPU (gpu marker, run on the device machine)."""
+on a GPU (gpu marker, run on the device machine); and, in one process, that it is the daemons'
+transfer (the KVProducer's REGISTER payload, the KVConsumer's checks and fd rules)."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -12,14 +14,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 import torch
 
+from common.allocator import BlockAllocator
 from common.cache_manager import Cache, CacheManager
 from common.cuda import cuda_available
 from common.errors import IpcError, PdkvError
 from common.ipc.fdpass import recv_with_fds
 from common.kvpool import KVPool, PoolLayout
+from common.protocol import ErrorCode, decode, encode
+from common.transfer import KVConsumer, KVProducer, TransferRefused
 
 LAYOUT = PoolLayout(
     num_blocks=16, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"
@@ -204,3 +210,88 @@ def test_transfer_cache_async_reports_a_synchronizer_timeout(owner):
     with pytest.raises(TimeoutError, match="layer 1 was not ready"):
         task.synchronize(10)
     assert task.layers_done == 1
+
+
+# ---- the facade is the daemons' transfer: KVProducer's payload, KVConsumer's rules ------------------
+
+
+def _filled_pool() -> KVPool:
+    pool = KVPool.create(LAYOUT)
+    for b in range(LAYOUT.num_blocks):
+        pool.tensor[b] = b
+    return pool
+
+
+def test_an_export_is_the_producers_register_and_opens_in_a_bare_consumer():
+    mgr = CacheManager()
+    owned = mgr.register_blocks_cache(_filled_pool())
+    payload, fds = mgr.export_cache(owned)
+    assert isinstance(owned.producer, KVProducer)
+    assert decode(payload) == owned.producer.register()[0]  # the frame a prefill daemon sends
+    consumer = KVConsumer.open(decode(payload), lambda n: [os.dup(fd) for fd in fds[:n]], _local())
+    done: list[BaseException | None] = []
+    consumer.pull([5, 9], [0, 1], -1, done.append)
+    assert done == [None] and consumer.local.tensor[1].unique().tolist() == [9]
+    consumer.close()
+    mgr.close()
+
+
+def test_a_daemon_producers_register_imports_and_pulls_through_its_consumer():
+    pool = _filled_pool()
+    producer = KVProducer(pool, BlockAllocator(LAYOUT.num_blocks), "shm", event_slots=1)
+    reg, fds = producer.register()
+    mgr = CacheManager()
+    remote = mgr.import_cache(encode(reg), [os.dup(fd) for fd in fds])
+    assert isinstance(remote.consumer, KVConsumer)
+    local = mgr.register_blocks_cache(_local())
+    mgr.pull_blocks(remote, local, [3, 7], [7, 3])
+    assert local.blocks().tensor[7].unique().tolist() == [3]
+    assert local.blocks().tensor[3].unique().tolist() == [7]
+    other = PoolLayout(**{**LAYOUT.to_wire(), "block_size": 8})
+    with pytest.raises(IpcError, match="different layouts"):  # the consumer's check
+        mgr.pull_blocks(remote, mgr.register_blocks_cache(KVPool.create(other)), [0], [0])
+    mgr.close()
+    assert remote.consumer.peer is None  # unregistering closed the link's mapping
+    producer.close()
+
+
+def _local() -> KVPool:
+    return KVPool.create(LAYOUT)
+
+
+@pytest.mark.parametrize(
+    ("edit", "code", "reason"),
+    [
+        (lambda reg: encode(reg)[:-3], ErrorCode.BAD_REQUEST, "not a cache export"),
+        (  # a CPU link has no event ring: the frame is the signal
+            lambda reg: encode(
+                msgspec.structs.replace(
+                    reg, event_count=1, event_handle_size=4, event_handles=b"evnt"
+                )
+            ),
+            ErrorCode.BAD_REQUEST,
+            "event handles on a CPU link",
+        ),
+        (  # a backend this process does not have
+            lambda reg: encode(
+                msgspec.structs.replace(
+                    reg, regions=[msgspec.structs.replace(reg.regions[0], kind="nixl")]
+                )
+            ),
+            ErrorCode.INCOMPATIBLE,
+            "nixl",
+        ),
+    ],
+)
+def test_a_refused_import_answers_the_consumers_error_and_closes_every_fd(edit, code, reason):
+    mgr = CacheManager()
+    owned = mgr.register_blocks_cache(_local())
+    payload, fds = mgr.export_cache(owned)
+    mine = [os.dup(fd) for fd in fds]
+    with pytest.raises(TransferRefused, match=reason) as info:
+        mgr.import_cache(edit(decode(payload)), mine)
+    assert info.value.code == code
+    for fd in mine:  # every one closed
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    mgr.close()

@@ -37,7 +37,7 @@ import structlog
 import torch
 
 from common.blockids import check_block_ids
-from common.errors import PdkvError
+from common.errors import IpcError, PdkvError
 from common.ipc.backends import backend_for
 from common.ipc.base import SharedRegion
 from common.ipc.events import ImportedEventRing
@@ -141,6 +141,18 @@ class KVConsumer:
     @property
     def kind(self) -> str:
         return self._region.desc.kind
+
+    def into(self, local: KVPool) -> KVConsumer:
+        """This link, pulling into another local pool of the same layout on the same device
+        (CacheManager pulls one import into many caches). The view shares the mapping, the ring
+        and the pull stream and owns none of them: pull through it, never close() it; close this
+        consumer once no view pulls. IpcError if `local` cannot receive the peer's blocks."""
+        peer = self._peer()
+        if local.layout.compat_fields() != peer.layout.compat_fields():
+            raise IpcError("caches of different layouts cannot exchange blocks")
+        if local.device != self.local.device:
+            raise IpcError(f"this link pulls into {self.local.device}, not {local.device}")
+        return KVConsumer(local, peer, self._region, self._events, self._stream)
 
     def validate(self, h: Handoff, vocab_size: int) -> None:
         """Checks of one HANDOFF against the peer's pool; ValueError/IpcError with the reason."""

@@ -151,7 +151,7 @@ def test_rms_norm_silu_mul_match_torch(dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("hq", "hkv", "d"), [(2, 2, 64), (8, 2, 64), (8, 1, 128)])
 def test_varlen_causal_matches_per_sequence_sdpa(dtype, hq: int, hkv: int, d: int) -> None:
-    from common.model.kernels.attention import varlen_causal_attention
+    from common.model.kernels.varlen_attention import varlen_causal_attention
 
     gen = torch.Generator().manual_seed(hq * d)
     lengths = [1, 70, 5, 130]

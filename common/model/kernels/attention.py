@@ -1,4 +1,5 @@
-"""Attention kernels: paged decode over the block table, and causal varlen prefill.
+"""Paged-decode attention over the block table, and the flash-attention tile both attention
+kernels fold keys with (`online_softmax_step`; the varlen prefill kernel is in varlen_attention.py).
 
 `paged_decode_attention` is `common.model.paged.paged_attention` without the gather: each program
 takes one (row, KV head, split of the context) and reads that row's blocks through its block table,
@@ -6,9 +7,6 @@ with the GQA query heads of that KV head packed as the rows of one matrix produc
 merges the splits (flash-decoding). The grid depends only on the table's width, so a CUDA graph
 captured at one width replays for every batch of that bucket. A row of length 0 (a padded graph
 slot) reads nothing and yields zeros.
-
-`varlen_causal_attention` is causal attention of several sequences concatenated along the token
-axis (cumulative lengths `cu_seqlens`), each attending only to its own earlier tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ PARTITION = 256  # context tokens per split of the paged-decode kernel
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+def online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One tile of flash attention: fold keys k / values v [N, D] (where `keep` [M, N]) into the
     running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
@@ -88,7 +86,7 @@ def _paged_decode_split(
         k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
         keep = valid[None, :]
-        m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
     part = (row * num_kv * GROUP + heads) * num_splits + split  # [GROUP_PAD]
     gmask = offs_g < GROUP
     tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
@@ -198,114 +196,4 @@ def paged_decode_attention(
     return out
 
 
-@triton.jit
-def _varlen_causal(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    cu_ptr,
-    scale,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr,
-):
-    mblock = tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
-    first = tl.load(cu_ptr + seq).to(tl.int32)
-    length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
-    m0 = mblock * BLOCK_M
-    if m0 < length:
-        kvh = head // GROUP
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        mmask = offs_m < length
-        rows = (first + offs_m).to(tl.int64)
-        q = tl.load(
-            q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-            mask=mmask[:, None],
-            other=0.0,
-        )
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        hi = tl.minimum(m0 + BLOCK_M, length)
-        for n0 in range(0, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            nmask = offs_n < length
-            cols = (first + offs_n).to(tl.int64)
-            k = tl.load(
-                k_ptr + cols[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
-                mask=nmask[:, None],
-                other=0.0,
-            )
-            v = tl.load(
-                v_ptr + cols[:, None] * stride_vt + kvh * stride_vh + offs_d[None, :],
-                mask=nmask[:, None],
-                other=0.0,
-            )
-            keep = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
-            m_i, l_i, acc = _online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
-        res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(
-            o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-            res.to(o_ptr.dtype.element_ty),
-            mask=mmask[:, None],
-        )
-
-
-def varlen_causal_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    *,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Causal attention per sequence of a concatenated batch: q [N, Hq, D], k/v [N, Hkv, D].
-
-    Sequence s holds tokens cu_seqlens[s] .. cu_seqlens[s+1]-1 (int32 or int64, on q's device);
-    each token attends to its own sequence's tokens up to itself. Last dims contiguous; returns a
-    new [N, Hq, D] tensor of q's dtype.
-    """
-    n, hq, d = q.shape
-    hkv = k.shape[1]
-    out = torch.empty((n, hq, d), dtype=q.dtype, device=q.device)
-    block_m = 64
-    grid = (triton.cdiv(max_seqlen, block_m), hq, cu_seqlens.numel() - 1)
-    _varlen_causal[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens,
-        scale if scale is not None else d**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=hq // hkv,
-        HEAD_DIM=d,
-        BLOCK_M=block_m,
-        BLOCK_N=64,
-        IEEE=q.dtype == torch.float32,
-        num_warps=4,
-        num_stages=2,
-    )
-    return out
+__all__ = ["PARTITION", "decode_splits", "online_softmax_step", "paged_decode_attention"]
