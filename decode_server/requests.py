@@ -18,6 +18,7 @@ never writes blocks another request owns, and a new pull never races a step's KV
 from __future__ import annotations
 
 import functools
+import os
 import time
 
 import structlog
@@ -54,6 +55,7 @@ class DecodeRequests:
         self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
         self.throughput = Throughput()  # tokens decoded, sequences finished: for status
+        self._yield_after_release = rt.device.type == "cpu"
 
     def __len__(self) -> int:
         return len(self.engine)
@@ -187,6 +189,10 @@ class DecodeRequests:
         seq.handoff_us = (done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0
         seq.pull_us = (done_ns - recv_ns) / 1000
         peer.post(Release(request_id=h.request_id, event_slot=h.event_slot))
+        if self._yield_after_release:
+            # CPU: the RELEASE wakes the prefill onto the CPU this loop runs on, and this loop
+            # would go on into the next step first (0.1-1.8 ms on a 2-vCPU VM); let it read it
+            os.sched_yield()
         peer.handoffs += 1
         self.handoffs += 1
         if key not in self.seq_peer:  # ended (abort, link loss) while its pull ran
