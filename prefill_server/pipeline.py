@@ -2,8 +2,8 @@
 
 admit (validate, wait for blocks and an event slot) → prefill (queued to the batcher, which runs
 the prompts queued meanwhile in one forward on the torch thread) → first token to the client →
-lease the blocks to the link and HANDOFF (retried while the decode answers NO_CAPACITY, until the handoff
-deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
+lease the blocks to the link and HANDOFF (retried while the decode answers NO_CAPACITY, until the
+handoff deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
 and an unfinished handoff is aborted on the decode side.
 
 One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
