@@ -18,6 +18,8 @@ if [ ! -d "$CKPT" ]; then
 from engine import build_checkpoint; build_checkpoint(Path('$CKPT'))" || exit 1
 fi
 common=(--model "$CKPT" --device cuda:0 --num-blocks 4096 --progress 30)
+# MAX_PREFILL_TOKENS: the prefill daemon's batched-prefill budget (and the local engine's), when set
+[ -n "${MAX_PREFILL_TOKENS:-}" ] && common+=(--max-prefill-tokens "$MAX_PREFILL_TOKENS")
 cases() {  # $1: tag
   timeout 120 "$PY" bench/serve.py "${common[@]}" --requests 16 --rate 2 --prompt-len 2000:2000 \
     --output-len 8:8 --json "$OUT/long_$1.json" 2>&1 | tee -a "$log"

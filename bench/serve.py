@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (every target)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=64, help="most sequences per decode step")
+    ap.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        help="prompt tokens per prefill forward: the prefill daemon's option, and the local "
+        "engine's prefill budget a step (default: each one's own, 8192 and 2048)",
+    )
     ap.add_argument("--torch-threads", type=int, default=0, help="0: 1 for tiny, else torch's")
     ap.add_argument("--client-socket", help="use the running prefill daemon on this socket")
     ap.add_argument("--runtime-dir", help="use the running daemons of this runtime dir")
@@ -189,7 +195,10 @@ def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
     decode = ["--max-batch", str(args.max_batch)]
     if args.decode_device:  # the last --device on the command line wins
         decode += ["--device", args.decode_device]
-    with own_pair(common, decode) as sock:
+    prefill = []
+    if args.max_prefill_tokens:
+        prefill = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    with own_pair(common, decode, prefill) as sock:
         yield sock
 
 
@@ -250,8 +259,13 @@ def run_local(args: argparse.Namespace) -> list[dict]:
     t = time.perf_counter()
     model, _ = load_model(args.model, device=device, dtype=dtype, allow_byte_tokenizer=True)
     print(f"  local model loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+    budget = {"prefill_tokens": args.max_prefill_tokens} if args.max_prefill_tokens else {}
     engine = LocalEngine(
-        model, num_blocks=args.num_blocks, block_size=args.block_size, max_batch=args.max_batch
+        model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_batch=args.max_batch,
+        **budget,
     )
     with engine:
         return run_target(
@@ -277,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
     header |= {"device": resolve_device(args.device)}
-    header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch")}
+    header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch", "max_prefill_tokens")}
     header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
     header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
     print(

@@ -94,14 +94,16 @@ def temp_runtime_dir() -> Path:
 
 
 @contextlib.contextmanager
-def own_pair(common_opts: list[str], decode_opts: list[str]) -> Iterator[str]:
+def own_pair(
+    common_opts: list[str], decode_opts: list[str], prefill_opts: list[str] | None = None
+) -> Iterator[str]:
     """Start a linked pair (see the module docstring) and yield the prefill's client socket."""
     rt = temp_runtime_dir()
     procs: list[subprocess.Popen] = []
     try:
         # both load their model at once; the prefill's link retries until the decode listens
         procs.append(start_cli(rt, "decode", common_opts + decode_opts))
-        procs.append(start_cli(rt, "prefill", common_opts))
+        procs.append(start_cli(rt, "prefill", common_opts + (prefill_opts or [])))
         sock = str(rt / "prefill.sock")
         try:
             asyncio.run(wait_linked(sock, procs))

@@ -61,6 +61,7 @@ class PrefillConfig(DaemonConfig):
     lease_timeout_s: float = 30.0
     handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
     max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
+    max_prefill_tokens: int = 8192  # prompt tokens in one prefill forward; a longer prompt alone
     client_idle_timeout_s: float = 300.0  # a client connection with no request and no frame
     client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
 

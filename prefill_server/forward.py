@@ -1,38 +1,53 @@
-"""Prefill on the torch thread: forward pass over the prompt, scatter into the pool, first token."""
+"""Prefill on the torch thread: one varlen forward over several prompts, scatter into the pool,
+each prompt's first token."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from common.model.paged import slots_for
-from common.model.sampling import SamplingParams, make_generator, sample
+from common.model.prefill import prefill_many
+from common.model.sampling import (
+    SamplingError,
+    SamplingParams,
+    make_generator,
+    sample_batch_isolated,
+)
 from common.modelrt import ModelRuntime
 from common.transfer import KVProducer
 
 
-def run_prefill(
+def run_prefill_batch(
     rt: ModelRuntime,
-    prompt: list[int],
-    blocks: list[int],
-    sampling: SamplingParams,
+    prompts: Sequence[list[int]],
+    blocks: Sequence[list[int]],
+    sampling: Sequence[SamplingParams],
     producer: KVProducer | None = None,
-    slot: int = -1,
-) -> int:
-    """Write the prompt's K/V into `blocks` of the pool and return the first generated token.
+    slots: Sequence[int] = (),
+    *,
+    token_budget: int,
+) -> list[int | SamplingError]:
+    """Write each prompt's K/V into its `blocks` of the pool; each prompt's first token, or a
+    SamplingError in its place when that prompt's logits are not finite or its draw fails (the
+    other prompts keep theirs).
 
-    Runs on the torch thread, on the daemon's stream. On CUDA, the producer records event `slot`
-    right after the scatter on that stream, so a peer stream that waits on it sees every write of
-    this prompt's K/V (slot -1: no event, the CPU case).
+    The prompts run in as few forwards as `token_budget` allows (one, when the caller keeps their
+    sum within it), and each prompt's logits and token are those of prefilling it alone: the
+    token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
+    Runs on the torch thread, on the daemon's stream. On CUDA, the producer records every event
+    `slots[i]` right after the batch's scatter on that stream, so a peer stream that waits on it
+    sees every write of prompt i's K/V (slot -1: no event, the CPU case). A failure of the forward
+    itself raises, for the whole batch.
     """
     bs = rt.layout.block_size
-    tokens = torch.tensor(prompt, dtype=torch.long)
-    slots = slots_for(blocks, 0, len(prompt), bs)
+    tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
+    mappings = [slots_for(b, 0, len(p), bs) for p, b in zip(prompts, blocks, strict=True)]
     with rt.on_stream():
-        logits = rt.model.prefill(
-            tokens.to(rt.device, non_blocking=True),
-            slots.to(rt.device, non_blocking=True),
-            rt.pool.tensor,
-        )
+        logits = prefill_many(rt.model, tokens, mappings, rt.pool.tensor, token_budget=token_budget)
         if producer is not None:
-            producer.record(slot, rt.stream)
-        return sample(logits, sampling, make_generator(sampling, 0))
+            for slot in slots:
+                producer.record(slot, rt.stream)
+        generators = [make_generator(p, 0) for p in sampling]
+        return sample_batch_isolated(logits, sampling, generators)

@@ -1,8 +1,9 @@
 """The life of every request in the prefill daemon, as async generators of client frames.
 
-admit (validate, wait for blocks) → prefill (torch thread) → first token to the client → lease the
-blocks to the link and HANDOFF (retried while the decode answers NO_CAPACITY, until the handoff
-deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
+admit (validate, wait for blocks and an event slot) → prefill (queued to the batcher, which runs
+the prompts queued meanwhile in one forward on the torch thread) → first token to the client →
+lease the blocks to the link and HANDOFF (retried while the decode answers NO_CAPACITY, until the
+handoff deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
 and an unfinished handoff is aborted on the decode side.
 
 One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
@@ -36,7 +37,7 @@ from common.protocol import (
 )
 from common.throughput import Throughput
 from common.transfer import KVProducer
-from prefill_server.forward import run_prefill
+from prefill_server.batcher import PrefillBatcher
 from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
 from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
@@ -52,6 +53,7 @@ class RequestPipeline:
         self.rt = rt
         self.producer = producer
         self.link = link
+        self.batcher = PrefillBatcher(rt, producer, cfg.max_prefill_tokens)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}
         self.throughput = Throughput()  # finished requests and their tokens, for status
@@ -139,8 +141,8 @@ class RequestPipeline:
             await self._link_up(time.monotonic() + self.cfg.handoff_timeout_s)
             blocks = await self._allocate(req)
             await self._acquire_slot(req, time.monotonic() + self.cfg.handoff_timeout_s)
-            first = await rt.run(
-                run_prefill, rt, prompt, blocks, sampling, self.producer, req.event_slot
+            first, shared = await self.batcher.prefill(
+                rid, prompt, blocks, sampling, req.event_slot
             )
             req.generated.append(first)
             req.ttft_ms = (time.monotonic() - req.arrived) * 1000
@@ -149,6 +151,8 @@ class RequestPipeline:
             if reason:  # nothing left to decode: no handoff
                 yield self._finish(req, reason, {})
                 return
+            if shared > 1:  # the batch-mates' first tokens go to their clients before this HANDOFF
+                await asyncio.sleep(0)
             first_answer = await self._handoff(req, blocks)
             async for out in self._relay(req, first_answer):
                 yield out

@@ -69,6 +69,15 @@ class PrefillServer(DaemonServer):
     def start_parts(self) -> None:
         self.link.start()
         self.spawn(self.pipeline.reap_leases(), "lease-reaper")
+        batcher = self.spawn(self.pipeline.batcher.run(), "prefill-batcher")
+        batcher.add_done_callback(self._batcher_ended)
+
+    def _batcher_ended(self, task: asyncio.Task[None]) -> None:
+        """The batcher only ends by the shutdown's cancel; if it died, nothing here prefills any
+        more, so the daemon ends (non-zero) rather than accept requests that would hang."""
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self.stop_flag.fail(f"prefill batcher failed: {type(exc).__name__}: {exc}")
 
     def in_flight(self) -> int:
         return len(self.pipeline.requests)

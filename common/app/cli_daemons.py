@@ -104,6 +104,16 @@ def prefill() -> None:
     help="Longest prompt accepted; longer ones get BAD_REQUEST.",
 )
 @click.option(
+    "--max-prefill-tokens",
+    show_envvar=True,
+    envvar="PDKV_MAX_PREFILL_TOKENS",
+    default=8192,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most prompt tokens prefilled in one forward: prompts that arrive while a forward runs "
+    "share the next one up to this (a longer prompt runs alone).",
+)
+@click.option(
     "--event-slots",
     show_envvar=True,
     envvar="PDKV_EVENT_SLOTS",

@@ -3,6 +3,7 @@ environment, for faults a test cannot cause from outside the process.
 
 PDKVTEST_NOFILE=N      the process may hold at most N fds (RLIMIT_NOFILE), to reach EMFILE
 PDKVTEST_FAIL_STEP=N   the decode engine's Nth step raises (a failure of no one sequence)
+PDKVTEST_FAIL_PREFILL_TOKEN=T   a prefill forward over a prompt holding token T raises (the batch)
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ def _arm() -> None:
             return real(self, batch)
 
         DecodeEngine._step = step  # type: ignore[method-assign]
+    poison = os.environ.get("PDKVTEST_FAIL_PREFILL_TOKEN")
+    if poison:
+        from common.model.llama import LlamaModel
+
+        real_prefill = LlamaModel.prefill_batch
+
+        def prefill_batch(self, prompts, slot_mappings, kv):  # type: ignore[no-untyped-def]
+            if any(int(poison) in p.tolist() for p in prompts):
+                raise RuntimeError("injected failure of the prefill forward")
+            return real_prefill(self, prompts, slot_mappings, kv)
+
+        LlamaModel.prefill_batch = prefill_batch  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

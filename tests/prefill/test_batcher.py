@@ -1,0 +1,73 @@
+"""PrefillBatcher over a real model runtime (the tiny model, CPU pool): what a batch takes, and that
+a request cancelled while queued never runs (its blocks may already belong to someone else)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from common.config import PrefillConfig
+from common.model import reference
+from common.model.sampling import SamplingParams
+from common.modelrt import ModelRuntime
+from common.transfer import KVProducer
+from prefill_server.batcher import PrefillBatcher
+from tests.prefill.conftest import BLOCK, prompts
+
+GREEDY = SamplingParams(max_tokens=1)
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
+    cfg = PrefillConfig(
+        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=64
+    )
+    runtime = ModelRuntime.load(cfg, "prefill")
+    yield runtime
+    runtime.close()
+
+
+def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int]):  # type: ignore[no-untyped-def]
+    """Queue every prompt (blocks from the runtime's allocator), cancel those in `cancel` while
+    they are queued, then let the batcher run; (batcher, results by index)."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=1)
+        batcher = PrefillBatcher(rt, producer, budget)
+        tasks = []
+        for i, p in enumerate(texts):
+            blocks = rt.allocator.allocate(f"r{i}", -(-len(p) // BLOCK))
+            tasks.append(asyncio.create_task(batcher.prefill(f"r{i}", p, blocks, GREEDY, -1)))
+        await asyncio.sleep(0)  # every request queued, the batcher not started yet
+        for i in cancel:
+            tasks[i].cancel()
+        runner = asyncio.create_task(batcher.run())
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        runner.cancel()
+        for i in range(len(texts)):
+            rt.allocator.free(f"r{i}")
+        return batcher, results
+
+    return asyncio.run(go())
+
+
+def test_queued_prompts_share_forwards_within_the_budget(rt) -> None:  # type: ignore[no-untyped-def]
+    texts = prompts(5, [30, 30, 30, 100, 10], seed=9)
+    batcher, results = _run(rt, 64, texts, set())
+    # in order while they fit: [30, 30] [30] [100 alone, past the budget] [10]
+    assert (batcher.forwards, batcher.prompts) == (4, 5)
+    sizes = [shared for _, shared in results]
+    assert sizes == [2, 2, 1, 1, 1]
+    for (first, _), p in zip(results, texts, strict=True):
+        assert first == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+
+
+def test_a_request_cancelled_while_queued_never_runs(rt) -> None:  # type: ignore[no-untyped-def]
+    texts = prompts(3, [20, 25, 30], seed=4)
+    batcher, results = _run(rt, 8192, texts, {1})
+    assert isinstance(results[1], asyncio.CancelledError)
+    assert (batcher.forwards, batcher.prompts) == (1, 2)
+    assert [r[1] for i, r in enumerate(results) if i != 1] == [2, 2]
