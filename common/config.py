@@ -61,7 +61,16 @@ class PrefillConfig(DaemonConfig):
     lease_timeout_s: float = 30.0
     handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
     max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
-    max_prefill_tokens: int = 8192  # prompt tokens in one prefill forward; a longer prompt alone
+    # prompt tokens in one prefill forward (a longer prompt runs alone); None: the device's default
+    max_prefill_tokens: int | None = None
+
+    def prefill_budget(self, device_type: str) -> int:
+        """--max-prefill-tokens, or 8192 on CUDA and 1 (one prompt a forward) on CPU, where a
+        forward costs about its tokens and batching buys no throughput (docs/benchmarks.md)."""
+        if self.max_prefill_tokens is not None:
+            return self.max_prefill_tokens
+        return 8192 if device_type == "cuda" else 1
+
     client_idle_timeout_s: float = 300.0  # a client connection with no request and no frame
     client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
 

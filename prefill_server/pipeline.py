@@ -53,7 +53,7 @@ class RequestPipeline:
         self.rt = rt
         self.producer = producer
         self.link = link
-        self.batcher = PrefillBatcher(rt, producer, cfg.max_prefill_tokens)
+        self.batcher = PrefillBatcher(rt, producer, cfg.prefill_budget(rt.device.type))
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}
         self.throughput = Throughput()  # finished requests and their tokens, for status

@@ -107,11 +107,11 @@ def prefill() -> None:
     "--max-prefill-tokens",
     show_envvar=True,
     envvar="PDKV_MAX_PREFILL_TOKENS",
-    default=8192,
-    show_default=True,
+    default=None,
     type=click.IntRange(1),
     help="Most prompt tokens prefilled in one forward: prompts that arrive while a forward runs "
-    "share the next one up to this (a longer prompt runs alone).",
+    "share the next one up to this (a longer prompt runs alone). 1: one prompt per forward "
+    "[default: 8192 on CUDA, 1 on CPU, where a forward costs about its tokens].",
 )
 @click.option(
     "--event-slots",

@@ -23,6 +23,8 @@ def test_a_failed_forward_fails_its_batch_only_and_the_daemon_goes_on(new_pair, 
     pair.start("decode")
     prefill = pair.start(
         "prefill",
+        "--max-prefill-tokens",
+        "8192",  # batching on (the CPU default is one prompt a forward)
         module="tests.faults.wrapped_daemon",
         env={"PDKVTEST_FAIL_PREFILL_TOKEN": str(POISON)},
     )

@@ -16,6 +16,8 @@ from common.protocol import Error, ErrorCode, Generate
 from tests.integration.conftest import Pair
 from tests.prefill.conftest import BLOCK, burst, events, prompts
 
+BATCHING = ("--max-prefill-tokens", "8192")  # the CUDA default; on CPU the default is 1
+
 
 def _start(pair: Pair, *prefill_args: str) -> Pair:
     pair.start("decode")
@@ -31,7 +33,7 @@ def test_a_burst_shares_forwards_and_equals_the_reference(new_pair, tiny) -> Non
     """24 requests at once, greedy and seeded sampling mixed: fewer forwards than requests, and
     every request's tokens are the reference's (the same as one at a time)."""
     model, _ = tiny
-    pair = _start(new_pair)
+    pair = _start(new_pair, *BATCHING)
     n = 24
     texts = prompts(n, [1, 15, 16, 17, 33, 47, 64, 90])
     params = [
@@ -76,7 +78,7 @@ def test_invalid_requests_in_a_burst_fail_alone(new_pair, tiny) -> None:  # type
     """Prompts that fail validation (token id past the vocab, empty, too long for the pool,
     sampling out of range) get BAD_REQUEST and never reach a batch; their neighbours are served."""
     model, _ = tiny
-    pair = _start(new_pair)
+    pair = _start(new_pair, *BATCHING)
     good = prompts(6, [9, 40, 16, 70, 3, 33], seed=11)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     gens = [_gen(i, p, params) for i, p in enumerate(good)]
@@ -99,3 +101,17 @@ def test_invalid_requests_in_a_burst_fail_alone(new_pair, tiny) -> None:  # type
     batches = events(pair, "prefill_batch")
     assert sum(b["requests"] for b in batches) == len(good)
     assert not any(rid in b["request_ids"] for b in batches for rid in bad)
+
+
+def test_on_cpu_the_default_is_one_prompt_a_forward(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+    """Without --max-prefill-tokens a CPU prefill runs each prompt in its own forward (a CPU
+    forward costs about its tokens: sharing one only delays the first tokens)."""
+    model, _ = tiny
+    pair = _start(new_pair)
+    texts = prompts(8, [12, 30, 45, 9], seed=2)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    got = asyncio.run(burst(pair.client_socket, [_gen(i, p, params) for i, p in enumerate(texts)]))
+    for i, p in enumerate(texts):
+        assert got[f"b{i}"] == reference.generate(model, p, params, block_size=BLOCK), f"req {i}"
+    batches = events(pair, "prefill_batch")
+    assert [b["requests"] for b in batches] == [1] * len(texts)
