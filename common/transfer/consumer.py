@@ -131,21 +131,8 @@ class KVConsumer:
         """Checks of one HANDOFF against the peer's pool; ValueError/IpcError with the reason."""
         if self.peer is None:
             raise ValueError("the link's pool is closed")
-        h.sampling.validate()
-        if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
-            raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
-        need = blocks_for(h.num_tokens, self.local.layout.block_size)
-        if len(h.block_ids) != need:
-            raise ValueError(
-                f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
-            )
-        if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
-            raise ValueError(f"token ids must be < vocab size {vocab_size}")
-        ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
-        if max(ids) >= self.peer.num_blocks or len(set(ids)) != len(ids):
-            check_block_ids(ids, self.peer.num_blocks, "HANDOFF", distinct=True)  # says which
-        if h.event_slot >= 0 and (self._events is None or h.event_slot >= len(self._events)):
-            raise ValueError(f"event slot {h.event_slot} does not exist on this link")
+        events = len(self._events) if self._events is not None else 0
+        check_handoff(h, vocab_size, self.local.layout.block_size, self.peer.num_blocks, events)
 
     # ---- pulls -----------------------------------------------------------------------------------
     def pull(self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone) -> None:
@@ -207,6 +194,28 @@ class KVConsumer:
         self._region.close()
 
 
+def check_handoff(
+    h: Handoff, vocab_size: int, block_size: int, peer_blocks: int, event_slots: int
+) -> None:
+    """One HANDOFF against the peer's pool of `peer_blocks` blocks and a ring of `event_slots`
+    slots; ValueError/IpcError with the reason. Every consumer kind checks with this."""
+    h.sampling.validate()
+    if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
+        raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
+    need = blocks_for(h.num_tokens, block_size)
+    if len(h.block_ids) != need:
+        raise ValueError(
+            f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
+        )
+    if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
+        raise ValueError(f"token ids must be < vocab size {vocab_size}")
+    ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
+    if max(ids) >= peer_blocks or len(set(ids)) != len(ids):
+        check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which
+    if h.event_slot >= event_slots:
+        raise ValueError(f"event slot {h.event_slot} does not exist on this link")
+
+
 async def wait_event(event: torch.cuda.Event) -> None:
     """Await a CUDA event without blocking the loop: poll, yielding, then back off to 200 µs."""
     spins = 0
@@ -221,4 +230,4 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-__all__ = ["KVConsumer", "PullDone", "TransferRefused", "wait_event"]
+__all__ = ["KVConsumer", "PullDone", "TransferRefused", "check_handoff", "wait_event"]
