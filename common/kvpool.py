@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import math
-from dataclasses import asdict, dataclass, fields
 from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
