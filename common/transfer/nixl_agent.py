@@ -50,7 +50,7 @@ def load_nixl() -> Any:
     """The NIXL Python API module, or PdkvError saying what to install."""
     if not torch.cuda.is_available():  # UCX's CUDA transports probe for a driver otherwise
         os.environ.setdefault("UCX_TLS", "tcp,self,sm")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         from nixl_cu13 import _api
     except ImportError as exc:
