@@ -8,12 +8,13 @@ Contract:
 - `add_peer(region)` loads a peer's metadata (checked: memory type known, lengths bounded) and
   returns its agent name; `remove_peer(name)` forgets it (UCX disconnects).
 - `transfer(op, peer, runs, notif, done)` queues one NIXL READ or WRITE of byte runs
-  `[(local_addr, remote_addr, nbytes)]`; `expect(tag, done)` waits for the peer's notification
-  `tag`. Both call `done(None)` or `done(exc)` exactly once, on the event loop given at
+  `[(local_addr, remote_addr, nbytes)]`; `expect(peer, tag, done)` waits for notification `tag`
+  from agent `peer`. `new_tag()` numbers transfers once per agent (never reused, so a late
+  notification of a link that ended cannot complete another link's transfer). Both call `done(None)` or `done(exc)` exactly once, on the event loop given at
   construction (`call_soon_threadsafe`). Nothing here blocks that loop: one worker thread posts
   transfers, polls their state and the notifications, and sleeps only while something is due.
-- `cancel_expected(exc)` fails every notification still awaited; `close()` (idempotent) stops
-  the worker, fails what is still pending and deregisters the memory.
+- `forget(peer)` drops what is awaited from `peer`; `close()` (idempotent) stops the worker,
+  fails what is still pending and deregisters the memory.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class NixlAgent:
             [(self.addr, self.nbytes, self.device_id, "")], self.mem_type
         )
         self._loop = loop
+        self._tags = itertools.count(1)
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._closed = False
         self._worker = threading.Thread(target=self._work, name=f"nixl-{role}", daemon=True)
@@ -126,13 +128,17 @@ class NixlAgent:
         """Queue a READ (peer → us) or WRITE (us → peer) of `runs`; `done` on the loop."""
         self._submit("xfer", (op, peer, runs, notif, done))
 
-    def expect(self, tag: bytes, done: Done) -> None:
-        """`done(None)` on the loop once the peer's notification `tag` arrives."""
-        self._submit("expect", (tag, done))
+    def new_tag(self) -> int:
+        return next(self._tags)
 
-    def cancel_expected(self, exc: BaseException) -> None:
-        """Fail every notification still awaited (the link ended)."""
-        self._submit("cancel", exc)
+    def expect(self, peer: str, tag: bytes, done: Done) -> None:
+        """`done(None)` on the loop once notification `tag` from agent `peer` arrives."""
+        self._submit("expect", ((peer, tag), done))
+
+    def forget(self, peer: str) -> None:
+        """Stop awaiting notifications from `peer` (its link ended; nobody is told)."""
+        if not self._closed:
+            self._submit("forget", peer)
 
     def _submit(self, kind: str, job: Any) -> None:
         if self._closed:
@@ -156,38 +162,45 @@ class NixlAgent:
 
     def _work(self) -> None:
         active: list[tuple[Any, Done]] = []
-        expected: dict[bytes, Done] = {}
-        early: dict[bytes, None] = {}
+        expected: dict[tuple[str, bytes], Done] = {}
+        early: dict[tuple[str, bytes], None] = {}
         idle = 0
         while True:
             busy = bool(active or expected)
             try:
-                kind, job = self._jobs.get(timeout=_pause(idle)) if busy else self._jobs.get()
+                jobs = [self._jobs.get(timeout=_pause(idle)) if busy else self._jobs.get()]
+                while not self._jobs.empty():  # every job queued so far, before polling
+                    jobs.append(self._jobs.get_nowait())
             except queue.Empty:
-                kind, job = "", None
-            if kind == "stop":
+                jobs = []
+            if any(kind == "stop" for kind, _ in jobs):
                 break
-            if kind == "xfer":
-                self._post(job, active)
-            elif kind == "expect":
-                tag, done = job
-                if tag in early:
-                    del early[tag]
-                    self._reply(done, None)
-                else:
-                    expected[tag] = done
-            elif kind == "cancel":
-                for done in expected.values():
-                    self._reply(done, job)
-                expected.clear()
+            for kind, job in jobs:
+                self._take(kind, job, active, expected, early)
             moved = self._poll(active) + self._notifs(expected, early)
-            idle = 0 if moved or kind else idle + 1
+            idle = 0 if moved or jobs else idle + 1
         stopped = NixlTransferError("the NIXL agent closed")
         for handle, done in active:
             self._release(handle)
             self._reply(done, stopped)
         for done in expected.values():
             self._reply(done, stopped)
+
+    def _take(self, kind: str, job: Any, active: list, expected: dict, early: dict) -> None:
+        if kind == "xfer":
+            self._post(job, active)
+        elif kind == "expect":
+            key, done = job
+            if key in early:
+                del early[key]
+                self._reply(done, None)
+            else:
+                expected[key] = done
+        elif kind == "forget":  # a link ended: its consumer failed what it awaited itself
+            for key in [k for k in expected if k[0] == job]:
+                del expected[key]
+            for key in [k for k in early if k[0] == job]:
+                del early[key]
 
     def _post(self, job: tuple[str, str, list[Run], bytes, Done], active: list) -> None:
         op, peer, runs, notif, done = job
@@ -231,7 +244,9 @@ class NixlAgent:
         with contextlib.suppress(Exception):
             handle.release()
 
-    def _notifs(self, expected: dict[bytes, Done], early: dict[bytes, None]) -> int:
+    def _notifs(
+        self, expected: dict[tuple[str, bytes], Done], early: dict[tuple[str, bytes], None]
+    ) -> int:
         if not expected and len(early) >= MAX_EARLY_NOTIFS:
             return 0
         try:
@@ -240,14 +255,15 @@ class NixlAgent:
             log.warning("nixl_notif_poll_failed", error=str(exc))
             return 0
         n = 0
-        for msgs in notifs.values():
+        for peer, msgs in notifs.items():
+            peer = peer.decode() if isinstance(peer, bytes) else str(peer)
             for tag in msgs:
                 n += 1
-                done = expected.pop(tag, None)
+                done = expected.pop((peer, tag), None)
                 if done is not None:
                     self._reply(done, None)
                 elif len(early) < MAX_EARLY_NOTIFS:
-                    early[tag] = None
+                    early[(peer, tag)] = None
         return n
 
 

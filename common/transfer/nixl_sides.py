@@ -7,8 +7,8 @@ per HANDOFF:
 
 - **pull** (`transfer="pull"`): the decode READs the HANDOFF's blocks into its own; fast where
   UCX has RDMA (NICs, NVLink), slow over TCP (UCX emulates the read with active messages).
-- **push** (`transfer="push"`, the default): the decode allocates its blocks and sends PUSH (tag,
-  source and destination ids); the prefill WRITEs the runs with the NIXL notification
+- **push** (`transfer="push"`, the default): the decode allocates its blocks and sends PUSH (a tag
+  unique in the decode's agent, source and destination ids); the prefill WRITEs the runs with the NIXL notification
   `pdkv-push:<tag>`, which the decode awaits. A WRITE that fails answers PUSH_FAILED.
 
 Either way `done` runs on the event loop, the RELEASE follows as on one host, and a failed
@@ -18,7 +18,6 @@ transfer fails that request only (NixlTransferError), never the link.
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Callable
 
 import structlog
@@ -85,7 +84,6 @@ class NixlConsumer:
         self.peer_blocks = layout.num_blocks
         self.peer_agent = peer_agent
         self._post = post
-        self._tags = itertools.count(1)
         self._pending: dict[int, PullDone] = {}  # tag -> done, READs and PUSHes in flight
         self._idle = asyncio.Event()
         self._idle.set()
@@ -130,7 +128,7 @@ class NixlConsumer:
 
     def pull(self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone) -> None:
         """Move peer blocks src_ids into local dst_ids; `done` once they are here. Never raises."""
-        tag = next(self._tags)
+        tag = self.agent.new_tag()
         self._pending[tag] = done
         self._idle.clear()
         finish = lambda exc: self._finish(tag, exc)  # noqa: E731
@@ -140,7 +138,7 @@ class NixlConsumer:
                 runs = byte_runs(dst_ids, src_ids, bn, self.agent.addr, self.region.addr)
                 self.agent.transfer("READ", self.peer_agent, runs, b"", finish)
             else:
-                self.agent.expect(push_tag(tag), finish)
+                self.agent.expect(self.peer_agent, push_tag(tag), finish)
                 self._post(Push(tag=tag, src_ids=list(src_ids), dst_ids=list(dst_ids)))
         except Exception as exc:  # the agent closed: fail this request only
             self._finish(tag, exc)
@@ -165,6 +163,7 @@ class NixlConsumer:
         PUSHes still awaited, and wait for READs in flight (they write into our blocks)."""
         self.agent.remove_peer(self.peer_agent)
         if self.region.transfer == "push":
+            self.agent.forget(self.peer_agent)
             for tag in list(self._pending):
                 self._finish(tag, NixlTransferError("the link ended before the push arrived"))
         await self._idle.wait()

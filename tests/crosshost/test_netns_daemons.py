@@ -32,6 +32,28 @@ PORT = 47391
 KEY = "5f0c2b9d8e7a6143a1b2c3d4e5f60718293a4b5c6d7e8f90"
 
 
+HELLO_WITHOUT_KEY = """
+import socket
+from common.protocol import HEADER_SIZE, PROTOCOL_VERSION, Hello, decode, encode
+from common.protocol.frame import parse_header
+s = socket.create_connection(("{addr}", {port}), timeout=20)
+s.sendall(encode(Hello(protocol_version=PROTOCOL_VERSION, fingerprint="x", backend="shm", pid=1)))
+head = b""
+while len(head) < HEADER_SIZE:
+    head += s.recv(HEADER_SIZE - len(head))
+_, meta, mem, ev = parse_header(head)
+body = b""
+while len(body) < meta + mem + ev:
+    body += s.recv(meta + mem + ev - len(body))
+msg = decode(head + body)
+print(type(msg).__name__.upper(), msg.code)
+"""
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": os.getcwd()}
+
+
 @dataclass
 class CrossPair:
     hosts: Hosts
@@ -53,9 +75,10 @@ class CrossPair:
         argv += ["--device", "cpu", "--heartbeat-timeout", "3", "--num-blocks", "256"]
         argv += ["--link-key-file", str(self.key_file(f"{role}.key", key)), *args]
         log = self.root / f"{role}.log"
-        env = {**os.environ, "UCX_TLS": "tcp", "PYTHONPATH": os.getcwd()}
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh, env=env)
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=fh, stderr=fh, env=_env()
+            )
         sock = rt / ("prefill.sock" if role == "prefill" else "decode.sock")
         d = self.daemons[role] = Daemon(role, proc, sock, log)
         if wait:
@@ -135,6 +158,11 @@ def test_a_wrong_key_is_refused_and_logged_on_both_ends(cross: CrossPair):
     assert st.links[0]["state"] == "down"
     assert "--link-key-file differ" in str(st.links[0]["last_error"])
     assert not asyncio.run(client.status(cross.sock("decode"))).links  # no link was made
+    # a client without the key (HELLO without a nonce) learns nothing but AUTH_FAILED
+    probe = HELLO_WITHOUT_KEY.format(addr=cross.hosts.decode_ip, port=PORT)
+    argv = [*cross.hosts.exec_argv(cross.hosts.prefill_ns), sys.executable, "-c", probe]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=_env())
+    assert out.stdout.split() == ["ERROR", "AUTH_FAILED"], out.stderr[-2000:]
 
 
 def test_pulling_the_cable_fails_requests_with_link_lost_and_frees_every_block(cross: CrossPair):
