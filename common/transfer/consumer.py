@@ -84,11 +84,7 @@ class KVConsumer:
                 raise ValueError("event handles on a CPU link (the frame is the signal there)")
         except (PdkvError, ValueError) as exc:
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
-        mine, theirs = local.layout.compat_fields(), layout.compat_fields()
-        if theirs != mine:
-            raise TransferRefused(
-                ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
-            )
+        check_same_blocks(local.layout, layout)
         if len(descs) != 1:
             raise TransferRefused(
                 ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}"
@@ -194,6 +190,15 @@ class KVConsumer:
         self._region.close()
 
 
+def check_same_blocks(local: PoolLayout, peer: PoolLayout) -> None:
+    """TransferRefused(INCOMPATIBLE) unless the two pools' blocks have one shape and dtype."""
+    mine, theirs = local.compat_fields(), peer.compat_fields()
+    if theirs != mine:
+        raise TransferRefused(
+            ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
+        )
+
+
 def check_handoff(
     h: Handoff, vocab_size: int, block_size: int, peer_blocks: int, event_slots: int
 ) -> None:
@@ -230,4 +235,11 @@ def _close_fds(fds: list[int]) -> None:
             os.close(fd)
 
 
-__all__ = ["KVConsumer", "PullDone", "TransferRefused", "check_handoff", "wait_event"]
+__all__ = [
+    "KVConsumer",
+    "PullDone",
+    "TransferRefused",
+    "check_handoff",
+    "check_same_blocks",
+    "wait_event",
+]

@@ -35,7 +35,12 @@ from common.protocol import (
     Register,
     Registered,
 )
-from common.transfer.consumer import PullDone, TransferRefused, check_handoff
+from common.transfer.consumer import (
+    PullDone,
+    TransferRefused,
+    check_handoff,
+    check_same_blocks,
+)
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError, Run
 from common.transfer.producer import KVProducer
 
@@ -100,11 +105,7 @@ class NixlConsumer:
             check_region(reg.nixl, layout, "the prefill's")
         except (PdkvError, ValueError) as exc:
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
-        mine, theirs = local.layout.compat_fields(), layout.compat_fields()
-        if theirs != mine:
-            raise TransferRefused(
-                ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
-            )
+        check_same_blocks(local.layout, layout)
         if reg.regions or reg.event_count:
             raise TransferRefused(ErrorCode.BAD_REQUEST, "a NIXL REGISTER carries no IPC regions")
         try:
