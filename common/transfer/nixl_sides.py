@@ -159,15 +159,25 @@ class NixlConsumer:
     def pulls_in_flight(self) -> int:
         return len(self._pending)
 
-    async def drain(self) -> None:
-        """The link ended: disconnect the peer (its late WRITEs can no longer land), fail the
-        PUSHes still awaited, and wait for READs in flight (they write into our blocks)."""
-        self.agent.remove_peer(self.peer_agent)
+    async def drain(self, read_timeout_s: float = 30.0) -> None:
+        """The link ended. Push: disconnect the peer first (its late WRITEs can no longer land)
+        and fail the PUSHes still awaited. Pull: wait for the READs in flight (they write into
+        our blocks; bounded: a READ from a vanished host is failed after `read_timeout_s`),
+        then disconnect."""
         if self.region.transfer == "push":
+            self.agent.remove_peer(self.peer_agent)
             self.agent.forget(self.peer_agent)
-            for tag in list(self._pending):
-                self._finish(tag, NixlTransferError("the link ended before the push arrived"))
-        await self._idle.wait()
+            self._fail_pending("the link ended before the push arrived")
+        try:
+            await asyncio.wait_for(self._idle.wait(), read_timeout_s)
+        except TimeoutError:
+            log.warning("nixl_reads_outlived_link", reads=len(self._pending))
+        self.agent.remove_peer(self.peer_agent)
+        self._fail_pending("the link ended during the read")
+
+    def _fail_pending(self, why: str) -> None:
+        for tag in list(self._pending):
+            self._finish(tag, NixlTransferError(why))
 
     def close(self) -> None:
         """Idempotent; after drain. The agent is the daemon's and outlives the link."""

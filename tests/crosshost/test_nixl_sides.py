@@ -132,10 +132,14 @@ async def test_a_failed_transfer_fails_that_request_only(link: Link):
     assert torch.equal(link.local.tensor[[5, 6]], pattern(LAYOUT, SEED)[[2, 3]])
 
 
-async def test_drain_fails_pushes_still_awaited(link: Link):
-    if link.consumer.region.transfer == "pull":
-        pytest.skip("a READ in flight completes; only an awaited PUSH is failed by drain")
+async def test_drain_waits_for_reads_and_fails_pushes_still_awaited(link: Link):
     done: list[BaseException | None] = []
+    if link.consumer.region.transfer == "pull":
+        link.consumer.pull([1, 2], [7, 8], -1, done.append)
+        await link.consumer.drain()  # the READ writes into our blocks: drain waits for it
+        assert done == [None]
+        assert torch.equal(link.local.tensor[[7, 8]], pattern(LAYOUT, SEED)[[1, 2]])
+        return
     post = link.consumer._post
     link.consumer._post = lambda msg: None  # the PUSH never reaches the prefill
     link.consumer.pull([1], [1], -1, done.append)
