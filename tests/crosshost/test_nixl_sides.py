@@ -24,19 +24,34 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 class Link:
-    """The decode's end: a NixlConsumer over the child's pool, PUSH relayed to the child."""
+    """The decode's end of one link: a NixlConsumer over a child's pool, PUSH relayed to it."""
 
-    def __init__(self, conn, consumer_factory) -> None:  # type: ignore[no-untyped-def]
-        self.conn = conn
-        self.local = KVPool.create(LAYOUT)
+    def __init__(self, conn, proc, local: KVPool, agent: NixlAgent) -> None:  # type: ignore[no-untyped-def]
+        self.conn, self.proc = conn, proc
+        self.local, self.agent = local, agent
         self.loop = asyncio.get_running_loop()
-        self.agent = NixlAgent("decode", self.local.tensor, self.loop)
-        self.pushes: list[Push] = []
-        self.consumer: NixlConsumer = consumer_factory(self)
+        self.consumer: NixlConsumer
+
+    @classmethod
+    async def connect(cls, transfer: str, seed: int, local: KVPool, agent: NixlAgent) -> Link:
+        """Start a prefill process with pool `pattern(seed)`, then REGISTER / REGISTERED."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=nixl_peer.serve, args=(child, transfer, seed), daemon=True)
+        proc.start()
+        link = cls(parent, proc, local, agent)
+        parent.send(("register", None))
+        kind, frame = await link.recv()
+        reg = decode(frame)  # type: ignore[arg-type]
+        assert kind == "frame" and isinstance(reg, Register) and reg.nixl is not None
+        link.consumer = NixlConsumer.open(reg, local, agent, link.post)
+        nixl = agent.region(transfer) if transfer == "push" else None
+        parent.send(("registered", encode(Registered(num_blocks=LAYOUT.num_blocks, nixl=nixl))))
+        assert (await link.recv())[0] == "ok"
+        return link
 
     def post(self, msg: Message) -> None:
         assert isinstance(msg, Push)
-        self.pushes.append(msg)
         self.conn.send(("push", encode(msg)))
 
     async def recv(self) -> tuple[str, object]:
@@ -47,39 +62,25 @@ class Link:
         self.consumer.pull(src, dst, -1, fut.set_result)
         return await asyncio.wait_for(fut, 30)
 
+    async def close(self) -> None:
+        await self.consumer.drain()
+        self.consumer.close()
+        self.conn.send(("stop", None))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["pull", "push"])
 async def link(request) -> AsyncIterator[Link]:  # type: ignore[no-untyped-def]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=nixl_peer.serve, args=(child, request.param, SEED), daemon=True)
-    proc.start()
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
     try:
-        parent.send(("register", None))
-        kind, frame = await asyncio.get_running_loop().run_in_executor(None, parent.recv)
-        reg = decode(frame)  # type: ignore[arg-type]
-        assert kind == "frame" and isinstance(reg, Register) and reg.nixl is not None
-
-        def open_consumer(link: Link) -> NixlConsumer:
-            return NixlConsumer.open(reg, link.local, link.agent, link.post)
-
-        link = Link(parent, open_consumer)
-        transfer = request.param
-        ok = Registered(
-            num_blocks=LAYOUT.num_blocks,
-            nixl=link.agent.region(transfer) if transfer == "push" else None,
-        )
-        parent.send(("registered", encode(ok)))
-        assert (await link.recv())[0] == "ok"
+        link = await Link.connect(request.param, SEED, local, agent)
         yield link
-        await link.consumer.drain()
-        link.consumer.close()
-        link.agent.close()
+        await link.close()
     finally:
-        parent.send(("stop", None))
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        agent.close()
 
 
 @pytest.mark.asyncio(loop_scope="function")
@@ -147,3 +148,28 @@ async def test_drain_waits_for_reads_and_fails_pushes_still_awaited(link: Link):
     assert len(done) == 1 and isinstance(done[0], NixlTransferError)
     assert link.consumer.pulls_in_flight == 0
     link.consumer._post = post
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_two_links_on_one_decode_agent_never_take_each_others_pushes():
+    """Each link numbers its pushes from the decode agent's one counter, and a notification
+    counts only from the agent it names: two prefills pushing at once each land their own
+    bytes (with per-link tags both would send `pdkv-push:1`)."""
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
+    links: list[Link] = []
+    try:
+        links = [await Link.connect("push", seed, local, agent) for seed in (5, 6)]
+        got = await asyncio.gather(
+            links[0].pull([0, 1], [2, 3]),
+            links[1].pull([0, 1], [12, 13]),
+            links[0].pull([4], [8]),
+            links[1].pull([4], [18]),
+        )
+        assert got == [None] * 4
+        assert torch.equal(local.tensor[[2, 3, 8]], pattern(LAYOUT, 5)[[0, 1, 4]])
+        assert torch.equal(local.tensor[[12, 13, 18]], pattern(LAYOUT, 6)[[0, 1, 4]])
+    finally:
+        for link in links:
+            await link.close()
+        agent.close()
