@@ -137,6 +137,8 @@ def test_greedy_output_across_hosts_equals_the_reference(cross: CrossPair, tiny,
     results = asyncio.run(run_all())
     for i, (res, p, s) in enumerate(zip(results, prompts, params, strict=True)):
         assert res.tokens == reference.generate(model, p, s, block_size=16), f"request {i}"
+        assert res.finish is not None  # the prefill's clock means nothing on the decode's host:
+        assert res.finish.timings["decode_handoff_us"] == 0  # no cross-host latency from it
     poll(lambda: all_free(cross.sock("prefill")), what="prefill pool all free")
     poll(lambda: all_free(cross.sock("decode")), what="decode pool all free")
     links = asyncio.run(client.status(cross.sock("decode"))).links
