@@ -79,3 +79,5 @@ class Hosts:
         for ns in self.made:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
         self.made.clear()
+        # a veth not yet moved into a namespace (create failed half way) lives in ours
+        subprocess.run(["ip", "link", "del", self.prefill_if], capture_output=True, timeout=30)
