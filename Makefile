@@ -8,6 +8,9 @@ STAMP := $(VENV)/.pdkv-installed
 # The CPU build of torch that lies on local disk on the CI-class machines; an unpinned `torch`
 # would pull a multi-GB CUDA build.
 TORCH_CPU ?= torch==2.13.0
+# The `nixl` extra (links across hosts), without its declared dependencies: they name a CUDA
+# build of torch (GBs) while NIXL itself imports without torch.
+NIXL ?= nixl-cu13==1.5.1
 PYTEST_ARGS ?=
 
 .PHONY: install demo test test-gpu lint format smoke bench clean
@@ -24,6 +27,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	  echo "pdkv: no GPU, installing the CPU build $(TORCH_CPU)"; $(PY) -m pip install -q $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps '$(NIXL)'
 	@$(PY) -c "import common._cuda" 2>/dev/null \
 	  && echo "pdkv: CUDA extension built" \
 	  || echo "pdkv: CUDA extension not built (no nvcc found): CPU backend and cuda-torch only"

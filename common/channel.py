@@ -14,6 +14,7 @@ import asyncio
 import functools
 import socket
 
+from common.errors import ProtocolError
 from common.frame_reader import MAX_FDS_HELD, MAX_FDS_PER_MSG, FrameReader
 from common.protocol import Message, encode
 
@@ -49,7 +50,10 @@ class FrameChannel(FrameReader):
         (shielded), so a cancelled sender never leaves half a frame for the next one to follow.
 
         When nothing else is being written and the socket takes all of it, the frame leaves in
-        this call, without a writer task and the loop iteration it costs (~10 µs a message)."""
+        this call, without a writer task and the loop iteration it costs (~10 µs a message).
+        Only a Unix socket carries fds: on a TCP link such a frame is refused (ProtocolError)."""
+        if fds and self.sock.family != socket.AF_UNIX:
+            raise ProtocolError("a frame with file descriptors cannot travel over a TCP link")
         if not fds and self._idle_writer():
             try:
                 sent = self.sock.send(data)

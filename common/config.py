@@ -32,6 +32,7 @@ class DaemonConfig:
     spin_us: int = 0  # poll a link without sleeping this long when an answer is due (0: never)
     max_connections: int = 1024  # open connections on the listening socket; more are refused
     frame_timeout_s: float = 30.0  # a frame must complete within this, however slowly it trickles
+    link_key_file: Path | None = None  # the shared secret of a TCP link (mode 0600)
 
     @property
     def link_path(self) -> Path:
@@ -46,6 +47,7 @@ class DecodeConfig(DaemonConfig):
     """The decode daemon: accepts links, pulls KV, runs the continuous-batching loop."""
 
     max_batch: int = 64
+    listen: str | None = None  # tcp://ADDR:PORT: also accept links across hosts (NIXL)
 
     @property
     def pidfile(self) -> Path:
@@ -73,6 +75,8 @@ class PrefillConfig(DaemonConfig):
 
     client_idle_timeout_s: float = 300.0  # a client connection with no request and no frame
     client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
+    decode: str | None = None  # tcp://HOST:PORT: link to a decode on another host (NIXL)
+    transfer: str = "push"  # a TCP link's KV transfer: push (prefill WRITEs) or pull (decode READs)
 
     @property
     def client_path(self) -> Path:

@@ -189,7 +189,7 @@ async def _notify_ready(server: Server) -> None:
 
 async def accept_loop(
     listen: socket.socket,
-    allowed_uids: frozenset[int],
+    allowed_uids: frozenset[int] | None,
     serve: Callable[[socket.socket], Awaitable[None]],
     tasks: set[asyncio.Task[None]],
     *,
@@ -197,7 +197,8 @@ async def accept_loop(
     max_connections: int = 1024,
 ) -> None:
     """Accept connections until `listen` is closed; refuse peers whose uid is not allowed
-    (logged), serve each other one in its own task, kept in `tasks` while it runs.
+    (logged; None: a TCP socket, whose peers prove a key instead), serve each other one in its
+    own task, kept in `tasks` while it runs.
 
     Past `max_connections` open connections a new one gets ERROR NO_CAPACITY and is closed. An
     accept that fails (EMFILE/ENFILE out of fds, ENOMEM, ...) is logged and retried after a
@@ -220,7 +221,7 @@ async def accept_loop(
         if backoff:
             log.info("accept_recovered", socket=name)
             backoff = 0.0
-        if not peer_allowed(conn, allowed_uids, socket=name):
+        if allowed_uids is not None and not peer_allowed(conn, allowed_uids, socket=name):
             conn.close()
             continue
         if len(conns) >= max_connections:

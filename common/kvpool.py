@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -267,6 +268,11 @@ class KVPool:
 
     def __repr__(self) -> str:
         return f"KVPool({self.layout}, device={self.device})"
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of blocks adjacent in both lists: [(src_start, dst_start, length)]."""
+    return _runs(np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64))
 
 
 def _runs(s: np.ndarray, d: np.ndarray) -> list[tuple[int, int, int]]:

@@ -1,6 +1,6 @@
 """A prefill daemon as the decode daemon sees it: one link's channel, its KVConsumer, its frames.
 
-Life: HELLO (fingerprint check) → REGISTER (`register`: the peer's pool opened once, through the
+Life: HELLO (key proofs on a TCP link, then the fingerprint check) → REGISTER (`register`: the peer's pool opened once, through the
 KVConsumer) → HANDOFF/ABORT/PING until the link ends. Frames to the peer leave in order through
 the channel's write queue (`post`), a step's frames for one link in one write (`post_many`).
 The server ends a link top-down: its sequences are dropped (DecodeRequests.drop_peer), pulls in
@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
@@ -35,7 +36,10 @@ from common.protocol import (
     encode,
     make_error,
 )
+from common.tcplink import new_nonce, proof, proof_ok
 from common.transfer import KVConsumer, TransferRefused
+from common.transfer.nixl_agent import NixlAgent
+from common.transfer.nixl_sides import NixlConsumer
 
 log = structlog.get_logger(__name__)
 _ids = itertools.count(1)
@@ -50,12 +54,15 @@ class HandshakeError(PdkvError):
 
 
 class Peer:
-    def __init__(self, channel: FrameChannel) -> None:
+    def __init__(self, channel: FrameChannel, key: bytes | None = None) -> None:
+        """`key`: the shared secret of a TCP link (None on the Unix socket)."""
         self.channel = channel
+        self.key = key
+        self._nonces = ("", "")  # (prefill's, ours) on a TCP link
         self.link_id = f"link-{next(_ids)}"
         self.pid = 0
         self.name = ""
-        self.consumer: KVConsumer | None = None  # from REGISTER on
+        self.consumer: KVConsumer | NixlConsumer | None = None  # from REGISTER on
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.greeted = False  # a HELLO was accepted: this connection is a link
@@ -64,7 +71,14 @@ class Peer:
 
     # ---- handshake -------------------------------------------------------------------------------
     def check_hello(self, hello: Hello, fingerprint: str, compat: dict[str, Any]) -> HelloOk:
-        """HELLO_OK, or INCOMPATIBLE naming both protocol versions or the fields that differ."""
+        """HELLO_OK, or INCOMPATIBLE naming both protocol versions or the fields that differ; on
+        a TCP link AUTH_FAILED first if the prefill brings no nonce (it has no key)."""
+        if self.key is not None and not hello.nonce:
+            raise HandshakeError(
+                ErrorCode.AUTH_FAILED,
+                "this decode's TCP link needs the shared key: start the prefill with "
+                "--link-key-file (the same secret as the decode's)",
+            )
         if hello.protocol_version != PROTOCOL_VERSION:
             raise HandshakeError(
                 ErrorCode.INCOMPATIBLE,
@@ -82,12 +96,29 @@ class Peer:
         self.pid, self.name = hello.pid, clip(hello.name, 64)
         self.greeted = True
         self.log = self.log.bind(peer_pid=hello.pid)
-        return HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
+        ok = HelloOk(fingerprint=fingerprint, pid=os.getpid(), link_id=self.link_id)
+        if self.key is None:
+            return ok
+        ours = new_nonce()
+        self._nonces = (hello.nonce, ours)
+        return msgspec.structs.replace(
+            ok, nonce=ours, proof=proof(self.key, "decode", hello.nonce, ours)
+        )
 
     def register(
-        self, reg: Register, local: KVPool, stream: torch.cuda.Stream | None
+        self,
+        reg: Register,
+        local: KVPool,
+        stream: torch.cuda.Stream | None,
+        agent: NixlAgent | None = None,
     ) -> Registered:
-        """Open the peer's pool once for this link (HandshakeError if it cannot be)."""
+        """Open the peer's pool once for this link (HandshakeError if it cannot be). On a TCP
+        link the prefill's key proof is checked first, then its NIXL agent added (`agent` is
+        this daemon's); a push link's REGISTERED names our pool for the prefill's WRITEs."""
+        if self.key is not None:
+            return self._register_nixl(reg, local, agent)
+        if reg.nixl is not None:
+            raise HandshakeError(ErrorCode.BAD_REQUEST, "a NIXL REGISTER on a Unix-socket link")
         try:
             self.consumer = KVConsumer.open(reg, self.channel.take_fds, local, stream)
         except TransferRefused as exc:
@@ -97,6 +128,25 @@ class Peer:
             "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer.num_blocks
         )
         return Registered(num_blocks=local.num_blocks)
+
+    def _register_nixl(self, reg: Register, local: KVPool, agent: NixlAgent | None) -> Registered:
+        assert self.key is not None
+        if not proof_ok(self.key, "prefill", *self._nonces, reg.proof):
+            raise HandshakeError(
+                ErrorCode.AUTH_FAILED,
+                "the prefill's key proof is wrong: the two daemons' --link-key-file differ",
+            )
+        if reg.nixl is None or agent is None:
+            raise HandshakeError(ErrorCode.BAD_REQUEST, "a TCP link's REGISTER names no NIXL pool")
+        try:
+            self.consumer = NixlConsumer.open(reg, local, agent, self.post)
+        except TransferRefused as exc:
+            raise HandshakeError(exc.code, str(exc)) from exc
+        self.log.info(
+            "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer_blocks
+        )
+        push = reg.nixl.transfer == "push"
+        return Registered(num_blocks=local.num_blocks, nixl=agent.region("push") if push else None)
 
     # ---- output ----------------------------------------------------------------------------------
     def post(self, msg: Message) -> None:

@@ -36,6 +36,7 @@ from common.protocol import (
     make_error,
 )
 from common.throughput import Throughput
+from common.transfer.consumer import AFTER_DONE
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
@@ -51,6 +52,7 @@ class DecodeRequests:
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
         self._copying: set[str] = set()  # keys whose pull is not yet reported complete
+        self._join_on_copy: set[str] = set()  # of those, the ones that join the batch after it
         self._stepping = False  # a decode step is in flight (run)
         self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
@@ -110,14 +112,16 @@ class DecodeRequests:
         decode = seq.check_finished() is None  # else FINISH right after RELEASE (_copied)
         done = functools.partial(self._copied, peer, h, seq, recv_ns)
         try:
-            seq.ready = consumer.pull(
-                h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done
-            )
+            ready = consumer.pull(h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done)
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
             self._copying.discard(key)
             self._fail(peer, seq, exc)
             return
-        if decode:
+        if ready is AFTER_DONE:  # a NIXL transfer: no stream can wait on it, join on `done`
+            if key in self._copying:
+                self._join_on_copy.add(key)
+        elif decode:
+            seq.ready = ready
             self.engine.add(seq)
         if h.sent_ns:
             seq.usable_us = (time.monotonic_ns() - h.sent_ns) / 1000
@@ -182,6 +186,8 @@ class DecodeRequests:
         are freed now, and one with nothing to decode gets its FINISH."""
         key = seq.key
         self._copying.discard(key)
+        join = key in self._join_on_copy
+        self._join_on_copy.discard(key)
         if exc is not None:
             self._fail(peer, seq, exc)
             return
@@ -199,6 +205,9 @@ class DecodeRequests:
             self._free_blocks(key)
         elif seq.finish_reason:  # finished at HANDOFF (a step's finish ends it in the same turn)
             peer.post(self._finished(peer, seq))
+        elif join:  # the blocks are here now (NIXL): the sequence joins the next step
+            self.engine.add(seq)
+            seq.usable_us = seq.handoff_us
 
     def _fail(self, peer: Peer, seq: Sequence, exc: BaseException) -> None:
         """The copy failed (a bug or a bad mapping): fail this request, keep the link."""

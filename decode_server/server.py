@@ -4,6 +4,10 @@ hands each frame to DecodeRequests (requests.py), which pulls the KV and decodes
 One way down: server → Peer (the link: channel, KVConsumer) and DecodeRequests (the request table,
 the engine). A link that ends is taken down from here: its sequences dropped, its pulls drained,
 then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
+
+With `--listen tcp://ADDR:PORT` the daemon also accepts links from other hosts (common.tcplink):
+those prove the shared key in the handshake, and their KV moves through this daemon's one
+NixlAgent (common.transfer.nixl_sides). The Unix socket serves as before.
 """
 
 from __future__ import annotations
@@ -14,11 +18,12 @@ import socket
 import time
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
 from common import daemon
-from common.channel import FrameChannel
+from common.channel import MAX_FDS_HELD, FrameChannel
 from common.config import DecodeConfig
 from common.errors import PdkvError, ProtocolError
 from common.modelrt import ModelRuntime
@@ -32,12 +37,16 @@ from common.protocol import (
     Message,
     Ping,
     Pong,
+    PushFailed,
     Register,
     Status,
 )
 from common.rundir import check_free
 from common.server import DaemonServer
+from common.tcplink import TcpSettings, is_tcp, listen_tcp, tcp_settings, tune
 from common.throughput import Throughput
+from common.transfer.nixl_agent import NixlAgent
+from common.transfer.nixl_sides import NixlConsumer
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 
@@ -60,10 +69,26 @@ class DecodeServer(DaemonServer):
         if rt.device.type == "cuda":
             torch.cuda.set_device(rt.device)
             self.pull_stream = torch.cuda.Stream(rt.device)
+        self.tcp: TcpSettings | None = check_listen(cfg)
+        self.nixl: NixlAgent | None = None  # with --listen: the pool registered once
+        self._tcp_listen: socket.socket | None = None
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
         self._decoding = asyncio.create_task(self._decode(), name="decode-loop")
+        if self.tcp is not None:
+            self.nixl = NixlAgent("decode", self.rt.pool.tensor, asyncio.get_running_loop())
+            self._tcp_listen = listen_tcp(self.tcp.host, self.tcp.port)
+            accept = daemon.accept_loop(
+                self._tcp_listen,
+                None,
+                self.serve_connection,
+                self._tasks,
+                name="tcp-link",
+                max_connections=self.cfg.max_connections,
+            )
+            self.spawn(accept, "decode-accept-tcp")
+            log.info("decode_listening_tcp", listen=self.cfg.listen, nixl_agent=self.nixl.name)
 
     async def _decode(self) -> None:
         """Run the decode loop; if a step fails, nothing here decodes any more: the daemon ends
@@ -74,6 +99,14 @@ class DecodeServer(DaemonServer):
             self._failure = exc
             log.critical("decode_loop_failed", batch=len(self.requests), exc_info=exc)
             self.stop_flag.fail(f"decode loop failed: {type(exc).__name__}: {exc}")
+
+    def refuse_new(self) -> None:
+        if self._tcp_listen is not None:
+            self._tcp_listen.close()
+
+    def close_parts(self) -> None:
+        if self.nixl is not None:
+            self.nixl.close()
 
     def in_flight(self) -> int:
         return len(self.requests)
@@ -107,14 +140,18 @@ class DecodeServer(DaemonServer):
                 "peer_pid": p.pid,
                 "age_s": round(now - p.connected_at, 1),
                 "handoffs": p.handoffs,
+                "transport": "tcp" if p.key is not None else "unix",
             }
             for p in self.peers.values()
         ]
 
     # ---- links -----------------------------------------------------------------------------------
     async def serve_connection(self, conn: socket.socket) -> None:
-        channel = FrameChannel(conn)
-        peer = Peer(channel)
+        tcp = is_tcp(conn)
+        if tcp:
+            tune(conn, self.cfg.heartbeat_timeout_s)
+        channel = FrameChannel(conn, max_fds=0 if tcp else MAX_FDS_HELD)
+        peer = Peer(channel, self.tcp.key if tcp and self.tcp is not None else None)
         try:
             await self._serve_link(peer)
         except HandshakeError as exc:
@@ -141,7 +178,7 @@ class DecodeServer(DaemonServer):
         channel, timeout = peer.channel, self.cfg.heartbeat_timeout_s
         async with asyncio.timeout(timeout):
             first = await channel.recv()
-        if isinstance(first, Status):
+        if isinstance(first, Status) and peer.key is None:  # a TCP peer proves the key first
             peer.post(self.status())
             await peer.flush()
             return
@@ -150,9 +187,12 @@ class DecodeServer(DaemonServer):
         peer.post(peer.check_hello(first, self.rt.fingerprint, self.rt.compat))
         async with asyncio.timeout(timeout):
             reg = await channel.recv()
+        if isinstance(reg, Error):  # the prefill refused us (e.g. our key proof was wrong)
+            peer.log.warning("link_refused_by_peer", code=reg.code, error=reg.message)
+            return
         if not isinstance(reg, Register):
             raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
-        peer.post(peer.register(reg, self.rt.pool, self.pull_stream))
+        peer.post(peer.register(reg, self.rt.pool, self.pull_stream, self.nixl))
         channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
         self.peers[peer.link_id] = peer
         watchdog = asyncio.create_task(
@@ -165,6 +205,8 @@ class DecodeServer(DaemonServer):
 
     def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Handoff):
+            if peer.key is not None and msg.sent_ns:  # another host's clock: not comparable
+                msg = msgspec.structs.replace(msg, sent_ns=0)
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
         elif isinstance(msg, Ping):
@@ -173,6 +215,8 @@ class DecodeServer(DaemonServer):
             self.requests.abort(peer, msg.request_id)
         elif isinstance(msg, Status):
             peer.post(self.status())
+        elif isinstance(msg, PushFailed) and isinstance(peer.consumer, NixlConsumer):
+            peer.consumer.push_failed(msg)
         elif isinstance(msg, Error):
             peer.log.warning(
                 "peer_reported_error", code=msg.code, error=msg.message, request_id=msg.request_id
@@ -196,9 +240,17 @@ class DecodeServer(DaemonServer):
         peer.close()
 
 
+def check_listen(cfg: DecodeConfig) -> TcpSettings | None:
+    """The --listen address, key and NIXL, checked (PdkvError saying what to do); None without."""
+    if cfg.listen is None:
+        return None
+    return tcp_settings(cfg.listen, cfg.link_key_file, "--listen")
+
+
 async def serve(cfg: DecodeConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
+    check_listen(cfg)
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "decode"),
         lambda rt, stop: DecodeServer(cfg, rt, stop),

@@ -5,6 +5,11 @@ descriptor, its fd for shm, the event ring's handles for CUDA; exported once per
 While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
 timeout ends the link. On loss every request handed to this link gets LINK_LOST through `on_lost`
 and the link reconnects with capped exponential backoff.
+
+With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink): HELLO carries our
+nonce, the decode's HELLO_OK its nonce and key proof (checked here: a wrong one is answered with
+ERROR AUTH_FAILED and refused), REGISTER our proof and the pool's NIXL region. The producer is
+then a NixlProducer (`make_producer`), and on a push link PUSH frames start its WRITEs.
 """
 
 from __future__ import annotations
@@ -15,29 +20,53 @@ import os
 import time
 from collections.abc import Callable
 
+import msgspec
 import structlog
 
 from common.channel import FrameChannel, connect
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
+from common.modelrt import ModelRuntime
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     Error,
+    ErrorCode,
     Hello,
     HelloOk,
     Message,
     Ping,
     Pong,
+    Push,
     Registered,
+    encode,
+    make_error,
 )
+from common.tcplink import TcpSettings, connect_tcp, new_nonce, proof, proof_ok, tcp_settings
 from common.transfer import KVProducer
+from common.transfer.nixl_sides import NixlProducer
 
 log = structlog.get_logger(__name__)
 
 
 class LinkRefused(PdkvError):
     """The decode daemon refused our HELLO or REGISTER (e.g. INCOMPATIBLE)."""
+
+
+def check_decode_option(cfg: PrefillConfig) -> TcpSettings | None:
+    """--decode's address, key and NIXL, checked (PdkvError saying what to do); None without."""
+    if cfg.decode is None:
+        return None
+    return tcp_settings(cfg.decode, cfg.link_key_file, "--decode")
+
+
+def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> KVProducer:
+    """The IPC producer for the local socket, a NixlProducer for a link across hosts."""
+    if cfg.decode is None:
+        return KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
+    return NixlProducer(
+        rt.pool, rt.allocator, transfer=cfg.transfer, loop=asyncio.get_running_loop()
+    )
 
 
 class DecodeLink:
@@ -72,6 +101,7 @@ class DecodeLink:
         self._ping = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.tcp = check_decode_option(cfg)
 
     @property
     def state(self) -> str:
@@ -154,11 +184,17 @@ class DecodeLink:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
 
+    async def _open(self, timeout: float) -> FrameChannel:
+        async with asyncio.timeout(timeout):
+            if self.tcp is None:
+                return await connect(str(self.cfg.link_path))
+            sock = await connect_tcp(self.tcp.host, self.tcp.port, timeout)
+            return FrameChannel(sock, max_fds=0)
+
     async def _connect_once(self) -> None:
         timeout = self.cfg.heartbeat_timeout_s
-        async with asyncio.timeout(timeout):
-            channel = await connect(str(self.cfg.link_path))
-        self.channel = channel
+        channel = self.channel = await self._open(timeout)
+        nonce = new_nonce() if self.tcp is not None else ""
         await channel.send(
             Hello(
                 protocol_version=PROTOCOL_VERSION,
@@ -167,15 +203,23 @@ class DecodeLink:
                 pid=os.getpid(),
                 name="prefill",
                 compat=self.compat,
+                nonce=nonce,
             )
         )
         async with asyncio.timeout(timeout):
             ok = await channel.recv()
         if isinstance(ok, Error):
+            if ok.code == ErrorCode.AUTH_FAILED:
+                log.error("link_auth_failed", error=ok.message, by="decode")
             raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
         if not isinstance(ok, HelloOk):
             raise ProtocolError(f"expected HELLO_OK, got {ok.TYPE.name}")
         reg, fds = self.producer.register()
+        if self.tcp is not None:
+            await self._check_decode_proof(channel, nonce, ok)
+            reg = msgspec.structs.replace(
+                reg, proof=proof(self.tcp.key, "prefill", nonce, ok.nonce)
+            )
         await channel.send(reg, fds)
         async with asyncio.timeout(timeout):
             done = await channel.recv()
@@ -183,11 +227,27 @@ class DecodeLink:
             raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
         if not isinstance(done, Registered):
             raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
+        if isinstance(self.producer, NixlProducer):
+            try:
+                self.producer.connected(done)
+            except PdkvError as exc:
+                raise LinkRefused(str(exc)) from exc
         self.link_id = ok.link_id
         self.connects += 1
         self.refused = False
         self.ready.set()
         log.info("decode_link_up", link=self.link_id, decode_pid=ok.pid, connects=self.connects)
+
+    async def _check_decode_proof(self, channel: FrameChannel, nonce: str, ok: HelloOk) -> None:
+        """The decode must prove the key before it learns anything of our pool; if it cannot,
+        tell it (ERROR AUTH_FAILED, so its log says why too) and refuse the link."""
+        assert self.tcp is not None
+        if proof_ok(self.tcp.key, "decode", nonce, ok.nonce, ok.proof):
+            return
+        why = "the decode's key proof is wrong: the two daemons' --link-key-file differ"
+        log.error("link_auth_failed", error=why, by="prefill")
+        await channel.send(make_error(ErrorCode.AUTH_FAILED, why))
+        raise LinkRefused(why)
 
     async def _serve(self) -> None:
         assert self.channel is not None
@@ -205,6 +265,8 @@ class DecodeLink:
             self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
         elif isinstance(msg, Error) and msg.request_id is None:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
+        elif isinstance(msg, Push) and isinstance(self.producer, NixlProducer):
+            self.producer.push(msg, self._post)
         else:
             self.on_message(msg)
 
@@ -216,6 +278,11 @@ class DecodeLink:
             except OSError as exc:
                 channel.fail(ConnectionError(f"heartbeat write failed: {exc}"))
                 return
+
+    def _post(self, msg: Message) -> None:
+        """A frame to the decode from a callback (PUSH_FAILED); dropped if the link is gone."""
+        if self.channel is not None:
+            self.channel.write_nowait(encode(msg))
 
     def _drop(self, reason: str) -> None:
         was_up = self.ready.is_set()

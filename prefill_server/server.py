@@ -38,8 +38,7 @@ from common.protocol import (
 from common.rundir import check_free
 from common.server import DaemonServer
 from common.throughput import Throughput
-from common.transfer import KVProducer
-from prefill_server.link import DecodeLink
+from prefill_server.link import DecodeLink, check_decode_option, make_producer
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
 
@@ -53,7 +52,7 @@ class PrefillServer(DaemonServer):
     def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
         super().__init__(cfg, rt, cfg.client_path, stop)
         self.cfg: PrefillConfig = cfg
-        self.producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
+        self.producer = make_producer(cfg, rt)
         self.link = DecodeLink(
             cfg,
             fingerprint=rt.fingerprint,
@@ -239,6 +238,7 @@ async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
 async def serve(cfg: PrefillConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
+    check_decode_option(cfg)
     return await daemon.serve_until_stopped(
         lambda: ModelRuntime.load(cfg, "prefill"),
         lambda rt, stop: PrefillServer(cfg, rt, stop),

@@ -27,6 +27,15 @@ def decode() -> None:
     type=click.IntRange(1),
     help="Most sequences decoded in one step.",
 )
+@click.option(
+    "--listen",
+    show_envvar=True,
+    envvar="PDKV_LISTEN",
+    default=None,
+    metavar="tcp://ADDR:PORT",
+    help="Also accept links from prefill daemons on other hosts here (an explicit bind address; "
+    "the KV moves with NIXL; needs --link-key-file and pdkv[nixl]). The Unix socket stays.",
+)
 @click.pass_obj
 def decode_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the decode daemon (foreground unless --background)."""
@@ -121,6 +130,25 @@ def prefill() -> None:
     show_default=True,
     type=click.IntRange(1, 1024),
     help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
+)
+@click.option(
+    "--decode",
+    show_envvar=True,
+    envvar="PDKV_DECODE",
+    default=None,
+    metavar="tcp://HOST:PORT",
+    help="Link to a decode daemon on another host instead of the local socket (the KV moves "
+    "with NIXL; needs --link-key-file and pdkv[nixl]).",
+)
+@click.option(
+    "--transfer",
+    show_envvar=True,
+    envvar="PDKV_TRANSFER",
+    default="push",
+    show_default=True,
+    type=click.Choice(["push", "pull"]),
+    help="How a TCP link moves the KV: push (the prefill WRITEs into the decode's blocks) or "
+    "pull (the decode READs the prefill's); see docs/operations.md for which is faster where.",
 )
 @click.pass_obj
 def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]

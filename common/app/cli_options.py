@@ -149,6 +149,15 @@ _DAEMON_OPTIONS = [
         help="Seconds a frame may take to arrive whole; a slower sender is disconnected.",
     ),
     click.option(
+        "--link-key-file",
+        show_envvar=True,
+        envvar="PDKV_LINK_KEY_FILE",
+        default=None,
+        type=click.Path(path_type=Path),
+        help="Shared secret (mode 0600, ≥ 16 bytes) both daemons prove in HELLO on a TCP link; "
+        "required with --listen / --decode tcp://.",
+    ),
+    click.option(
         "--background", is_flag=True, help="Detach, write a pidfile and a log in the runtime dir."
     ),
 ]

@@ -8,7 +8,7 @@ segments (see frame.py). Directions: P = prefill daemon, D = decode daemon, C = 
 from __future__ import annotations
 
 import enum
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
 
@@ -18,6 +18,8 @@ from common.sampling_params import SamplingParams
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Nonce = Annotated[str, msgspec.Meta(max_length=128)]
+Proof = Annotated[str, msgspec.Meta(max_length=128)]
 
 
 class MsgType(enum.IntEnum):
@@ -33,6 +35,8 @@ class MsgType(enum.IntEnum):
     ERROR = 10
     PING = 11
     PONG = 12
+    PUSH = 13  # v3
+    PUSH_FAILED = 14  # v3
     GENERATE = 20
     STATUS = 21
     STATUS_REPLY = 22
@@ -49,6 +53,7 @@ class ErrorCode(enum.StrEnum):
     SHUTTING_DOWN = "SHUTTING_DOWN"
     INTERNAL = "INTERNAL"
     NUMERIC_ERROR = "NUMERIC_ERROR"  # v2: this request's logits were not finite / not drawable
+    AUTH_FAILED = "AUTH_FAILED"  # v3: a TCP link's key proof is missing or wrong
 
 
 class Message(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -70,6 +75,7 @@ class Hello(Message, frozen=True):
     pid: NonNeg
     name: str = ""
     compat: dict[str, int | str] = msgspec.field(default_factory=dict)
+    nonce: Nonce = ""  # v3, TCP links: the prefill's challenge (hex)
 
 
 class HelloOk(Message, frozen=True):
@@ -79,6 +85,8 @@ class HelloOk(Message, frozen=True):
     fingerprint: str
     pid: NonNeg
     link_id: str
+    nonce: Nonce = ""  # v3, TCP links: the decode's challenge (hex)
+    proof: Proof = ""  # v3, TCP links: HMAC-SHA256 proving the decode holds the key (hex)
 
 
 class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -95,10 +103,29 @@ class RegionInfo(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_fds: NonNeg = 0
 
 
+class NixlRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """v3: a pool registered with a NIXL agent, for a link across hosts (TCP).
+
+    `metadata` is the agent's metadata (hex, for the peer's add_remote_agent); `addr`/`nbytes`
+    the registered pool in the owner's address space, `device_id` its GPU (0 for DRAM).
+    `transfer` is how the link moves blocks: "push" (the prefill WRITEs into the decode's
+    blocks) or "pull" (the decode READs the prefill's)."""
+
+    agent: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    metadata: Annotated[str, msgspec.Meta(max_length=128 * 1024)]
+    addr: NonNeg
+    nbytes: NonNeg
+    device_id: NonNeg
+    mem_type: Literal["DRAM", "VRAM"]
+    transfer: Literal["push", "pull"]
+
+
 class Register(Message, frozen=True):
     """P → D, once per link: the prefill pool's regions and its event ring.
 
-    For `shm` the region's fd travels with this frame (SCM_RIGHTS), `num_fds` per region.
+    For `shm` the region's fd travels with this frame (SCM_RIGHTS), `num_fds` per region. On a
+    TCP link (v3) `regions` is empty and `nixl` names the pool; `proof` is the prefill's HMAC
+    answering the decode's nonce (checked before anything else of the frame).
     """
 
     TYPE = MsgType.REGISTER
@@ -108,6 +135,8 @@ class Register(Message, frozen=True):
     event_handle_size: NonNeg = 0
     mem_handles: bytes = b""
     event_handles: bytes = b""
+    nixl: NixlRegion | None = None  # v3
+    proof: Proof = ""  # v3
 
     @classmethod
     def build(
@@ -174,10 +203,31 @@ class Register(Message, frozen=True):
 
 
 class Registered(Message, frozen=True):
-    """D → P: the pool is imported; HANDOFFs may follow."""
+    """D → P: the pool is imported; HANDOFFs may follow. On a push link (v3) `nixl` names the
+    decode's pool, which the prefill WRITEs into."""
 
     TYPE = MsgType.REGISTERED
     num_blocks: NonNeg
+    nixl: NixlRegion | None = None  # v3
+
+
+class Push(Message, frozen=True):
+    """D → P (v3, push links): WRITE your blocks `src_ids` into my blocks `dst_ids` with NIXL and
+    notify me with `tag` (the notification's bytes are `pdkv-push:<tag>`). Sent for a HANDOFF
+    once the decode has allocated its blocks; the RELEASE follows the notification as usual."""
+
+    TYPE = MsgType.PUSH
+    tag: NonNeg
+    src_ids: list[NonNeg]
+    dst_ids: list[NonNeg]
+
+
+class PushFailed(Message, frozen=True):
+    """P → D (v3): the WRITE of push `tag` failed or could not start; that request fails."""
+
+    TYPE = MsgType.PUSH_FAILED
+    tag: NonNeg
+    message: str
 
 
 class Handoff(Message, frozen=True):
@@ -316,6 +366,8 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Error,
     Ping,
     Pong,
+    Push,
+    PushFailed,
     Generate,
     Status,
     StatusReply,

@@ -9,13 +9,16 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
     1: "first version: HELLO..PONG on the link; GENERATE/STATUS on the client socket",
     2: "HELLO carries `compat` (what the fingerprint hashes, in the clear) so INCOMPATIBLE names "
     "the fields that differ; error code NUMERIC_ERROR",
+    3: "links across hosts (TCP): HELLO/HELLO_OK nonces and proofs (HMAC-SHA256 over both), "
+    "REGISTER/REGISTERED carry `nixl` (a NIXL agent and its registered pool), PUSH and "
+    "PUSH_FAILED for push links, error code AUTH_FAILED",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -17,6 +17,9 @@ Contract:
     reads the blocks, and may be enqueued at once. A waiter thread (transfer.completion) observes
     the event and runs `done(None)` on the loop once the copy is complete, or `done(exc)` if it
     failed.
+  - NIXL (transfer.nixl_sides, a sibling with the same calls): the blocks arrive by a transfer
+    that no local stream can wait on; `pull` returns `AFTER_DONE`: the blocks may be read only
+    once `done(None)` has run.
   `pull` raises (IpcError, PdkvError, a CUDA error) when the copy could not be started; then
   `done` never runs. Otherwise `done` runs exactly once, and a RELEASE may go out only then: the
   peer may overwrite its blocks and re-record the event slot after it.
@@ -50,6 +53,8 @@ from common.transfer.regions import open_region
 log = structlog.get_logger(__name__)
 PullDone = Callable[[BaseException | None], None]
 Ready = Any  # a torch.cuda.Event on CUDA (anything with synchronize(): completion.Waitable)
+#: What `pull` returns when the blocks may be read only after `done(None)` (NIXL transfers).
+AFTER_DONE: Any = object()
 
 
 class TransferRefused(PdkvError):
@@ -99,11 +104,7 @@ class KVConsumer:
                 raise ValueError("event handles on a CPU link (the frame is the signal there)")
         except (PdkvError, ValueError) as exc:
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
-        mine, theirs = local.layout.compat_fields(), layout.compat_fields()
-        if theirs != mine:
-            raise TransferRefused(
-                ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
-            )
+        check_same_blocks(local.layout, layout)
         if len(descs) != 1:
             raise TransferRefused(
                 ErrorCode.BAD_REQUEST, f"expected 1 pool region, got {len(descs)}"
@@ -158,21 +159,8 @@ class KVConsumer:
         """Checks of one HANDOFF against the peer's pool; ValueError/IpcError with the reason."""
         if self.peer is None:
             raise ValueError("the link's pool is closed")
-        h.sampling.validate()
-        if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
-            raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
-        need = blocks_for(h.num_tokens, self.local.layout.block_size)
-        if len(h.block_ids) != need:
-            raise ValueError(
-                f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
-            )
-        if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
-            raise ValueError(f"token ids must be < vocab size {vocab_size}")
-        ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
-        if max(ids) >= self.peer.num_blocks or len(set(ids)) != len(ids):
-            check_block_ids(ids, self.peer.num_blocks, "HANDOFF", distinct=True)  # says which
-        if h.event_slot >= 0 and (self._events is None or h.event_slot >= len(self._events)):
-            raise ValueError(f"event slot {h.event_slot} does not exist on this link")
+        events = len(self._events) if self._events is not None else 0
+        check_handoff(h, vocab_size, self.local.layout.block_size, self.peer.num_blocks, events)
 
     # ---- pulls -----------------------------------------------------------------------------------
     def pull(
@@ -246,10 +234,49 @@ class KVConsumer:
         self._region.close()
 
 
+def check_same_blocks(local: PoolLayout, peer: PoolLayout) -> None:
+    """TransferRefused(INCOMPATIBLE) unless the two pools' blocks have one shape and dtype."""
+    mine, theirs = local.compat_fields(), peer.compat_fields()
+    if theirs != mine:
+        raise TransferRefused(
+            ErrorCode.INCOMPATIBLE, f"peer pool layout {theirs} differs from ours {mine}"
+        )
+
+
+def check_handoff(
+    h: Handoff, vocab_size: int, block_size: int, peer_blocks: int, event_slots: int
+) -> None:
+    """One HANDOFF against the peer's pool of `peer_blocks` blocks and a ring of `event_slots`
+    slots; ValueError/IpcError with the reason. Every consumer kind checks with this."""
+    h.sampling.validate()
+    if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
+        raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
+    need = blocks_for(h.num_tokens, block_size)
+    if len(h.block_ids) != need:
+        raise ValueError(
+            f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
+        )
+    if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
+        raise ValueError(f"token ids must be < vocab size {vocab_size}")
+    ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
+    if max(ids) >= peer_blocks or len(set(ids)) != len(ids):
+        check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which
+    if h.event_slot >= event_slots:
+        raise ValueError(f"event slot {h.event_slot} does not exist on this link")
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
 
 
-__all__ = ["KVConsumer", "PullDone", "Ready", "TransferRefused"]
+__all__ = [
+    "AFTER_DONE",
+    "KVConsumer",
+    "PullDone",
+    "Ready",
+    "TransferRefused",
+    "check_handoff",
+    "check_same_blocks",
+]

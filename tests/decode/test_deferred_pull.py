@@ -21,6 +21,7 @@ from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Release, Tokens
 from common.transfer import KVConsumer
+from common.transfer.consumer import AFTER_DONE
 from decode_server.requests import DecodeRequests
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_requests import decode_until
@@ -169,3 +170,40 @@ async def test_a_request_with_nothing_to_decode_finishes_only_after_its_pull(
     await dlink.consumer.drain()
     assert [type(m) for m in dlink.sent] == [Release, Finish]
     side.producer.allocator.free("r1")
+
+
+class LaterConsumer(KVConsumer):
+    """A consumer whose blocks arrive by a transfer no stream can wait on (NIXL's shape): `pull`
+    returns AFTER_DONE and the copy lands when the test calls `land()`."""
+
+    def pull(self, src_ids, dst_ids, slot, done):  # type: ignore[no-untyped-def]
+        self.pending.append((src_ids, dst_ids, done))
+        return AFTER_DONE
+
+    def land(self) -> None:
+        src_ids, dst_ids, done = self.pending.pop(0)
+        self.local.copy_blocks_from(self._peer(), src_ids, dst_ids)
+        done(None)
+
+
+async def test_a_transfer_without_an_event_joins_the_batch_only_once_it_landed(side: Side, rt):
+    reg, fds = side.producer.register()
+    consumer = LaterConsumer.open(reg, lambda n: [os.dup(fd) for fd in fds[:n]], rt.pool)
+    consumer.pending = []
+    link = FakeLink("link-n", consumer)
+    table = DecodeRequests(rt, max_batch=8)
+    try:
+        h = side.prefill("r1", PROMPT, GREEDY)
+        table.handoff(link, h)
+        assert len(table) == 0 and link.sent == []  # its blocks are not here: not in the batch
+        consumer.land()
+        assert link.of(Release) == [Release(request_id="r1", event_slot=-1)] and len(table) == 1
+        await decode_until(table, lambda: link.of(Finish))
+        tokens = [h.first_token] + [t for m in link.of(Tokens) for t in m.tokens]
+        assert tokens == reference.generate(
+            rt.model, PROMPT, GREEDY, block_size=rt.layout.block_size
+        )
+    finally:
+        consumer.close()
+        side.producer.allocator.free("r1")
+    assert rt.allocator.num_free == rt.allocator.total

@@ -29,8 +29,11 @@ from common.protocol import (
     HelloOk,
     Message,
     MsgType,
+    NixlRegion,
     Ping,
     Pong,
+    Push,
+    PushFailed,
     Register,
     Registered,
     Release,
@@ -45,6 +48,16 @@ HEADER = struct.Struct("!4sHHIII")
 ROOT = Path(__file__).resolve().parents[2]
 
 nonneg = st.integers(min_value=0, max_value=2**63 - 1)
+nixl_regions = st.builds(
+    NixlRegion,
+    agent=st.text(min_size=1, max_size=40),
+    metadata=st.binary(max_size=64).map(bytes.hex),
+    addr=nonneg,
+    nbytes=nonneg,
+    device_id=st.integers(0, 7),
+    mem_type=st.sampled_from(["DRAM", "VRAM"]),
+    transfer=st.sampled_from(["push", "pull"]),
+)
 small_nonneg = st.integers(min_value=0, max_value=10_000)
 token_ids = st.integers(min_value=0, max_value=2**31 - 1)
 request_ids = st.text(min_size=1, max_size=128)
@@ -104,7 +117,7 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
     ),
     MsgType.HELLO_OK: st.builds(HelloOk, fingerprint=texts, pid=nonneg, link_id=texts),
     MsgType.REGISTER: registers(),
-    MsgType.REGISTERED: st.builds(Registered, num_blocks=nonneg),
+    MsgType.REGISTERED: st.builds(Registered, num_blocks=nonneg, nixl=st.none() | nixl_regions),
     MsgType.HANDOFF: st.builds(
         Handoff,
         request_id=request_ids,
@@ -135,6 +148,10 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
     ),
     MsgType.PING: st.builds(Ping, seq=nonneg, sent_ns=nonneg),
     MsgType.PONG: st.builds(Pong, seq=nonneg, sent_ns=nonneg),
+    MsgType.PUSH: st.builds(
+        Push, tag=nonneg, src_ids=st.lists(nonneg, max_size=8), dst_ids=st.lists(nonneg, max_size=8)
+    ),
+    MsgType.PUSH_FAILED: st.builds(PushFailed, tag=nonneg, message=texts),
     MsgType.GENERATE: st.builds(
         Generate,
         sampling=sampling_params,

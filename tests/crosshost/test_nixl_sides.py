@@ -1,0 +1,175 @@
+"""The NIXL transfer sides with two real agents in two processes (UCX over TCP/shared memory,
+CPU pools): the prefill's NixlProducer in a child, the decode's NixlConsumer here."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+import torch
+
+from common.kvpool import KVPool, block_runs
+from common.protocol import Message, Push, PushFailed, Register, Registered, decode, encode
+from common.transfer.nixl_agent import NixlAgent, NixlTransferError
+from common.transfer.nixl_sides import NixlConsumer, byte_runs
+from tests.crosshost import nixl_peer
+from tests.crosshost.nixl_peer import LAYOUT, pattern
+
+SEED = 3
+# one prefill process per transfer mode for the whole module: starting one costs seconds
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+class Link:
+    """The decode's end of one link: a NixlConsumer over a child's pool, PUSH relayed to it."""
+
+    def __init__(self, conn, proc, local: KVPool, agent: NixlAgent) -> None:  # type: ignore[no-untyped-def]
+        self.conn, self.proc = conn, proc
+        self.local, self.agent = local, agent
+        self.loop = asyncio.get_running_loop()
+        self.consumer: NixlConsumer
+
+    @classmethod
+    async def connect(cls, transfer: str, seed: int, local: KVPool, agent: NixlAgent) -> Link:
+        """Start a prefill process with pool `pattern(seed)`, then REGISTER / REGISTERED."""
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=nixl_peer.serve, args=(child, transfer, seed), daemon=True)
+        proc.start()
+        link = cls(parent, proc, local, agent)
+        parent.send(("register", None))
+        kind, frame = await link.recv()
+        reg = decode(frame)  # type: ignore[arg-type]
+        assert kind == "frame" and isinstance(reg, Register) and reg.nixl is not None
+        link.consumer = NixlConsumer.open(reg, local, agent, link.post)
+        nixl = agent.region(transfer) if transfer == "push" else None
+        parent.send(("registered", encode(Registered(num_blocks=LAYOUT.num_blocks, nixl=nixl))))
+        assert (await link.recv())[0] == "ok"
+        return link
+
+    def post(self, msg: Message) -> None:
+        assert isinstance(msg, Push)
+        self.conn.send(("push", encode(msg)))
+
+    async def recv(self) -> tuple[str, object]:
+        return await self.loop.run_in_executor(None, self.conn.recv)
+
+    async def pull(self, src: list[int], dst: list[int]) -> BaseException | None:
+        fut: asyncio.Future[BaseException | None] = self.loop.create_future()
+        self.consumer.pull(src, dst, -1, fut.set_result)
+        return await asyncio.wait_for(fut, 30)
+
+    async def close(self) -> None:
+        await self.consumer.drain()
+        self.consumer.close()
+        self.conn.send(("stop", None))
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["pull", "push"])
+async def link(request) -> AsyncIterator[Link]:  # type: ignore[no-untyped-def]
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
+    try:
+        link = await Link.connect(request.param, SEED, local, agent)
+        yield link
+        await link.close()
+    finally:
+        agent.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_runs_are_coalesced_where_blocks_are_adjacent_in_both_pools():
+    assert block_runs([3, 4, 5, 9, 10], [10, 11, 12, 2, 4]) == [
+        (3, 10, 3),
+        (9, 2, 1),
+        (10, 4, 1),
+    ]
+    bn = LAYOUT.block_nbytes
+    assert byte_runs([3, 4], [7, 8], bn, 1000, 0) == [(1000 + 3 * bn, 7 * bn, 2 * bn)]
+
+
+async def test_the_blocks_arrive_byte_for_byte(link: Link):
+    src, dst = [3, 4, 5, 9, 0], [10, 11, 12, 2, 23]
+    assert await link.pull(src, dst) is None
+    expected = pattern(LAYOUT, SEED)
+    assert torch.equal(link.local.tensor[dst], expected[src])
+    untouched = [b for b in range(LAYOUT.num_blocks) if b not in dst]
+    assert link.local.tensor[untouched].abs().sum() == 0
+    assert link.consumer.pulls_in_flight == 0
+
+
+async def test_many_transfers_in_flight_each_complete_once(link: Link):
+    fut = [link.pull([i], [LAYOUT.num_blocks - 1 - i]) for i in range(8)]
+    assert await asyncio.gather(*fut) == [None] * 8
+    expected = pattern(LAYOUT, SEED)
+    for i in range(8):
+        assert torch.equal(link.local.tensor[LAYOUT.num_blocks - 1 - i], expected[i])
+
+
+async def test_a_failed_transfer_fails_that_request_only(link: Link):
+    if link.consumer.region.transfer == "pull":
+        # a real NIXL failure: the peer agent is unknown to ours when the READ is posted
+        link.agent.remove_peer(link.consumer.peer_agent)
+        err = await link.pull([1], [1])
+        assert isinstance(err, NixlTransferError)
+        link.agent.add_peer(link.consumer.region)
+    else:
+        # the prefill refuses a WRITE outside the decode's pool and says so (PUSH_FAILED)
+        done: list[BaseException | None] = []
+        link.consumer.pull([1], [LAYOUT.num_blocks + 5], -1, done.append)
+        kind, frame = await link.recv()
+        failed = decode(frame)  # type: ignore[arg-type]
+        assert kind == "frame" and isinstance(failed, PushFailed)
+        link.consumer.push_failed(failed)
+        assert len(done) == 1 and isinstance(done[0], NixlTransferError)
+        assert "outside" in str(done[0])
+    assert await link.pull([2, 3], [5, 6]) is None  # the link goes on
+    assert torch.equal(link.local.tensor[[5, 6]], pattern(LAYOUT, SEED)[[2, 3]])
+
+
+async def test_drain_waits_for_reads_and_fails_pushes_still_awaited(link: Link):
+    done: list[BaseException | None] = []
+    if link.consumer.region.transfer == "pull":
+        link.consumer.pull([1, 2], [7, 8], -1, done.append)
+        await link.consumer.drain()  # the READ writes into our blocks: drain waits for it
+        assert done == [None]
+        assert torch.equal(link.local.tensor[[7, 8]], pattern(LAYOUT, SEED)[[1, 2]])
+        return
+    post = link.consumer._post
+    link.consumer._post = lambda msg: None  # the PUSH never reaches the prefill
+    link.consumer.pull([1], [1], -1, done.append)
+    await link.consumer.drain()
+    assert len(done) == 1 and isinstance(done[0], NixlTransferError)
+    assert link.consumer.pulls_in_flight == 0
+    link.consumer._post = post
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_two_links_on_one_decode_agent_never_take_each_others_pushes():
+    """Each link numbers its pushes from the decode agent's one counter, and a notification
+    counts only from the agent it names: two prefills pushing at once each land their own
+    bytes (with per-link tags both would send `pdkv-push:1`)."""
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
+    links: list[Link] = []
+    try:
+        links = [await Link.connect("push", seed, local, agent) for seed in (5, 6)]
+        got = await asyncio.gather(
+            links[0].pull([0, 1], [2, 3]),
+            links[1].pull([0, 1], [12, 13]),
+            links[0].pull([4], [8]),
+            links[1].pull([4], [18]),
+        )
+        assert got == [None] * 4
+        assert torch.equal(local.tensor[[2, 3, 8]], pattern(LAYOUT, 5)[[0, 1, 4]])
+        assert torch.equal(local.tensor[[12, 13, 18]], pattern(LAYOUT, 6)[[0, 1, 4]])
+    finally:
+        for link in links:
+            await link.close()
+        agent.close()
