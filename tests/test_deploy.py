@@ -26,3 +26,18 @@ def test_only_the_daemons_reserve_gpus() -> None:
     gpu = services("docker-compose.gpu.yml")
     reserving = {n for n, s in gpu.items() if "devices" in str(s.get("deploy", {}))}
     assert reserving == {"decode", "prefill"}
+
+
+def unit_values(name: str, key: str) -> list[str]:
+    text = (DEPLOY / "systemd" / name).read_text()
+    return [ln.split("=", 1)[1] for ln in text.splitlines() if ln.startswith(key + "=")]
+
+
+def test_mps_unit_serves_the_daemons_user_on_the_pipe_they_are_told() -> None:
+    """MPS serves only its server's user, and a client finds it by CUDA_MPS_PIPE_DIRECTORY."""
+    users = {unit_values(f"pdkv-{r}.service", "User")[0] for r in ("decode", "prefill", "mps")}
+    assert users == {"pdkv"}
+    mps_env = dict(v.split("=", 1) for v in unit_values("pdkv-mps.service", "Environment"))
+    example = (DEPLOY / "systemd" / "pdkv.env.example").read_text()
+    assert f"#CUDA_MPS_PIPE_DIRECTORY={mps_env['CUDA_MPS_PIPE_DIRECTORY']}\n" in example
+    assert "pdkv-decode.service" in unit_values("pdkv-mps.service", "Before")[0]
