@@ -207,7 +207,7 @@ async def accept_loop(
     loop = asyncio.get_running_loop()
     conns: set[asyncio.Task[None]] = set()
     backoff = 0.0
-    refusals = _RateLimitedLog(f"{name}_connection_refused")
+    refusals = RateLimitedLog(f"{name}_connection_refused")
     while True:
         try:
             conn, _ = await loop.sock_accept(listen)
@@ -242,18 +242,22 @@ def _refuse(conn: socket.socket, why: str) -> None:
     conn.close()
 
 
-class _RateLimitedLog:
-    """One warning per second at most for a repeated event, with how many were not logged."""
+class RateLimitedLog:
+    """One warning per `interval_s` at most for a repeated event, with how many were not logged
+    (`not_logged_since`); the others go to debug."""
 
-    def __init__(self, event: str) -> None:
+    def __init__(self, event: str, interval_s: float = 1.0) -> None:
         self.event = event
-        self.last = 0.0
+        self.interval_s = interval_s
+        self.last = -interval_s
         self.skipped = 0
 
-    def note(self, **fields: Any) -> None:
+    def note(self, logger: Any = None, **fields: Any) -> None:
+        logger = logger or log
         now = time.monotonic()
-        if now - self.last < 1.0:
+        if now - self.last < self.interval_s:
             self.skipped += 1
+            logger.debug(self.event, **fields)
             return
-        log.warning(self.event, not_logged_since=self.skipped, **fields)
+        logger.warning(self.event, not_logged_since=self.skipped, **fields)
         self.last, self.skipped = now, 0

@@ -51,6 +51,8 @@ from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 
 log = structlog.get_logger(__name__)
+#: a refused handshake with the same reason is logged at warning at most this often
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class DecodeServer(DaemonServer):
@@ -72,6 +74,7 @@ class DecodeServer(DaemonServer):
         self.tcp: TcpSettings | None = check_listen(cfg)
         self.nixl: NixlAgent | None = None  # with --listen: the pool registered once
         self._tcp_listen: socket.socket | None = None
+        self._refusals: dict[str, daemon.RateLimitedLog] = {}  # reason -> its rate-limited log
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
@@ -114,6 +117,13 @@ class DecodeServer(DaemonServer):
     def failure(self) -> BaseException | None:
         return self._failure
 
+    def _refusal_log(self, reason: str) -> daemon.RateLimitedLog:
+        if len(self._refusals) > 64:  # reasons name peers' fields: keep the table small
+            self._refusals.clear()
+        return self._refusals.setdefault(
+            reason, daemon.RateLimitedLog("handshake_refused", REFUSAL_LOG_INTERVAL_S)
+        )
+
     async def end_remaining(self) -> None:
         code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
         if self.failure() is not None:
@@ -155,7 +165,8 @@ class DecodeServer(DaemonServer):
         try:
             await self._serve_link(peer)
         except HandshakeError as exc:
-            peer.log.warning("handshake_refused", code=exc.code, error=str(exc))
+            # a mismatched prefill retries every 2 s: one warning a minute per reason
+            self._refusal_log(f"{exc.code}: {exc}").note(peer.log, code=exc.code, error=str(exc))
             await self._answer(peer, exc.code, str(exc))
         except ProtocolError as exc:
             peer.log.warning("protocol_error", error=str(exc))

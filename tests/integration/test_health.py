@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,3 +82,18 @@ def test_status_with_nothing_running_exits_1(runtime_dir) -> None:  # type: igno
     proc = _status(Pair(runtime_dir))
     assert proc.returncode == 1
     assert f"{runtime_dir}/prefill.sock" in proc.stdout, proc.stdout
+
+
+def test_a_refused_prefill_retrying_is_logged_once_a_minute(pair_factory: Pair) -> None:
+    """The mismatched prefill retries every 2 s; the decode warns once for the reason, not per
+    attempt (the attempts are counted into the next warning)."""
+    decode = pair_factory.start("decode", "--block-size", "16")
+    prefill = pair_factory.start("prefill", "--block-size", "32", wait=False)
+    wait_ready(prefill)
+    deadline = time.monotonic() + 30
+    while prefill.log_text().count('"decode_link_down"') < 4:
+        assert time.monotonic() < deadline, prefill.log_text()[-2000:]
+        time.sleep(0.2)
+    refusals = [ln for ln in decode.log_text().splitlines() if '"handshake_refused"' in ln]
+    assert len(refusals) == 1, refusals
+    assert "INCOMPATIBLE" in refusals[0] and '"not_logged_since": 0' in refusals[0]
