@@ -105,6 +105,7 @@ class DecodeRequests:
         seq = self._admit(peer, h)
         if seq is None:
             return
+        admitted_ns = time.monotonic_ns()
         key, consumer = seq.key, peer.consumer
         assert consumer is not None  # _admit checked
         self.seq_peer[key] = peer
@@ -123,8 +124,14 @@ class DecodeRequests:
         elif decode:
             seq.ready = ready
             self.engine.add(seq)
+        now = time.monotonic_ns()
+        seq.stages_us = {
+            "admit_us": (admitted_ns - recv_ns) / 1000,
+            "enqueue_us": (now - admitted_ns) / 1000,
+        }
         if h.sent_ns:
-            seq.usable_us = (time.monotonic_ns() - h.sent_ns) / 1000
+            seq.usable_us = (now - h.sent_ns) / 1000
+            seq.stages_us["read_us"] = (recv_ns - h.sent_ns) / 1000
         log.debug(
             "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
         )
@@ -264,6 +271,7 @@ class DecodeRequests:
                 "pull_us": round(seq.pull_us, 1),
                 "usable_us": round(seq.usable_us, 1),
                 "first_step_us": round(seq.first_step_us, 1),
+                **{k: round(v, 1) for k, v in seq.stages_us.items()},
                 "decode_ms": round(decode_ms, 3),
             },
         )

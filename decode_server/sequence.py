@@ -32,6 +32,9 @@ class Sequence:
     usable_us: float = 0.0  # HANDOFF sent -> its pull enqueued and the sequence in the batch
     started: float = field(default_factory=time.monotonic)
     first_step_us: float = 0.0  # admitted (`started`) -> its first decoded token posted
+    # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests), admit_us (checked, blocks
+    # reserved), enqueue_us (the pull started and the sequence in the batch)
+    stages_us: dict[str, float] = field(default_factory=dict)
     finish_reason: str | None = None
     error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)
     # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that
