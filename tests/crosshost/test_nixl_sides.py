@@ -199,3 +199,19 @@ async def test_two_links_on_one_decode_agent_never_take_each_others_pushes():
             await link.close()
         agent.close()
 
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_close_answers_what_was_queued_just_before_it():
+    """close() right after expect()/transfer(): the worker finds them queued with its stop;
+    each `done` still runs, once, with the agent's closing error."""
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
+    got: list[BaseException | None] = []
+    agent.expect("nobody", b"pdkv-push:1", got.append)
+    agent.transfer("READ", "nobody", [(agent.addr, 0, LAYOUT.block_nbytes)], b"", got.append)
+    agent.close()
+    for _ in range(100):
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert len(got) == 2 and all(isinstance(e, NixlTransferError) for e in got), got
