@@ -3,8 +3,8 @@
 Life: HELLO (key proofs on a TCP link, then the fingerprint check) → REGISTER (`register`: the peer's pool opened once, through the
 KVConsumer) → HANDOFF/ABORT/PING until the link ends. Frames to the peer leave in order through
 the channel's write queue (`post`), a step's frames for one link in one write (`post_many`).
-The server ends a link top-down: its sequences are dropped (DecodeRequests.drop_peer), pulls in
-flight drained (`drain`), then `close` unmaps the peer's pool and closes the socket.
+The server ends a link top-down: pulls in flight drained (`drain`), its sequences dropped
+(DecodeRequests.drop_peer), then `close` unmaps the peer's pool and closes the socket.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Per HANDOFF: validate, reserve this request's blocks for its whole life (or answer NO_CAPACITY),
 start the pull of the prompt's blocks from the peer's pool into ours, and add the sequence to the
 batch at once: on CUDA the pull is stream-ordered and the step that first reads the blocks waits
-for it on the GPU (engine.py), on CPU the copy is already complete. RELEASE goes out when the
-consumer reports the copy complete (`_copied`: at once on CPU, from its waiter thread on CUDA).
+for it on the GPU (engine.py), on CPU the copy is already complete; a NIXL pull (AFTER_DONE) joins
+the batch in `_copied`. RELEASE goes out when the consumer reports the copy complete (`_copied`:
+at once on CPU, from its waiter thread on CUDA, from the NIXL agent's worker on a TCP link).
 Sequences are keyed `link/request_id`: request ids are only unique per prefill daemon.
 
 Blocks: a sequence's blocks are freed exactly once, when it ends (FINISH, error, abort, link

@@ -2,7 +2,7 @@
 hands each frame to DecodeRequests (requests.py), which pulls the KV and decodes in batches.
 
 One way down: server → Peer (the link: channel, KVConsumer) and DecodeRequests (the request table,
-the engine). A link that ends is taken down from here: its sequences dropped, its pulls drained,
+the engine). A link that ends is taken down from here: its pulls drained, its sequences dropped,
 then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
 
 With `--listen tcp://ADDR:PORT` the daemon also accepts links from other hosts (common.tcplink):

@@ -178,6 +178,10 @@ class DecodeLink:
                 level = "warning" if self.connects else "info"
                 if not self._stopping:
                     getattr(log, level)("decode_link_down", error=self.last_error, retry_s=backoff)
+            except Exception as exc:  # a bug in a frame's handling: reconnect, never go deaf
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self.refused = False
+                log.exception("decode_link_failed_internal", retry_s=backoff)
             self._drop(self.last_error or "link closed")
             if self._stopping:
                 return

@@ -71,7 +71,7 @@ class RequestPipeline:
         rest goes to the request's inbox. Called in the link's read callback."""
         rid = getattr(msg, "request_id", None)
         req = self.requests.get(rid) if rid else None
-        if req is None:
+        if req is None or (isinstance(msg, Release) and not req.handed_off):  # late (id reused)
             if isinstance(msg, Release):
                 if self.producer.ack_late(msg.event_slot):
                     self.capacity_changed()

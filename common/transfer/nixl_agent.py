@@ -174,6 +174,7 @@ class NixlAgent:
             except queue.Empty:
                 jobs = []
             if any(kind == "stop" for kind, _ in jobs):
+                self._fail_queued(jobs)
                 break
             for kind, job in jobs:
                 self._take(kind, job, active, expected, early)
@@ -185,6 +186,13 @@ class NixlAgent:
             self._reply(done, stopped)
         for done in expected.values():
             self._reply(done, stopped)
+
+    def _fail_queued(self, jobs: list[tuple[str, Any]]) -> None:
+        """Jobs queued with the stop were never taken: their `done` still runs, once."""
+        stopped = NixlTransferError("the NIXL agent closed")
+        for kind, job in jobs:
+            if kind in ("xfer", "expect"):
+                self._reply(job[-1], stopped)
 
     def _take(self, kind: str, job: Any, active: list, expected: dict, early: dict) -> None:
         if kind == "xfer":

@@ -173,7 +173,9 @@ class NixlConsumer:
             self.agent.forget(self.peer_agent)
             self._fail_pending("the link ended before the push arrived")
         try:
-            await asyncio.wait_for(self._idle.wait(), read_timeout_s)
+            async with asyncio.timeout(read_timeout_s):
+                while self._pending:  # a pull started in the turn that set _idle: wait for it too
+                    await self._idle.wait()
         except TimeoutError:
             log.warning("nixl_reads_outlived_link", reads=len(self._pending))
         self.agent.remove_peer(self.peer_agent)

@@ -133,6 +133,31 @@ async def test_a_failed_transfer_fails_that_request_only(link: Link):
     assert torch.equal(link.local.tensor[[5, 6]], pattern(LAYOUT, SEED)[[2, 3]])
 
 
+async def test_drain_waits_for_a_read_started_as_the_last_one_completed(link: Link):
+    """A HANDOFF handled in the loop turn that completes the last READ starts a new one after
+    drain was woken: drain must wait for that one too, not fail it (and so free its blocks)
+    while it still writes them."""
+    if link.consumer.region.transfer == "push":
+        pytest.skip("a push link fails what it awaits at drain")
+    first: list[BaseException | None] = []
+    later: list[BaseException | None] = []
+
+    def first_done(exc: BaseException | None) -> None:
+        first.append(exc)
+        for _ in range(3):  # enough READs that they outlast drain's wake-up on this host
+            for b in range(LAYOUT.num_blocks):
+                link.consumer.pull([b], [b], -1, later.append)
+
+    link.consumer.pull([1], [1], -1, first_done)
+    await link.consumer.drain()
+    try:
+        assert first == [None]
+        assert later == [None] * 3 * LAYOUT.num_blocks
+        assert torch.equal(link.local.tensor, pattern(LAYOUT, SEED))
+    finally:
+        link.agent.add_peer(link.consumer.region)  # drain disconnected it: the link goes on
+
+
 async def test_drain_waits_for_reads_and_fails_pushes_still_awaited(link: Link):
     done: list[BaseException | None] = []
     if link.consumer.region.transfer == "pull":
@@ -173,3 +198,20 @@ async def test_two_links_on_one_decode_agent_never_take_each_others_pushes():
         for link in links:
             await link.close()
         agent.close()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_close_answers_what_was_queued_just_before_it():
+    """close() right after expect()/transfer(): the worker finds them queued with its stop;
+    each `done` still runs, once, with the agent's closing error."""
+    local = KVPool.create(LAYOUT)
+    agent = NixlAgent("decode", local.tensor, asyncio.get_running_loop())
+    got: list[BaseException | None] = []
+    agent.expect("nobody", b"pdkv-push:1", got.append)
+    agent.transfer("READ", "nobody", [(agent.addr, 0, LAYOUT.block_nbytes)], b"", got.append)
+    agent.close()
+    for _ in range(100):
+        if len(got) == 2:
+            break
+        await asyncio.sleep(0.01)
+    assert len(got) == 2 and all(isinstance(e, NixlTransferError) for e in got), got

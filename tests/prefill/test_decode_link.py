@@ -41,3 +41,29 @@ async def test_stop_ends_a_link_that_keeps_failing_to_connect(tmp_path):
         assert link._task is not None and link._task.done()
         assert link.state == "down"
         assert "FileNotFoundError" in link.last_error or link.last_error == ""
+
+
+async def test_a_frame_the_handler_fails_on_drops_the_link_and_it_reconnects(tmp_path):
+    """An exception from a frame's handling (here the allocator's, for a RELEASE of a request
+    that holds blocks but no lease) must not end the link's task: the prefill would stay up,
+    its link shown up, and never hand anything off again."""
+    from common.protocol import Release
+    from tests.faults.fakes import FakeDecode
+
+    fake = FakeDecode(tmp_path / "d.sock").start()
+    link = _link(tmp_path, [])
+    link.cfg = PrefillConfig(runtime_dir=tmp_path, link_socket=fake.path)
+    allocator = link.producer.allocator
+    allocator.allocate("held", 1)  # allocated, not leased: still being prefilled
+    link.on_message = lambda m: link.producer.released(m.request_id, -1)  # type: ignore[attr-defined]
+    link.start()
+    try:
+        await link.wait_up(5)
+        fake.send_all(Release(request_id="held"))
+        async with asyncio.timeout(10):
+            while link.connects < 2 or link.state != "up":
+                await asyncio.sleep(0.01)
+        assert "AllocatorError" in link.last_error
+    finally:
+        await link.stop()
+        fake.stop()
