@@ -41,3 +41,31 @@ def test_mps_unit_serves_the_daemons_user_on_the_pipe_they_are_told() -> None:
     example = (DEPLOY / "systemd" / "pdkv.env.example").read_text()
     assert f"#CUDA_MPS_PIPE_DIRECTORY={mps_env['CUDA_MPS_PIPE_DIRECTORY']}\n" in example
     assert "pdkv-decode.service" in unit_values("pdkv-mps.service", "Before")[0]
+
+
+def k8s_docs(name: str) -> list[dict]:
+    return list(yaml.safe_load_all((DEPLOY / "k8s" / name).read_text()))
+
+
+def test_crosshost_k8s_puts_the_daemons_on_two_nodes_linked_by_key() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs("pdkv-crosshost.yaml")}
+    decode = docs[("Deployment", "pdkv-decode")]["spec"]["template"]["spec"]
+    prefill = docs[("Deployment", "pdkv-prefill")]["spec"]["template"]["spec"]
+    anti = prefill["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+    assert anti[0]["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == "decode"
+    service = docs[("Service", "pdkv-decode-link")]["spec"]
+    port = service["ports"][0]["port"]
+    assert decode["containers"][0]["args"][2:] == ["--listen", f"tcp://$(POD_IP):{port}"]
+    assert f"tcp://pdkv-decode-link:{port}" in prefill["containers"][0]["args"]
+    config = docs[("ConfigMap", "pdkv-crosshost-config")]["data"]
+    for spec in (decode, prefill):  # the daemon reads a 0600 copy, never the group-readable Secret
+        (init,) = spec["initContainers"]
+        assert "install -m 0600" in init["command"][-1]
+        mounts = {m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+        assert config["PDKV_LINK_KEY_FILE"].rsplit("/", 1)[0] in mounts
+        assert "/secret" not in mounts
+    policy = docs[("NetworkPolicy", "pdkv-crosshost")]["spec"]["ingress"][0]["ports"]
+    lo, hi = (int(x) for x in config["UCX_TCP_PORT_RANGE"].split("-"))
+    assert {"protocol": "TCP", "port": lo, "endPort": hi} in policy
+    assert {"protocol": "TCP", "port": port} in policy
