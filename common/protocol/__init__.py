@@ -14,6 +14,7 @@ from common.protocol.frame import (
     read_frame,
     split_frame,
 )
+from common.protocol.link_setup import NixlRegion, RegionInfo
 from common.protocol.messages import (
     Abort,
     Error,
@@ -25,12 +26,10 @@ from common.protocol.messages import (
     HelloOk,
     Message,
     MsgType,
-    NixlRegion,
     Ping,
     Pong,
     Push,
     PushFailed,
-    RegionInfo,
     Register,
     Registered,
     Release,

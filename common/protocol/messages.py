@@ -4,7 +4,7 @@ Metadata travels as JSON (msgspec, unknown fields refused). Fields typed `bytes`
 `mem_handles` / `event_handles` do not travel in the JSON: the frame carries them as its binary
 segments (see frame.py). Directions: P = prefill daemon, D = decode daemon, C = client. The
 building blocks are in wire_types.py and the link's set-up messages in link_setup.py; this module
-holds the others and the catalogue (ALL_MESSAGES, BY_TYPE), and re-exports the rest.
+holds the others and the catalogue (ALL_MESSAGES, BY_TYPE); common.protocol exports them all.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from typing import Annotated
 
 import msgspec
 
-from common.protocol.link_setup import Hello, HelloOk, NixlRegion, RegionInfo, Register, Registered
+from common.protocol.link_setup import Hello, HelloOk, Register, Registered
 from common.protocol.wire_types import (
     ErrorCode,
     Message,
     MsgType,
-    Nonce,
     NonNeg,
-    Proof,
     RequestId,
     TokenId,
 )
@@ -189,39 +187,3 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     StatusReply,
 )
 BY_TYPE: dict[int, type[Message]] = {cls.TYPE: cls for cls in ALL_MESSAGES}
-
-
-__all__ = [
-    "ALL_MESSAGES",
-    "BY_TYPE",
-    "MAX_ERROR_TEXT",
-    "Abort",
-    "Error",
-    "ErrorCode",
-    "Finish",
-    "Generate",
-    "Handoff",
-    "Hello",
-    "HelloOk",
-    "Message",
-    "MsgType",
-    "NixlRegion",
-    "NonNeg",
-    "Nonce",
-    "Ping",
-    "Pong",
-    "Proof",
-    "Push",
-    "PushFailed",
-    "RegionInfo",
-    "Register",
-    "Registered",
-    "Release",
-    "RequestId",
-    "Status",
-    "StatusReply",
-    "TokenId",
-    "Tokens",
-    "Usage",
-    "make_error",
-]
