@@ -1,7 +1,7 @@
 """Host cost of enqueueing one pull on CUDA: `KVPool.copy_blocks_from` on a side stream plus the
 event after it, as the decode's KVConsumer does for each HANDOFF, in one process (no IPC, no
 daemons), at TinyLlama-1.1B's KV layout. Prints the host time to enqueue and the time from there
-until the copy is complete, p50 over 300 pulls of random blocks, for 4 and 125 blocks.
+until the copy is complete, p50 over 300 pulls of random blocks, for 4, 125 and 1,024 blocks.
 
     python bench/pull_enqueue.py [--device cuda:0]
 """
@@ -25,19 +25,22 @@ LAYOUT = PoolLayout(
 )
 
 
-def one_pull(src: KVPool, dst: KVPool, stream: torch.cuda.Stream, n: int) -> tuple[float, float]:
-    """(µs to enqueue, µs from then until the copy is complete) of one pull of n random blocks."""
+def one_pull(
+    src: KVPool, dst: KVPool, stream: torch.cuda.Stream, n: int
+) -> tuple[float, float, float]:
+    """(µs to enqueue the copy, µs to create and record the event after it, µs from then until
+    the copy is complete) of one pull of n random blocks."""
     src_ids = random.sample(range(LAYOUT.num_blocks), n)
     dst_ids = random.sample(range(LAYOUT.num_blocks), n)
     t0 = time.perf_counter_ns()
-    with torch.cuda.stream(stream):
-        dst.copy_blocks_from(src, src_ids, dst_ids)
+    dst.copy_blocks_from(src, src_ids, dst_ids, stream)
+    t1 = time.perf_counter_ns()
     done = torch.cuda.Event(blocking=True)
     done.record(stream)
-    t1 = time.perf_counter_ns()
-    done.synchronize()
     t2 = time.perf_counter_ns()
-    return (t1 - t0) / 1e3, (t2 - t1) / 1e3
+    done.synchronize()
+    t3 = time.perf_counter_ns()
+    return (t1 - t0) / 1e3, (t2 - t1) / 1e3, (t3 - t2) / 1e3
 
 
 def main() -> None:
@@ -48,13 +51,15 @@ def main() -> None:
         sys.exit("needs CUDA")
     src, dst = KVPool.create(LAYOUT, args.device), KVPool.create(LAYOUT, args.device)
     stream = torch.cuda.Stream(args.device)
-    for n in (4, 125):
+    for n in (4, 125, 1024):
         for _ in range(20):
             one_pull(src, dst, stream, n)
         runs = [one_pull(src, dst, stream, n) for _ in range(300)]
-        enq = statistics.median(r[0] for r in runs)
-        rest = statistics.median(r[1] for r in runs)
-        print(f"{n} blocks: enqueue p50 {enq:.1f} µs, then complete p50 {rest:.1f} µs")
+        copy, event, rest = (statistics.median(r[i] for r in runs) for i in range(3))
+        print(
+            f"{n} blocks: enqueue p50 {copy + event:.1f} µs (copy {copy:.1f}, event {event:.1f}),"
+            f" then complete p50 {rest:.1f} µs"
+        )
 
 
 if __name__ == "__main__":

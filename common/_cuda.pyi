@@ -1,6 +1,9 @@
 """Type stub of the private CUDA extension (csrc/). Use common.cuda and common.ipc instead."""
 
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 class Error(Exception):
     """args = (code: int, name: str, message: str), code being the cudaError_t/CUresult."""
@@ -30,9 +33,8 @@ def event_destroy(event: int) -> None: ...
 def copy_blocks(
     dst: int,
     src: int,
-    src_ids: int,
-    dst_ids: int,
-    n: int,
+    src_ids: Sequence[int] | np.ndarray,
+    dst_ids: Sequence[int] | np.ndarray,
     block_nbytes: int,
     stream: int,
     device: int,

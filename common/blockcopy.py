@@ -2,8 +2,8 @@
 
 `copy_blocks(dst, src, dst_ids, src_ids)` copies block src_ids[i] of `src` into block dst_ids[i]
 of `dst`. Pools are block-major and contiguous, shape (num_blocks, ...), so one block is one
-contiguous byte range. On CUDA the copy is one kernel launch on `stream` (the dst device's current
-stream by default), 16-byte vector loads; `src` may live on a peer GPU (an imported pool), in which
+contiguous byte range. On CUDA the copy is one kernel launch per 480 blocks on `stream` (the dst
+device's current stream by default), the ids passed as launch parameters, 16-byte vector loads; `src` may live on a peer GPU (an imported pool), in which
 case peer access is enabled once. Otherwise (CPU, or no extension) it is one torch index_copy_.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from common.blockids import block_id_array
@@ -107,31 +108,33 @@ def _copy_cuda(
     s_ids: torch.Tensor,
     stream: torch.cuda.Stream | int | None,
 ) -> None:
+    copy_ids_cuda(dst, src, s_ids.numpy(), d_ids.numpy(), stream)
+
+
+def copy_ids_cuda(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    s_ids: np.ndarray | list[int],
+    d_ids: np.ndarray | list[int],
+    stream: torch.cuda.Stream | int | None,
+) -> None:
+    """The kernel launch itself, for checked pools and ids (host int64 arrays or lists of ints,
+    in range): the ids go to the GPU as launch parameters, so this enqueues one launch per 480
+    blocks and nothing else — no id buffer to upload, pin or keep alive (a pull's host cost)."""
     device = dst.device.index
     peer = src.device.index
     if peer != device and (device, peer) not in _PEERS:
         with cuda_errors():
             ext().enable_peer_access(device, peer)
         _PEERS.add((device, peer))
-    sptr = stream_ptr(stream, device)
-    ids = torch.cat([s_ids, d_ids]).pin_memory()
-    ids_dev = torch.empty(ids.numel(), dtype=torch.int64, device=dst.device)
-    torch_stream = torch.cuda.ExternalStream(sptr, device=dst.device)
-    with torch.cuda.stream(torch_stream):
-        ids_dev.copy_(ids, non_blocking=True)
-        # The caching allocator must not hand ids_dev's or the pinned buffer's memory to someone
-        # else before the kernel on this stream has read it.
-        ids_dev.record_stream(torch_stream)
-    n = d_ids.numel()
     block_nbytes = dst[0].numel() * dst.element_size()
     with cuda_errors():
         ext().copy_blocks(
             dst.data_ptr(),
             src.data_ptr(),
-            ids_dev.data_ptr(),
-            ids_dev.data_ptr() + 8 * n,
-            n,
+            s_ids,
+            d_ids,
             block_nbytes,
-            sptr,
+            stream_ptr(stream, device),
             device,
         )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.blockids import BlockIds, block_id_array, check_block_ids
+from common.cuda import has_extension
 from common.errors import IpcError
 from common.ipc.base import dtype_from_name
 
@@ -171,18 +172,25 @@ class KVPool:
         ids = self._ids(block_ids, "block")
         return self.tensor.index_select(0, torch.from_numpy(ids).to(self.device))
 
-    def copy_blocks_from(self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds) -> None:
+    def copy_blocks_from(
+        self,
+        src: KVPool,
+        src_ids: BlockIds,
+        dst_ids: BlockIds,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
         """Copy blocks src_ids[i] of `src` into blocks dst_ids[i] of this pool (the pull).
 
         Layouts must match except for num_blocks; ids must be in range, equally many, and the
         destination ids distinct. Between distinct CPU pools, each run of adjacent ids is one
         memmove; a copy within one pool (or between two pools over the same memory) takes one
         gather + one scatter, which is safe when source and destination blocks overlap. On one GPU
-        it is common.blockcopy.copy_blocks, queued on the current stream: the caller orders it
-        after the producer's event and records an event (or synchronizes) before reading the
-        result. A source on another device is read through torch's peer copy, the gather on its
-        GPU ordered after this device's current stream too. This is the one
-        block copy of the project: the daemons' pulls and the CacheManager all come here.
+        it is common.blockcopy's kernel, queued on `stream` (default: the current stream), the
+        ids passed as launch parameters: the caller orders it after the producer's event and
+        records an event (or synchronizes) before reading the result. A source on another device
+        is read through torch's peer copy, the gather on its GPU ordered after this device's
+        current stream too. This is the one block copy of the project: the daemons' pulls and
+        the CacheManager all come here.
         """
         if (
             type(src_ids) is list
@@ -208,6 +216,11 @@ class KVPool:
         if np.unique(d).size != d.size:
             raise IpcError(f"destination block ids repeat: {d.tolist()}")
         overlap = self._overlaps(src)
+        kernel = not overlap and self._dev == src._dev and self._dev[0] == "cuda"
+        if stream is not None and not (kernel and has_extension()):
+            with torch.cuda.stream(stream):  # torch's copies run on the current stream
+                self.copy_blocks_from(src, s, d)
+            return
         if not overlap and src.device != self.device:
             # another device, or memory mapped in another GPU's context (cuda-torch imports):
             # torch's peer copy reads it, a kernel on this GPU could not; the gather on the
@@ -217,10 +230,15 @@ class KVPool:
             picked = gather_after(src.tensor, torch.from_numpy(s), self.device)
             self.tensor.index_copy_(0, ids_on(torch.from_numpy(d), self.device), picked)
             return
-        if not overlap and self.device.type == "cuda":
-            from common.blockcopy import copy_checked_blocks  # one kernel launch for the list
+        if kernel:
+            from common.blockcopy import copy_checked_blocks, copy_ids_cuda
 
-            copy_checked_blocks(self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s))
+            if has_extension():  # one launch per 480 blocks, nothing else on the host
+                copy_ids_cuda(self.tensor, src.tensor, s, d, stream)
+            else:
+                copy_checked_blocks(
+                    self.tensor, src.tensor, torch.from_numpy(d), torch.from_numpy(s)
+                )
             return
         runs = _runs(s, d)
         if not overlap and src._addr and self._addr:

@@ -109,18 +109,27 @@ void event_destroy(uintptr_t event) {
   PDKV_CHECK(cudaEventDestroy(reinterpret_cast<cudaEvent_t>(event)));
 }
 
-void copy_blocks(uintptr_t dst, uintptr_t src, uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+void copy_blocks(uintptr_t dst, uintptr_t src, IdArray src_ids, IdArray dst_ids,
                  int64_t block_nbytes, uintptr_t stream, int device) {
-  if (n == 0) return;
-  if (n < 0 || block_nbytes <= 0) {
+  const int64_t n = src_ids.size();
+  if (dst_ids.size() != n || block_nbytes <= 0 || src_ids.ndim() != 1 || dst_ids.ndim() != 1) {
     throw CudaFailure("copy_blocks", 1, "cudaErrorInvalidValue",
-                      "n=" + std::to_string(n) + ", block_nbytes=" + std::to_string(block_nbytes));
+                      "ids must be two 1-D arrays of one length (" + std::to_string(n) + ", " +
+                          std::to_string(dst_ids.size()) +
+                          "), block_nbytes > 0 (" + std::to_string(block_nbytes) + ")");
+  }
+  if (n == 0) return;
+  const int64_t* s = src_ids.data();
+  const int64_t* d = dst_ids.data();
+  for (int64_t i = 0; i < n; ++i) {
+    if (s[i] < 0 || d[i] < 0 || s[i] > INT32_MAX || d[i] > INT32_MAX) {
+      throw CudaFailure("copy_blocks", 1, "cudaErrorInvalidValue",
+                        "block id out of [0, 2^31) at position " + std::to_string(i));
+    }
   }
   DeviceGuard guard(device);
-  launch_copy_blocks(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src),
-                     reinterpret_cast<const int64_t*>(src_ids),
-                     reinterpret_cast<const int64_t*>(dst_ids), n, block_nbytes,
-                     reinterpret_cast<cudaStream_t>(stream));
+  launch_copy_blocks(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), s, d, n,
+                     block_nbytes, reinterpret_cast<cudaStream_t>(stream));
 }
 
 }  // namespace pdkv

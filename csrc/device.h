@@ -1,6 +1,7 @@
 // Devices, interprocess events and block copy of common._cuda (see device.cpp).
 #pragma once
 
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <string>
@@ -27,7 +28,12 @@ bool event_query(uintptr_t event);
 void event_synchronize(uintptr_t event);
 void event_destroy(uintptr_t event);
 
-void copy_blocks(uintptr_t dst, uintptr_t src, uintptr_t src_ids, uintptr_t dst_ids, int64_t n,
+// Block ids from Python: int64, C-contiguous (a list or another dtype is converted).
+using IdArray = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+// Enqueue the copy of blocks src_ids[i] of `src` to dst_ids[i] of `dst` on `stream` (see
+// launch_copy_blocks); the ids are host arrays, consumed before this returns.
+void copy_blocks(uintptr_t dst, uintptr_t src, IdArray src_ids, IdArray dst_ids,
                  int64_t block_nbytes, uintptr_t stream, int device);
 
 }  // namespace pdkv

@@ -45,6 +45,6 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("event_destroy", &pdkv::event_destroy, py::arg("event"));
 
   m.def("copy_blocks", &pdkv::copy_blocks, py::arg("dst"), py::arg("src"), py::arg("src_ids"),
-        py::arg("dst_ids"), py::arg("n"), py::arg("block_nbytes"), py::arg("stream"),
+        py::arg("dst_ids"), py::arg("block_nbytes"), py::arg("stream"),
         py::arg("device"));
 }

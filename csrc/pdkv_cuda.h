@@ -46,8 +46,12 @@ class DeviceGuard {
 // base and size of the allocation that holds `ptr`, in the current context.
 void allocation_range(const void* ptr, uintptr_t* base, size_t* size);
 
-// One launch on `stream`: for i < n, copy block src_ids[i] of `src` to block dst_ids[i] of `dst`,
-// each `block_nbytes` long. The id arrays live in device memory on the stream's device.
+// Block id pairs passed by value in one launch's parameters (2 x 480 x 4 bytes).
+constexpr int kIdsPerLaunch = 480;
+
+// Enqueue on `stream`: for i < n, copy block src_ids[i] of `src` to block dst_ids[i] of `dst`,
+// each `block_nbytes` long. The ids are host memory, read before this returns (they go to the
+// GPU as launch parameters, one launch per kIdsPerLaunch ids) and must be in [0, 2^31).
 // 16-byte vector loads when pointers and block size allow, bytes otherwise.
 void launch_copy_blocks(void* dst, const void* src, const int64_t* src_ids, const int64_t* dst_ids,
                         int64_t n, int64_t block_nbytes, cudaStream_t stream);

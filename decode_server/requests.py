@@ -133,6 +133,8 @@ class DecodeRequests:
         if h.sent_ns:
             seq.usable_us = (now - h.sent_ns) / 1000
             seq.stages_us["read_us"] = (recv_ns - h.sent_ns) / 1000
+            # of it, until this daemon's read callback had the bytes (the rest: split, decode)
+            seq.stages_us["wire_us"] = (peer.channel.last_rx * 1e9 - h.sent_ns) / 1000
         log.debug(
             "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
         )

@@ -32,8 +32,8 @@ class Sequence:
     usable_us: float = 0.0  # HANDOFF sent -> its pull enqueued and the sequence in the batch
     started: float = field(default_factory=time.monotonic)
     first_step_us: float = 0.0  # admitted (`started`) -> its first decoded token posted
-    # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests), admit_us (checked, blocks
-    # reserved), enqueue_us (the pull started and the sequence in the batch)
+    # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests; of it wire_us: sent -> the
+    # bytes read), admit_us (checked, blocks reserved), enqueue_us (pull started, in the batch)
     stages_us: dict[str, float] = field(default_factory=dict)
     finish_reason: str | None = None
     error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)

@@ -183,8 +183,7 @@ class KVConsumer:
         stream, and an event recorded after it is returned. Nothing here waits on the host."""
         if slot >= 0 and self._events is not None:
             self._events.wait(slot, self._stream)  # the GPU waits, not the CPU
-        with torch.cuda.stream(self._stream):
-            self.local.copy_blocks_from(peer, src_ids, dst_ids)
+        self.local.copy_blocks_from(peer, src_ids, dst_ids, self._stream)
         copied = torch.cuda.Event(blocking=True)  # the waiter thread sleeps on it, never spins
         copied.record(self._stream)
         return copied

@@ -107,6 +107,7 @@ def test_the_daemons_report_their_own_timings(report: dict) -> None:
         assert 0 < t["first_step_us"] <= t["decode_ms"] * 1000, t
         assert t["read_us"] > 0 and t["admit_us"] > 0 and t["enqueue_us"] > 0, t
         assert t["read_us"] + t["admit_us"] + t["enqueue_us"] <= t["usable_us"] + 1, t
+        assert 0 < t["wire_us"] <= t["read_us"], t
     handoff = daemons["summary"]["server_timings"]["handoff_us"]
     assert 0 < handoff["p50"] <= handoff["p99"]
     assert api["summary"]["server_timings"] == local["summary"]["server_timings"] == {}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from common.blockcopy import copy_blocks
+from common.blockcopy import copy_blocks, copy_ids_cuda
+from common.errors import CudaError
 from common.ipc.events import EventRing
 
 pytestmark = pytest.mark.gpu
@@ -34,6 +36,31 @@ def test_kernel_equals_torch_gather(block: tuple[int, ...], dtype: torch.dtype) 
         copy_blocks(dst, src, dst_ids, src_ids, stream=stream)
         stream.synchronize()
         assert torch.equal(dst.view(torch.uint8), expected.view(torch.uint8))
+
+
+def test_kernel_over_many_launches_and_ids_consumed_at_once() -> None:
+    """More ids than one launch's parameters hold (480): the copy is split into launches, all on
+    the caller's stream; the id arrays may be reused as soon as the call returns."""
+    n = 1300
+    src = torch.arange(n * 8, device="cuda:0", dtype=torch.float32).view(n, 8)
+    dst = torch.zeros_like(src)
+    src_ids = np.random.default_rng(5).permutation(n)
+    dst_ids = np.arange(n, dtype=np.int64)
+    stream = torch.cuda.Stream(0)
+    stream.wait_stream(torch.cuda.current_stream(0))
+    copy_ids_cuda(dst, src, src_ids, dst_ids, stream)
+    src_ids_before = src_ids.copy()
+    src_ids[:] = 0  # the launches hold their own copy of the ids
+    stream.synchronize()
+    assert torch.equal(dst, src[torch.from_numpy(src_ids_before).cuda()])
+
+
+def test_kernel_refuses_bad_ids() -> None:
+    src = torch.zeros((4, 8), device="cuda:0")
+    with pytest.raises(CudaError, match="one length"):
+        copy_ids_cuda(src.clone(), src, [0, 1], [0], None)
+    with pytest.raises(CudaError, match="out of"):
+        copy_ids_cuda(src.clone(), src, [0, -1], [0, 1], None)
 
 
 def test_event_ring_acquire_exhausts() -> None:
