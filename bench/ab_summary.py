@@ -11,7 +11,20 @@ import statistics
 import sys
 from pathlib import Path
 
-STAGES = ("usable_us", "wire_us", "read_us", "admit_us", "enqueue_us", "pull_us", "first_step_us")
+STAGES = (
+    "handoff_after_first_us",
+    "usable_us",
+    "wire_us",
+    "read_us",
+    "admit_us",
+    "enqueue_us",
+    "join_us",
+    "first_launch_us",
+    "first_sync_us",
+    "later_step_us",
+    "pull_us",
+    "first_step_us",
+)
 
 
 def summarize(path: Path) -> str:

@@ -25,6 +25,7 @@ and the owner ends the daemon (exit status 1) rather than live on without decodi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -41,6 +42,10 @@ class DecodeEngine:
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
         self.steps = 0
+        # the last step's torch-thread clock (monotonic ns): started, launched (every kernel
+        # queued, before the host sync), synced (tokens on the host); set on the torch thread,
+        # read on the loop after the step returned
+        self.last_step_ns = (0, 0, 0)
 
     # ---- membership ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -78,10 +83,18 @@ class DecodeEngine:
             return []
         tokens = await self.rt.run(self._step, batch)
         self.steps += 1
+        started, launched, synced = self.last_step_ns
         results = []
         for seq, tok in zip(batch, tokens, strict=True):
             if self._active.get(seq.key) is not seq:
                 continue  # removed while the step ran
+            if not seq.steps:  # its first step: where the 2nd token's time goes
+                seq.stages_us["join_us"] = (started - seq.joined_ns) / 1000
+                seq.stages_us["first_launch_us"] = (launched - started) / 1000
+                seq.stages_us["first_sync_us"] = (synced - launched) / 1000
+            else:  # later steps, for comparison with the first
+                seq.later_step_ns += synced - started
+            seq.steps += 1
             if isinstance(tok, SamplingError):
                 del self._active[seq.key]
                 seq.error = str(tok)
@@ -104,21 +117,25 @@ class DecodeEngine:
     def _step(self, batch: list[Sequence]) -> list[int | SamplingError]:
         """One decode step for `batch` (torch thread): each sequence's next token, or the
         SamplingError that ends that sequence alone."""
+        started = time.monotonic_ns()
         self._wait_for_pulls(batch)
         dev = self.rt.device
         width = max(len(s.blocks) for s in batch)
         generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
+        params = [s.sampling for s in batch]
         runner = self.rt.runner
         if runner is not None and runner.bucket_for(len(batch)) and width <= runner.max_blocks:
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
-                return runner.step(
+                argmax, logits = runner.run(
                     [s.generated[-1] for s in batch],
                     [s.position for s in batch],
                     [s.slot() for s in batch],
                     [s.blocks for s in batch],
-                    [s.sampling for s in batch],
-                    generators,
                 )
+                launched = time.monotonic_ns()
+                out = sample_batch_isolated(logits, params, generators, argmax=argmax)
+            self.last_step_ns = (started, launched, time.monotonic_ns())
+            return out
         tables = torch.zeros((len(batch), width), dtype=torch.long)
         for i, s in enumerate(batch):
             tables[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
@@ -135,4 +152,7 @@ class DecodeEngine:
                 seq_lens.to(dev),
                 self.rt.pool.tensor,
             )
-            return sample_batch_isolated(logits, [s.sampling for s in batch], generators)
+            launched = time.monotonic_ns()
+            out = sample_batch_isolated(logits, params, generators)
+        self.last_step_ns = (started, launched, time.monotonic_ns())
+        return out

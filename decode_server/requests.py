@@ -124,6 +124,7 @@ class DecodeRequests:
                 self._join_on_copy.add(key)
         elif decode:
             seq.ready = ready
+            seq.joined_ns = time.monotonic_ns()
             self.engine.add(seq)
         now = time.monotonic_ns()
         seq.stages_us = {
@@ -216,6 +217,7 @@ class DecodeRequests:
         elif seq.finish_reason:  # finished at HANDOFF (a step's finish ends it in the same turn)
             peer.post(self._finished(peer, seq))
         elif join:  # the blocks are here now (NIXL): the sequence joins the next step
+            seq.joined_ns = done_ns
             self.engine.add(seq)
             seq.usable_us = seq.handoff_us
 
@@ -275,6 +277,7 @@ class DecodeRequests:
                 "usable_us": round(seq.usable_us, 1),
                 "first_step_us": round(seq.first_step_us, 1),
                 **{k: round(v, 1) for k, v in seq.stages_us.items()},
+                **later_steps(seq),
                 "decode_ms": round(decode_ms, 3),
             },
         )
@@ -305,3 +308,11 @@ class DecodeRequests:
         self._free(seq.key)
         if peer is not None:
             peer.post_error(code, message, seq.request_id)
+
+
+def later_steps(seq: Sequence) -> dict[str, float]:
+    """`later_step_us`: the mean torch-thread time of a sequence's steps after its first (the
+    first's, split in `stages_us`, is what the 2nd token waits for); absent with fewer than 2."""
+    if seq.steps < 2:
+        return {}
+    return {"later_step_us": round(seq.later_step_ns / (seq.steps - 1) / 1000, 1)}

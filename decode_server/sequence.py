@@ -33,8 +33,13 @@ class Sequence:
     started: float = field(default_factory=time.monotonic)
     first_step_us: float = 0.0  # admitted (`started`) -> its first decoded token posted
     # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests; of it wire_us: sent -> the
-    # bytes read), admit_us (checked, blocks reserved), enqueue_us (pull started, in the batch)
+    # bytes read), admit_us (checked, blocks reserved), enqueue_us (pull started, in the batch);
+    # its first step (engine.py): join_us (in the batch -> the step starts on the torch thread),
+    # first_launch_us (-> every kernel queued), first_sync_us (-> its token on the host)
     stages_us: dict[str, float] = field(default_factory=dict)
+    joined_ns: int = 0  # monotonic ns when it was added to the engine
+    steps: int = 0  # decode steps it has been in
+    later_step_ns: int = 0  # torch-thread time of its steps after the first, summed
     finish_reason: str | None = None
     error: str | None = None  # set when this sequence alone failed (non-finite logits, sampler)
     # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that

@@ -49,6 +49,10 @@ class RequestOutput:
             **decode_timings,
             "ttft_ms": round(req.ttft_ms, 3),
             "handoff_us": round(req.handoff_us, 1),
+            # the first token on the loop -> HANDOFF sent (its TOKENS to the client between)
+            "handoff_after_first_us": round((req.handoff_sent_ns - req.first_ns) / 1000, 1)
+            if req.handoff_sent_ns
+            else 0.0,
             "total_ms": round(total_ms, 3),
         }
         log.info(

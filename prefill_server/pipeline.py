@@ -145,7 +145,8 @@ class RequestPipeline:
                 rid, prompt, blocks, sampling, req.event_slot
             )
             req.generated.append(first)
-            req.ttft_ms = (time.monotonic() - req.arrived) * 1000
+            req.first_ns = time.monotonic_ns()
+            req.ttft_ms = (req.first_ns / 1e9 - req.arrived) * 1000
             yield self.output.tokens(req, [first])
             reason = finish_reason(req.generated, sampling, rt.model.config.stop_token_ids)
             if reason:  # nothing left to decode: no handoff

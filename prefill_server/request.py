@@ -34,6 +34,7 @@ class PrefillRequest:
     generated: list[int] = field(default_factory=list)
     text_tokens: int = 0  # generated tokens already turned into text for the client
     ttft_ms: float = 0.0
+    first_ns: int = 0  # monotonic ns when the first token reached the loop
     handoff_sent_ns: int = 0
     handoff_us: float = 0.0  # HANDOFF sent → RELEASE received
     handed_off: bool = False
