@@ -77,6 +77,8 @@ class PrefillConfig(DaemonConfig):
     client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
     decode: str | None = None  # tcp://HOST:PORT: link to a decode on another host (NIXL)
     transfer: str = "push"  # a TCP link's KV transfer: push (prefill WRITEs) or pull (decode READs)
+    # CUDA links: HANDOFF as soon as a prompt's KV writes are queued, its first token after it
+    early_handoff: bool = True
 
     @property
     def client_path(self) -> Path:

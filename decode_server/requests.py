@@ -4,7 +4,9 @@ Per HANDOFF: validate, reserve this request's blocks for its whole life (or answ
 start the pull of the prompt's blocks from the peer's pool into ours, and add the sequence to the
 batch at once: on CUDA the pull is stream-ordered and the step that first reads the blocks waits
 for it on the GPU (engine.py), on CPU the copy is already complete; a NIXL pull (AFTER_DONE) joins
-the batch in `_copied`. RELEASE goes out when the consumer reports the copy complete (`_copied`:
+the batch in `_copied`. An early HANDOFF (no first token: on CUDA the prefill sent it while its
+forward still ran on the GPU) starts its pull at once (behind the prefill's event on CUDA), and its
+sequence joins the batch when the first token comes in a TOKENS frame (`first_token`). RELEASE goes out when the consumer reports the copy complete (`_copied`:
 at once on CPU, from its waiter thread on CUDA, from the NIXL agent's worker on a TCP link).
 Sequences are keyed `link/request_id`: request ids are only unique per prefill daemon.
 
@@ -53,7 +55,8 @@ class DecodeRequests:
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
         self._copying: set[str] = set()  # keys whose pull is not yet reported complete
-        self._join_on_copy: set[str] = set()  # of those, the ones that join the batch after it
+        self._join_on_copy: dict[str, Sequence] = {}  # of those, the ones joining after it (NIXL)
+        self._first_due: dict[str, Sequence] = {}  # early HANDOFFs awaiting their first token
         self._stepping = False  # a decode step is in flight (run)
         self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
@@ -61,7 +64,12 @@ class DecodeRequests:
         self._yield_after_release = rt.device.type == "cpu"
 
     def __len__(self) -> int:
-        return len(self.engine)
+        return len(self.engine)  # in the batch or queued for it
+
+    def sequences(self) -> list[Sequence]:
+        """Every live sequence: in the batch or queued for it, awaiting its first token, or
+        joining once its NIXL transfer is done."""
+        return [*self.engine.sequences(), *self._first_due.values(), *self._join_on_copy.values()]
 
     async def run(self) -> None:
         """The decode loop: step while there is work, answer each step's sequences. Ends only
@@ -92,6 +100,35 @@ class DecodeRequests:
         self._free(key)
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
+    def first_token(self, peer: Peer, msg: Tokens) -> None:
+        """TOKENS from the prefill: the first token of an early HANDOFF, and its sequence joins
+        the next step (its KV pull was started at HANDOFF). One for a request that awaits none
+        is dropped: the decode refused its HANDOFF (the prefill then hands off again, with the
+        token) or the request ended meanwhile."""
+        key = seq_key(peer.link_id, msg.request_id)
+        seq = self._first_due.pop(key, None)
+        if seq is None:
+            log.debug("first_token_unexpected", request_id=msg.request_id, link=peer.link_id)
+            return
+        if len(msg.tokens) != 1 or msg.tokens[0] >= self.vocab_size:
+            peer.post_error(
+                ErrorCode.BAD_REQUEST,
+                f"the first token comes alone and below the vocab size {self.vocab_size}, got "
+                f"{len(msg.tokens)} tokens",
+                msg.request_id,
+            )
+            self._free(key)
+            return
+        now = time.monotonic_ns()
+        seq.generated.append(msg.tokens[0])
+        seq.stages_us["first_wait_us"] = (now - seq.joined_ns) / 1000
+        if seq.check_finished():  # nothing to decode: FINISH now, or after RELEASE (_copied)
+            if key not in self._copying:
+                peer.post(self._finished(peer, seq))
+            return
+        seq.joined_ns = now
+        self.engine.add(seq)
+
     def drop_peer(self, peer: Peer) -> int:
         """Link lost (its pulls drained): drop its sequences and free their blocks; how many."""
         keys = [k for k, p in self.seq_peer.items() if p is peer]
@@ -111,7 +148,8 @@ class DecodeRequests:
         assert consumer is not None  # _admit checked
         self.seq_peer[key] = peer
         self._copying.add(key)
-        decode = seq.check_finished() is None  # else FINISH right after RELEASE (_copied)
+        early = h.first_token is None  # it joins when its first token comes (first_token)
+        decode = early or seq.check_finished() is None  # else FINISH after RELEASE (_copied)
         done = functools.partial(self._copied, peer, h, seq, recv_ns)
         try:
             ready = consumer.pull(h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done)
@@ -121,7 +159,11 @@ class DecodeRequests:
             return
         if ready is AFTER_DONE:  # a NIXL transfer: no stream can wait on it, join on `done`
             if key in self._copying:
-                self._join_on_copy.add(key)
+                self._join_on_copy[key] = seq
+        elif early:
+            seq.ready = ready
+            seq.joined_ns = time.monotonic_ns()  # the pull's enqueue, until its first token
+            self._first_due[key] = seq
         elif decode:
             seq.ready = ready
             seq.joined_ns = time.monotonic_ns()
@@ -160,7 +202,7 @@ class DecodeRequests:
             request_id=h.request_id,
             peer=peer.link_id,
             prompt_len=h.num_tokens,
-            generated=[h.first_token],
+            generated=[] if h.first_token is None else [h.first_token],
             blocks=[],
             sampling=h.sampling,
             stop_ids=self._stop_ids,
@@ -197,8 +239,7 @@ class DecodeRequests:
         are freed now, and one with nothing to decode gets its FINISH."""
         key = seq.key
         self._copying.discard(key)
-        join = key in self._join_on_copy
-        self._join_on_copy.discard(key)
+        join = self._join_on_copy.pop(key, None) is not None
         if exc is not None:
             self._fail(peer, seq, exc)
             return
@@ -285,6 +326,7 @@ class DecodeRequests:
     def _free(self, key: str) -> None:
         """A sequence ended: forget it and free its blocks, now or (pull in flight) in _copied."""
         self.seq_peer.pop(key, None)
+        self._first_due.pop(key, None)
         if key not in self._copying:
             self._free_blocks(key)
 

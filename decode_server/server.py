@@ -40,6 +40,7 @@ from common.protocol import (
     PushFailed,
     Register,
     Status,
+    Tokens,
 )
 from common.rundir import check_free
 from common.server import DaemonServer
@@ -128,7 +129,7 @@ class DecodeServer(DaemonServer):
         code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
         if self.failure() is not None:
             code, why = ErrorCode.INTERNAL, "decode daemon failed and is exiting (see its log)"
-        for seq in self.requests.engine.sequences():
+        for seq in self.requests.sequences():
             self.requests.drop(seq, code, why)
         for peer in list(self.peers.values()):
             await peer.flush()
@@ -220,6 +221,8 @@ class DecodeServer(DaemonServer):
                 msg = msgspec.structs.replace(msg, sent_ns=0)
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
+        elif isinstance(msg, Tokens):  # the first token of an early HANDOFF
+            self.requests.first_token(peer, msg)
         elif isinstance(msg, Ping):
             peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Abort):

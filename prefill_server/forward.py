@@ -3,7 +3,7 @@ each prompt's first token."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -12,8 +12,9 @@ from common.model.prefill import prefill_many
 from common.model.sampling import (
     SamplingError,
     SamplingParams,
+    finish_sampling,
     make_generator,
-    sample_batch_isolated,
+    start_sampling,
 )
 from common.modelrt import ModelRuntime
 from common.transfer import KVProducer
@@ -28,6 +29,7 @@ def run_prefill_batch(
     slots: Sequence[int] = (),
     *,
     token_budget: int,
+    on_recorded: Callable[[], None] | None = None,
 ) -> list[int | SamplingError]:
     """Write each prompt's K/V into its `blocks` of the pool; each prompt's first token, or a
     SamplingError in its place when that prompt's logits are not finite or its draw fails (the
@@ -37,17 +39,23 @@ def run_prefill_batch(
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
     token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
     Runs on the torch thread, on the daemon's stream. On CUDA, the producer records every event
-    `slots[i]` right after the batch's scatter on that stream, so a peer stream that waits on it
-    sees every write of prompt i's K/V (slot -1: no event, the CPU case). A failure of the forward
-    itself raises, for the whole batch.
+    `slots[i]` on that stream after the batch's scatter and the first tokens' sampling kernels,
+    so a peer stream that waits on it sees every write of prompt i's K/V (slot -1: no event, the
+    CPU case), and a peer's copy queued behind it does not compete with those kernels.
+    `on_recorded()` is called right after the records are queued and before the host waits for
+    the first tokens: from then on a peer may be told to wait on the events (the early handoff).
+    A failure of the forward itself raises, for the whole batch.
     """
     bs = rt.layout.block_size
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
     mappings = [slots_for(b, 0, len(p), bs) for p, b in zip(prompts, blocks, strict=True)]
     with rt.on_stream():
         logits = prefill_many(rt.model, tokens, mappings, rt.pool.tensor, token_budget=token_budget)
+        pending = start_sampling(logits)
         if producer is not None:
             for slot in slots:
                 producer.record(slot, rt.stream)
+        if on_recorded is not None:
+            on_recorded()
         generators = [make_generator(p, 0) for p in sampling]
-        return sample_batch_isolated(logits, sampling, generators)
+        return finish_sampling(pending, logits, sampling, generators)

@@ -6,6 +6,14 @@ lease the blocks to the link and HANDOFF (retried while the decode answers NO_CA
 handoff deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once
 and an unfinished handoff is aborted on the decode side.
 
+The early handoff (Unix-socket links, `--early-handoff`, on by default): the HANDOFF goes out
+without its first token as soon as the forward and the request's event record are queued on the
+GPU (on CPU: once the forward has run), so the decode reads it, reserves its blocks and queues its
+pull (its GPU waiting on our event) while our GPU still computes; once the first token is on the
+host it goes to the decode in a TOKENS frame, then to the client. The 2nd token then waits for one TOKENS hop and one decode step, not
+for the whole handoff. A decode that answers the early HANDOFF with NO_CAPACITY gets it again
+later, the first token in it.
+
 One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
 the link) and the link's frames (`deliver`, `link_lost`); the pipeline owns the request table and
 never reaches back up.
@@ -141,15 +149,24 @@ class RequestPipeline:
             await self._link_up(time.monotonic() + self.cfg.handoff_timeout_s)
             blocks = await self._allocate(req)
             await self._acquire_slot(req, time.monotonic() + self.cfg.handoff_timeout_s)
-            first, shared = await self.batcher.prefill(
-                rid, prompt, blocks, sampling, req.event_slot
-            )
+            early = self.cfg.early_handoff and self.link.tcp is None and sampling.max_tokens > 1
+            ticket = self.batcher.submit(rid, prompt, blocks, sampling, req.event_slot, early=early)
+            try:
+                if ticket.recorded is not None:
+                    await ticket.recorded  # its KV writes and event record are queued on the GPU
+                    deadline = time.monotonic() + self.cfg.handoff_timeout_s
+                    await self._send_handoff(req, blocks, None, deadline)
+                first, shared = await ticket.result
+            finally:
+                ticket.cancel()  # the request went away while queued: skip its prompt
             req.generated.append(first)
             req.first_ns = time.monotonic_ns()
             req.ttft_ms = (req.first_ns / 1e9 - req.arrived) * 1000
-            yield self.output.tokens(req, [first])
             reason = finish_reason(req.generated, sampling, rt.model.config.stop_token_ids)
-            if reason:  # nothing left to decode: no handoff
+            if req.handed_off and not reason and req.inbox.empty():
+                await self._send_first(req, first)  # the decode's sequence joins its batch
+            yield self.output.tokens(req, [first])
+            if reason:  # nothing left to decode (an early HANDOFF is aborted by _cleanup)
                 yield self._finish(req, reason, {})
                 return
             if shared > 1:  # the batch-mates' first tokens go to their clients before this HANDOFF
@@ -206,49 +223,72 @@ class RequestPipeline:
         req.event_slot = slot
 
     async def _handoff(self, req: PrefillRequest, blocks: list[int]) -> Message:
-        """Send HANDOFF (again while the decode answers NO_CAPACITY); the decode's first other
-        answer for this request, which the relay must take before anything queued after it."""
-        link = self.link
+        """Send HANDOFF unless it went early (again, with the first token, while the decode
+        answers NO_CAPACITY); the decode's first other answer for this request, which the relay
+        must take before anything queued after it."""
         deadline = time.monotonic() + self.cfg.handoff_timeout_s
         backoff = 0.005
+        if not req.handed_off:
+            await self._send_handoff(req, blocks, req.generated[0], deadline, spin=True)
         while True:
-            await self._link_up(deadline)
-            if not req.handed_off:
-                lease_end = time.monotonic() + self.cfg.lease_timeout_s
-                self.producer.lease(req.request_id, link.link_id, lease_end)
-                req.handed_off, req.link_id = True, link.link_id
-            req.handoff_sent_ns = time.monotonic_ns()
-            handoff = Handoff(
-                request_id=req.request_id,
-                block_ids=blocks,
-                num_tokens=len(req.prompt_tokens),
-                prompt_tokens=req.prompt_tokens,
-                first_token=req.generated[0],
-                sampling=req.sampling,
-                event_slot=req.event_slot,
-                sent_ns=req.handoff_sent_ns,
-            )
-            try:
-                await link.send(handoff, spin=True)
-            except ConnectionError as exc:
-                # the frame did not get through whole, so the decode cannot act on it: the
-                # blocks and the event slot are ours again (freed by _cleanup, not quarantined)
-                req.handed_off = False
-                raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
             first = await req.inbox.get()
-            if isinstance(first, Error) and first.code == ErrorCode.NO_CAPACITY:
-                if time.monotonic() + backoff > deadline:
-                    raise RequestFailed(
-                        ErrorCode.NO_CAPACITY, f"decode has no capacity: {first.message}"
-                    )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 0.2)
-                if req.request_id not in self.rt.allocator:
-                    # the link was lost or the lease expired meanwhile: the blocks are freed and
-                    # the inbox holds the reason; never hand off blocks we no longer own
-                    return await req.inbox.get()
-                continue
-            return first
+            if not (isinstance(first, Error) and first.code == ErrorCode.NO_CAPACITY):
+                return first
+            if time.monotonic() + backoff > deadline:
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY, f"decode has no capacity: {first.message}"
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.2)
+            if req.request_id not in self.rt.allocator:
+                # the link was lost or the lease expired meanwhile: the blocks are freed and
+                # the inbox holds the reason; never hand off blocks we no longer own
+                return await req.inbox.get()
+            await self._send_handoff(req, blocks, req.generated[0], deadline, spin=True)
+
+    async def _send_handoff(
+        self,
+        req: PrefillRequest,
+        blocks: list[int],
+        first_token: int | None,
+        deadline: float,
+        *,
+        spin: bool = False,
+    ) -> None:
+        """Lease the blocks to the live link (once) and send the HANDOFF; `first_token` None is
+        the early handoff. LINK_LOST if the link is down past `deadline` or the send fails."""
+        await self._link_up(deadline)
+        link = self.link
+        if not req.handed_off:
+            lease_end = time.monotonic() + self.cfg.lease_timeout_s
+            self.producer.lease(req.request_id, link.link_id, lease_end)
+            req.handed_off, req.link_id = True, link.link_id
+        req.handoff_sent_ns = time.monotonic_ns()
+        handoff = Handoff(
+            request_id=req.request_id,
+            block_ids=blocks,
+            num_tokens=len(req.prompt_tokens),
+            prompt_tokens=req.prompt_tokens,
+            first_token=first_token,
+            sampling=req.sampling,
+            event_slot=req.event_slot,
+            sent_ns=req.handoff_sent_ns,
+        )
+        try:
+            await link.send(handoff, spin=spin)
+        except ConnectionError as exc:
+            # the frame did not get through whole, so the decode cannot act on it: the
+            # blocks and the event slot are ours again (freed by _cleanup, not quarantined)
+            req.handed_off = False
+            raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
+
+    async def _send_first(self, req: PrefillRequest, first: int) -> None:
+        """After an early HANDOFF: its first token to the decode, on the link that has the
+        HANDOFF. A lost link is the relay's to report (LINK_LOST, from link_lost)."""
+        if self.link.link_id != req.link_id:
+            return
+        with contextlib.suppress(ConnectionError):
+            await self.link.send(Tokens(request_id=req.request_id, tokens=[first]))
 
     async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
         msg = first

@@ -75,3 +75,37 @@ def test_environment_variables_are_named_after_their_options() -> None:
         )
     ]
     assert not wrong, wrong
+
+
+def test_a_background_start_keeps_an_option_turned_off(tmp_path: Path) -> None:
+    """`--no-early-handoff --background` must reach the detached daemon as --no-early-handoff:
+    dropping a False flag would start it with the default (on)."""
+    import subprocess
+
+    from common.app.commands import Globals, background_argv
+
+    g = Globals(runtime_dir=tmp_path)
+    seen = {}
+    original = cli.commands["prefill"].commands["start"].callback
+
+    def capture(**opts):  # type: ignore[no-untyped-def]
+        seen.update(opts)
+
+    cli.commands["prefill"].commands["start"].callback = click.pass_obj(
+        lambda _g, **opts: capture(**opts)
+    )
+    try:
+        result = CliRunner().invoke(
+            cli, ["--runtime-dir", str(tmp_path), "prefill", "start", "--no-early-handoff"]
+        )
+    finally:
+        cli.commands["prefill"].commands["start"].callback = original
+    assert result.exit_code == 0, result.output
+    assert seen["early_handoff"] is False
+    argv = background_argv(g, "prefill", {k: v for k, v in seen.items() if k != "background"})
+    assert "--no-early-handoff" in argv and "--early-handoff" not in argv
+    assert "--no-early-handoff" not in background_argv(g, "prefill", {"early_handoff": True})
+    out = subprocess.run(  # the detached daemon's click knows every option it is given
+        [*argv, "--help"], capture_output=True, text=True, check=False
+    )
+    assert out.returncode == 0, out.stderr

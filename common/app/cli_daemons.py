@@ -132,6 +132,17 @@ def prefill() -> None:
     help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
 )
 @click.option(
+    "--early-handoff/--no-early-handoff",
+    show_envvar=True,
+    envvar="PDKV_EARLY_HANDOFF",
+    default=True,
+    show_default=True,
+    help="Send each HANDOFF before the first token is known: on CUDA as soon as the prompt's "
+    "forward is queued, so the decode starts its pull (waiting on the GPU) while the prefill still "
+    "computes; the first token follows in a TOKENS frame. Off: HANDOFF after the first token. "
+    "TCP links never hand off early.",
+)
+@click.option(
     "--decode",
     show_envvar=True,
     envvar="PDKV_DECODE",

@@ -33,6 +33,8 @@ _RENAMED = {
     "client_idle_timeout": "client_idle_timeout_s",
     "client_write_timeout": "client_write_timeout_s",
 }
+#: boolean options that default to on: a background start passes them as --no-x when off
+_NEGATABLE = frozenset({"early_handoff"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,13 +90,8 @@ def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
     return cfg.client_path if isinstance(cfg, PrefillConfig) else cfg.link_path
 
 
-def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, opts: dict) -> int:
-    pid = read_pid(cfg.pidfile)
-    if pid is not None:
-        click.echo(
-            f"error: {role} daemon already running (pid {pid}); `pdkv stop {role}` first", err=True
-        )
-        return EXIT_STARTUP
+def background_argv(g: Globals, role: str, opts: dict[str, Any]) -> list[str]:
+    """The command line of a detached `pdkv <role> start` with the same options."""
     argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(g.runtime_dir)]
     argv += [
         "--log-format",
@@ -104,11 +101,25 @@ def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, 
     ]
     argv += [role, "start"]
     for key, value in opts.items():
+        if key in _NEGATABLE and value is False:  # a --x/--no-x pair whose default is on
+            argv.append("--no-" + key.replace("_", "-"))
+            continue
         if value is None or value is False or value == "":
             continue
         argv.append("--" + key.replace("_", "-"))
         if value is not True:
             argv.append(str(value))
+    return argv
+
+
+def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, opts: dict) -> int:
+    pid = read_pid(cfg.pidfile)
+    if pid is not None:
+        click.echo(
+            f"error: {role} daemon already running (pid {pid}); `pdkv stop {role}` first", err=True
+        )
+        return EXIT_STARTUP
+    argv = background_argv(g, role, opts)
     log_path = cfg.runtime_dir / f"{role}.log"
     with open(log_path, "ab") as log_file:
         start_offset = log_file.tell()  # the log is appended to: show only this start's lines

@@ -48,6 +48,9 @@ class Handoff(Message, frozen=True):
     """P → D, per request: the prompt's KV is in `block_ids` of the registered pool.
 
     `event_slot` is the ring slot recorded after the scatter (-1 on CPU: the frame is the signal).
+    `first_token` null (v4, Unix-socket links; on CUDA with `event_slot` ≥ 0): the early handoff,
+    sent once the forward is queued (CUDA) or done (CPU), before the first token is sampled; that
+    token follows in a TOKENS frame P → D.
     `sent_ns` is the sender's CLOCK_MONOTONIC (same host), for handoff latency.
     """
 
@@ -56,7 +59,7 @@ class Handoff(Message, frozen=True):
     block_ids: list[NonNeg]
     num_tokens: NonNeg
     prompt_tokens: list[TokenId]
-    first_token: TokenId
+    first_token: TokenId | None
     sampling: SamplingParams
     event_slot: Annotated[int, msgspec.Meta(ge=-1)] = -1
     sent_ns: NonNeg = 0
@@ -71,7 +74,8 @@ class Release(Message, frozen=True):
 
 
 class Tokens(Message, frozen=True):
-    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client."""
+    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client.
+    P → D (v4): the one first token of a request whose HANDOFF came without it."""
 
     TYPE = MsgType.TOKENS
     request_id: RequestId

@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -19,6 +19,9 @@ HISTORY: dict[int, str] = {
     3: "links across hosts (TCP): HELLO/HELLO_OK nonces and proofs (HMAC-SHA256 over both), "
     "REGISTER/REGISTERED carry `nixl` (a NIXL agent and its registered pool), PUSH and "
     "PUSH_FAILED for push links, error code AUTH_FAILED",
+    4: "the early handoff on Unix-socket links: HANDOFF's `first_token` may be null (sent once the "
+    "prompt's KV writes and its event slot are queued, before the first token is known), and "
+    "TOKENS P → D then carries that first token",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -243,10 +243,17 @@ def check_same_blocks(local: PoolLayout, peer: PoolLayout) -> None:
 
 
 def check_handoff(
-    h: Handoff, vocab_size: int, block_size: int, peer_blocks: int, event_slots: int
+    h: Handoff,
+    vocab_size: int,
+    block_size: int,
+    peer_blocks: int,
+    event_slots: int,
+    *,
+    early_ok: bool = True,
 ) -> None:
     """One HANDOFF against the peer's pool of `peer_blocks` blocks and a ring of `event_slots`
-    slots; ValueError/IpcError with the reason. Every consumer kind checks with this."""
+    slots; ValueError/IpcError with the reason. Every consumer kind checks with this; one whose
+    link cannot take the early handoff (no first token) passes `early_ok=False`."""
     h.sampling.validate()
     if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
         raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
@@ -255,8 +262,13 @@ def check_handoff(
         raise ValueError(
             f"{h.num_tokens} tokens need {need} blocks, HANDOFF names {len(h.block_ids)}"
         )
-    if max(h.prompt_tokens) >= vocab_size or h.first_token >= vocab_size:
+    first = h.first_token
+    if max(h.prompt_tokens) >= vocab_size or (first is not None and first >= vocab_size):
         raise ValueError(f"token ids must be < vocab size {vocab_size}")
+    if first is None and not early_ok:
+        raise ValueError("a HANDOFF without its first token (the early handoff) on a TCP link")
+    if first is None and event_slots and h.event_slot < 0:
+        raise ValueError("an early HANDOFF on a CUDA link names no event slot to wait on")
     ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
     if max(ids) >= peer_blocks or len(set(ids)) != len(ids):
         check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which

@@ -127,7 +127,9 @@ class NixlConsumer:
     def validate(self, h: Handoff, vocab_size: int) -> None:
         if self._closed:
             raise ValueError("the link's pool is closed")
-        check_handoff(h, vocab_size, self.local.layout.block_size, self.peer_blocks, 0)
+        check_handoff(
+            h, vocab_size, self.local.layout.block_size, self.peer_blocks, 0, early_ok=False
+        )
 
     def pull(self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone) -> Any:
         """Move peer blocks src_ids into local dst_ids; `done` once they are here (a failure is

@@ -22,6 +22,7 @@ from common.protocol import (
     ConnectionClosed,
     Error,
     ErrorCode,
+    Finish,
     Handoff,
     Hello,
     HelloOk,
@@ -31,6 +32,8 @@ from common.protocol import (
     Register,
     Registered,
     Release,
+    Tokens,
+    Usage,
     fingerprint,
 )
 
@@ -92,7 +95,8 @@ class FakeDecode:
     """A link server on its own thread and loop. Mutable knobs decide how it behaves:
 
     `answer_pings` (PONG each PING), `release` (RELEASE each HANDOFF at once), `accept` (serve new
-    connections; when False they are closed at once). It never sends TOKENS or FINISH.
+    connections; when False they are closed at once), `finish_on_first` (answer the prefill's
+    TOKENS, the first token after an early HANDOFF, with RELEASE and FINISH). It sends no TOKENS.
     """
 
     def __init__(self, path: Path) -> None:
@@ -102,6 +106,10 @@ class FakeDecode:
         self.accept = True
         self.deaf = False
         self.no_capacity = False  # answer every HANDOFF with ERROR NO_CAPACITY
+        self.no_capacity_once: set[str] = set()  # answer these ids' first HANDOFF so
+        self.finish_on_first = False
+        self.frames: list[tuple[str, str]] = []  # (type, request id) of every request's frame
+        self.first_tokens: list[Tokens] = []  # TOKENS from the prefill (early handoffs)
         self.stalled = False  # after the handshake, read nothing more: the daemon's writes block
         self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
@@ -168,16 +176,33 @@ class FakeDecode:
         if isinstance(msg, Ping) and self.answer_pings:
             await ch.send(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Handoff):
+            self.frames.append(("HANDOFF", msg.request_id))
             self.handoffs.append(msg)
             self.handoff_links.append(link_id)
-            if self.no_capacity:
+            if self.no_capacity or msg.request_id in self.no_capacity_once:
+                self.no_capacity_once.discard(msg.request_id)
                 await ch.send(
                     Error(code=ErrorCode.NO_CAPACITY, message="fake", request_id=msg.request_id)
                 )
+            elif self.finish_on_first and msg.first_token is not None:
+                await self._finish(ch, msg.request_id)
             elif self.release:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
+        elif isinstance(msg, Tokens):
+            self.frames.append(("TOKENS", msg.request_id))
+            self.first_tokens.append(msg)
+            if self.finish_on_first:
+                await self._finish(ch, msg.request_id)
         elif isinstance(msg, Abort):
+            self.frames.append(("ABORT", msg.request_id))
             self.aborts.append(msg.request_id)
+
+    @staticmethod
+    async def _finish(ch: FrameChannel, request_id: str) -> None:
+        """RELEASE and FINISH: the request is done once its first token is known."""
+        await ch.send(Release(request_id=request_id))
+        usage = Usage(prompt_tokens=1, completion_tokens=1)
+        await ch.send(Finish(request_id=request_id, reason="length", usage=usage))
 
     def deafen(self) -> None:
         """Stop reading on every open connection (SHUT_RD) but keep it open: the daemon's writes

@@ -194,3 +194,68 @@ def test_no_capacity_retry_after_a_link_loss_does_not_hand_off_freed_blocks(fake
     ]
     assert again == [], "the retry handed freed blocks to the new link"
     poll(lambda: all_free(pair.client_socket), what="prefill pool free")
+
+
+def _generate(pair: FaultPair, rid: str, sock: str | None = None) -> client.Result:
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    return asyncio.run(
+        client.generate(
+            sock or pair.client_socket,
+            prompt_tokens=[3] * 20,
+            sampling=params,
+            request_id=rid,
+            timeout=20,
+        )
+    )
+
+
+def test_an_early_handoff_has_no_first_token_and_a_tokens_frame_brings_it(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, fake = fake_setup
+    fake.accept, fake.answer_pings, fake.deaf, fake.release = True, True, False, False
+    poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link up")
+    fake.finish_on_first = True
+    try:
+        result = _generate(pair, "early-1")
+    finally:
+        fake.finish_on_first = False
+    assert [f for f in fake.frames if f[1] == "early-1"] == [
+        ("HANDOFF", "early-1"),
+        ("TOKENS", "early-1"),
+    ]
+    (h,) = [h for h in fake.handoffs if h.request_id == "early-1"]
+    assert h.first_token is None and h.event_slot == -1  # CPU: the frame follows the forward
+    (first,) = [t for t in fake.first_tokens if t.request_id == "early-1"]
+    assert first.tokens == result.tokens[:1] and len(result.tokens) == 1
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free")
+
+
+def test_an_early_handoff_refused_for_capacity_goes_again_with_its_first_token(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, fake = fake_setup
+    fake.accept, fake.answer_pings, fake.deaf, fake.release = True, True, False, False
+    poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link up")
+    fake.finish_on_first, fake.no_capacity_once = True, {"early-2"}
+    try:
+        result = _generate(pair, "early-2")
+    finally:
+        fake.finish_on_first = False
+    firsts = [h.first_token for h in fake.handoffs if h.request_id == "early-2"]
+    assert firsts == [None, result.tokens[0]]
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free")
+
+
+def test_without_the_early_handoff_the_first_token_rides_in_the_handoff(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    pair, fake = fake_setup
+    fake.accept, fake.answer_pings, fake.deaf, fake.release = True, True, False, False
+    late = FaultPair(pair.runtime / "late")
+    late.runtime.mkdir(mode=0o700)
+    d = late.start("prefill", "--link-socket", str(fake.path), "--no-early-handoff", wait=False)
+    try:
+        wait_ready(d, linked=True)
+        fake.finish_on_first = True
+        result = _generate(late, "late-1")
+    finally:
+        fake.finish_on_first = False
+        late.kill_all()
+    (h,) = [h for h in fake.handoffs if h.request_id == "late-1"]
+    assert h.first_token == result.tokens[0]
+    assert [f for f in fake.frames if f[1] == "late-1"] == [("HANDOFF", "late-1")]

@@ -48,8 +48,12 @@ def _assert_all_free(pair) -> None:
         assert st.pool["free"] == st.pool["total"], f"{st.role} leaked blocks: {st.pool}"
 
 
-@pytest.mark.parametrize("backend", ["cuda-raw", "cuda-torch"])
-def test_gpu_pair_equals_reference_fp32(pair_factory, backend):
+@pytest.mark.parametrize(
+    ("backend", "early"), [("cuda-raw", True), ("cuda-torch", True), ("cuda-raw", False)]
+)
+def test_gpu_pair_equals_reference_fp32(pair_factory, backend, early):
+    """Early handoff (the default on a CUDA link: HANDOFF while the prefill's GPU still
+    computes, the decode's pull waiting on the event) and without it."""
     if backend == "cuda-raw":
         from common.cuda import has_extension
 
@@ -57,13 +61,15 @@ def test_gpu_pair_equals_reference_fp32(pair_factory, backend):
             pytest.skip("CUDA extension not built")
     args = ("--device", "cuda:0", "--dtype", "float32", "--ipc-backend", backend)
     pair_factory.start("decode", *args)
-    d = pair_factory.start("prefill", *args)
+    d = pair_factory.start("prefill", *args, *(() if early else ("--no-early-handoff",)))
     prompts = _prompts(32)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     results = _run(pair_factory, prompts, params)
     model, _ = load_model(None, device="cuda:0", dtype=torch.float32)
     for i, (res, p) in enumerate(zip(results, prompts, strict=True)):
         assert res.tokens == reference.generate(model, p, params), f"request {i} differs"
+        # the decode reports how long the KV waited for its first token only after an early one
+        assert ("first_wait_us" in res.finish.timings) == early, res.finish.timings
     st = asyncio.run(client.status(pair_factory.client_socket))
     assert st.backend == backend and st.device == "cuda:0"
     _assert_all_free(pair_factory)

@@ -1,0 +1,163 @@
+"""The early handoff on the decode side: a HANDOFF without its first token starts its pull at
+once, its sequence joins the batch only when the prefill's TOKENS brings that token, and every
+way a request can end meanwhile (abort, a bad or unexpected TOKENS, a first token that ends it,
+shutdown) frees its blocks exactly once, never under its copy.
+
+Real parts as in test_deferred_pull: the tiny model's forward passes, a shared-memory producer
+pool opened through a KVConsumer; the one fake is the CUDA event of a pull still in flight.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from common.model import reference
+from common.model.sampling import SamplingParams
+from common.protocol import Error, ErrorCode, Finish, Handoff, Release, Tokens
+from common.transfer.consumer import check_handoff
+from tests.decode.conftest import FakeLink, Side
+from tests.decode.test_deferred_pull import PROMPT, dlink, table  # noqa: F401 (fixtures)
+from tests.decode.test_requests import decode_until
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def early(h: Handoff) -> Handoff:
+    """The HANDOFF as the prefill sends it early: the same, without its first token."""
+    return msgspec.structs.replace(h, first_token=None)
+
+
+async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_reference(
+    side: Side,
+    link: FakeLink,
+    table,  # noqa: F811
+    rt,
+):
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(link, early(h))
+    assert link.of(Release) == [Release(request_id="r1", event_slot=-1)]  # CPU: copied inline
+    assert len(table) == 0 and [s.request_id for s in table.sequences()] == ["r1"]
+    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))
+    assert len(table) == 1
+    await decode_until(table, lambda: link.of(Finish))
+    tokens = [h.first_token] + [t for m in link.of(Tokens) for t in m.tokens]
+    assert tokens == reference.generate(rt.model, PROMPT, GREEDY, block_size=rt.layout.block_size)
+    assert "first_wait_us" in link.of(Finish)[0].timings
+    side.producer.allocator.free("r1")
+
+
+async def test_tokens_for_a_request_that_awaits_none_are_dropped(
+    side: Side,
+    link: FakeLink,
+    table,  # noqa: F811
+    rt,
+):
+    table.first_token(link, Tokens(request_id="nobody", tokens=[7]))
+    assert link.sent == []
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(link, early(h))
+    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))
+    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))  # a second: dropped
+    assert len(table) == 1
+    await decode_until(table, lambda: link.of(Finish))
+    generated = [t for m in link.of(Tokens) for t in m.tokens]
+    assert len(generated) == GREEDY.max_tokens - 1  # the first token counted once
+    side.producer.allocator.free("r1")
+
+
+@pytest.mark.parametrize("tokens", [[1, 2], [], [10**6]])
+def test_a_first_token_that_is_not_one_valid_token_is_bad_request_and_frees_the_blocks(
+    side: Side,
+    link: FakeLink,
+    table,  # noqa: F811
+    rt,
+    tokens: list[int],
+):
+    table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
+    table.first_token(link, Tokens(request_id="r1", tokens=tokens))
+    assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.BAD_REQUEST, "r1")]
+    assert len(table) == 0 and table.sequences() == []
+    assert "link-a/r1" not in rt.allocator
+    side.producer.allocator.free("r1")
+
+
+async def test_abort_while_awaiting_the_first_token_frees_only_after_the_pull(
+    side: Side,
+    dlink,  # noqa: F811
+    table,  # noqa: F811
+    rt,
+):
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(dlink, early(h))
+    table.abort(dlink, "r1")
+    assert table.sequences() == [] and "link-d/r1" in rt.allocator  # the copy may still write
+    table.first_token(dlink, Tokens(request_id="r1", tokens=[h.first_token]))  # late: dropped
+    assert len(table) == 0 and dlink.sent == []
+    dlink.consumer.events[0].complete()
+    await dlink.consumer.drain()
+    assert dlink.of(Release) == [Release(request_id="r1", event_slot=-1)]
+    assert "link-d/r1" not in rt.allocator and dlink.of(Tokens) == []
+    side.producer.allocator.free("r1")
+
+
+async def test_a_first_token_that_ends_the_request_finishes_only_after_the_pull(
+    side: Side,
+    dlink,  # noqa: F811
+    table,  # noqa: F811
+    rt,
+):
+    params = SamplingParams(max_tokens=1)
+    h = side.prefill("r1", PROMPT, params)
+    table.handoff(dlink, early(h))
+    table.first_token(dlink, Tokens(request_id="r1", tokens=[h.first_token]))
+    assert len(table) == 0 and dlink.sent == []  # nothing to decode, and its copy still runs
+    dlink.consumer.events[0].complete()
+    await dlink.consumer.drain()
+    assert [type(m) for m in dlink.sent] == [Release, Finish]
+    assert dlink.of(Finish)[0].usage.completion_tokens == 1
+    assert "link-d/r1" not in rt.allocator
+    side.producer.allocator.free("r1")
+
+
+async def test_the_first_step_waits_on_the_pull_of_an_early_handoff(
+    side: Side,
+    dlink,  # noqa: F811
+    table,  # noqa: F811
+    rt,
+):
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(dlink, early(h))
+    (event,) = dlink.consumer.events
+    table.first_token(dlink, Tokens(request_id="r1", tokens=[h.first_token]))
+    await decode_until(table, lambda: dlink.of(Tokens))
+    assert len(event.waited_by) == 1 and event.waited_by[0].startswith("pdkv-decode-torch")
+    event.complete()
+    await decode_until(table, lambda: dlink.of(Finish))
+    tokens = [h.first_token] + [t for m in dlink.of(Tokens) for t in m.tokens]
+    assert tokens == reference.generate(rt.model, PROMPT, GREEDY, block_size=rt.layout.block_size)
+    side.producer.allocator.free("r1")
+
+
+def test_shutdown_reaches_a_sequence_awaiting_its_first_token(
+    side: Side,
+    link: FakeLink,
+    table,  # noqa: F811
+    rt,
+):
+    table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
+    for seq in table.sequences():  # what the server's end_remaining does
+        table.drop(seq, ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down")
+    assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.SHUTTING_DOWN, "r1")]
+    assert table.sequences() == [] and "link-a/r1" not in rt.allocator
+    side.producer.allocator.free("r1")
+
+
+def test_an_early_handoff_is_refused_where_nothing_orders_the_pull_after_the_writes(side: Side):
+    h = early(side.prefill("r1", PROMPT, GREEDY))
+    check_handoff(h, 256, 4, 32, 0)  # a CPU link: the frame follows the forward
+    with pytest.raises(ValueError, match="TCP link"):
+        check_handoff(h, 256, 4, 32, 0, early_ok=False)
+    with pytest.raises(ValueError, match="names no event slot"):
+        check_handoff(h, 256, 4, 32, 4)  # a CUDA ring, but no slot to wait on
+    side.producer.allocator.free("r1")
