@@ -110,6 +110,7 @@ class FakeDecode:
         self.finish_on_first = False
         self.frames: list[tuple[str, str]] = []  # (type, request id) of every request's frame
         self.first_tokens: list[Tokens] = []  # TOKENS from the prefill (early handoffs)
+        self._refused: set[str] = set()  # answered NO_CAPACITY, no HANDOFF accepted since
         self.stalled = False  # after the handshake, read nothing more: the daemon's writes block
         self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
@@ -181,18 +182,20 @@ class FakeDecode:
             self.handoff_links.append(link_id)
             if self.no_capacity or msg.request_id in self.no_capacity_once:
                 self.no_capacity_once.discard(msg.request_id)
+                self._refused.add(msg.request_id)
                 await ch.send(
                     Error(code=ErrorCode.NO_CAPACITY, message="fake", request_id=msg.request_id)
                 )
             elif self.finish_on_first and msg.first_token is not None:
+                self._refused.discard(msg.request_id)
                 await self._finish(ch, msg.request_id)
             elif self.release:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
         elif isinstance(msg, Tokens):
             self.frames.append(("TOKENS", msg.request_id))
             self.first_tokens.append(msg)
-            if self.finish_on_first:
-                await self._finish(ch, msg.request_id)
+            if self.finish_on_first and msg.request_id not in self._refused:
+                await self._finish(ch, msg.request_id)  # a refused request's is dropped
         elif isinstance(msg, Abort):
             self.frames.append(("ABORT", msg.request_id))
             self.aborts.append(msg.request_id)
