@@ -9,7 +9,9 @@ case peer access is enabled once. Otherwise (CPU, or no extension) it is one tor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -109,6 +111,42 @@ def _copy_cuda(
     stream: torch.cuda.Stream | int | None,
 ) -> None:
     copy_ids_cuda(dst, src, s_ids.numpy(), d_ids.numpy(), stream)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCopy:
+    """One checked pull between two pools on one GPU, ready to launch: what `copy_ids_cuda`
+    works out per call (pointers, block size, id arrays), done ahead of time, so `launch` is
+    the kernel's enqueue and nothing else (the decode plans an early HANDOFF's pull while the
+    prefill computes, and launches it when the first token says the KV is written)."""
+
+    dst_ptr: int
+    src_ptr: int
+    src_ids: np.ndarray
+    dst_ids: np.ndarray
+    block_nbytes: int
+    device: int
+
+    @classmethod
+    def between(
+        cls, dst: torch.Tensor, src: torch.Tensor, s_ids: np.ndarray, d_ids: np.ndarray
+    ) -> KernelCopy:
+        """For checked pools on one GPU and checked int64 id arrays."""
+        nbytes = math.prod(dst.shape[1:]) * dst.element_size()
+        return cls(dst.data_ptr(), src.data_ptr(), s_ids, d_ids, nbytes, dst.device.index)
+
+    def launch(self, stream: torch.cuda.Stream | int | None) -> None:
+        """Enqueue the copy on `stream` (IpcError/CudaError if the launch fails)."""
+        with cuda_errors():
+            ext().copy_blocks(
+                self.dst_ptr,
+                self.src_ptr,
+                self.src_ids,
+                self.dst_ids,
+                self.block_nbytes,
+                stream_ptr(stream, self.device),
+                self.device,
+            )
 
 
 def copy_ids_cuda(

@@ -251,6 +251,24 @@ class KVPool:
         picked = src.tensor.index_select(0, torch.from_numpy(s).to(src.device))
         self.tensor.index_copy_(0, torch.from_numpy(d).to(self.device), picked)
 
+    def plan_kernel_copy(self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds) -> Any:
+        """`copy_blocks_from` checked and made ready ahead of time, when it would be the one
+        kernel launch (one GPU, distinct pools, the extension built): a
+        common.blockcopy.KernelCopy to `launch(stream)` later, else None (copy then with
+        copy_blocks_from). Raises IpcError as copy_blocks_from would."""
+        if not (self._dev == src._dev and self._dev[0] == "cuda" and has_extension()):
+            return None
+        if src._compat != self._compat or self._overlaps(src):
+            return None  # copy_blocks_from says why, or takes the snapshot path
+        s, d = src._ids(src_ids, "source"), self._ids(dst_ids, "destination")
+        if s.size != d.size or not d.size:
+            return None
+        if np.unique(d).size != d.size:
+            raise IpcError(f"destination block ids repeat: {d.tolist()}")
+        from common.blockcopy import KernelCopy
+
+        return KernelCopy.between(self.tensor, src.tensor, s, d)
+
     def _copy_few(self, src: KVPool, src_ids: list[int], dst_ids: list[int]) -> None:
         """copy_blocks_from for a few ids given as lists, between CPU pools: the same checks
         in plain Python (each a single C-level pass), where numpy's fixed costs would dominate."""

@@ -4,9 +4,9 @@ Per HANDOFF: validate, reserve this request's blocks for its whole life (or answ
 start the pull of the prompt's blocks from the peer's pool into ours, and add the sequence to the
 batch at once: on CUDA the pull is stream-ordered and the step that first reads the blocks waits
 for it on the GPU (engine.py), on CPU the copy is already complete; a NIXL pull (AFTER_DONE) joins
-the batch in `_copied`. An early HANDOFF (no first token: on CUDA the prefill sent it while its
-forward still ran on the GPU) starts its pull at once (behind the prefill's event on CUDA), and its
-sequence joins the batch when the first token comes in a TOKENS frame (`first_token`). RELEASE goes out when the consumer reports the copy complete (`_copied`:
+the batch in `_copied`. An early HANDOFF (no first token: the prefill sent it when it queued the
+prompt's forward, so the blocks are not written yet) only reserves; the TOKENS frame that brings
+its first token (`first_token`) says the KV is written, and starts the pull and the decoding. RELEASE goes out when the consumer reports the copy complete (`_copied`:
 at once on CPU, from its waiter thread on CUDA, from the NIXL agent's worker on a TCP link).
 Sequences are keyed `link/request_id`: request ids are only unique per prefill daemon.
 
@@ -39,7 +39,7 @@ from common.protocol import (
     make_error,
 )
 from common.throughput import Throughput
-from common.transfer.consumer import AFTER_DONE
+from common.transfer.consumer import AFTER_DONE, KVConsumer, PullPlan
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
@@ -56,7 +56,9 @@ class DecodeRequests:
         self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
         self._copying: set[str] = set()  # keys whose pull is not yet reported complete
         self._join_on_copy: dict[str, Sequence] = {}  # of those, the ones joining after it (NIXL)
-        self._first_due: dict[str, Sequence] = {}  # early HANDOFFs awaiting their first token
+        # early HANDOFFs awaiting their first token (their KV): key -> (HANDOFF, sequence, the
+        # pull planned ahead, or None where the consumer plans none)
+        self._first_due: dict[str, tuple[Handoff, Sequence, PullPlan | None]] = {}
         self._stepping = False  # a decode step is in flight (run)
         self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
@@ -69,7 +71,8 @@ class DecodeRequests:
     def sequences(self) -> list[Sequence]:
         """Every live sequence: in the batch or queued for it, awaiting its first token, or
         joining once its NIXL transfer is done."""
-        return [*self.engine.sequences(), *self._first_due.values(), *self._join_on_copy.values()]
+        due = [seq for _, seq, _ in self._first_due.values()]
+        return [*self.engine.sequences(), *due, *self._join_on_copy.values()]
 
     async def run(self) -> None:
         """The decode loop: step while there is work, answer each step's sequences. Ends only
@@ -97,19 +100,24 @@ class DecodeRequests:
             )
             return
         self.engine.remove(key)
+        due = self._first_due.get(key)
         self._free(key)
+        if due is not None:  # never pulled: its blocks and event slot are the prefill's again
+            peer.post(Release(request_id=request_id, event_slot=due[0].event_slot))
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
     def first_token(self, peer: Peer, msg: Tokens) -> None:
-        """TOKENS from the prefill: the first token of an early HANDOFF, and its sequence joins
-        the next step (its KV pull was started at HANDOFF). One for a request that awaits none
-        is dropped: the decode refused its HANDOFF (the prefill then hands off again, with the
-        token) or the request ended meanwhile."""
+        """TOKENS from the prefill: the first token of an early HANDOFF, so its KV is written:
+        start the pull, and the sequence joins the next step. One for a request that awaits
+        none is dropped: the decode refused its HANDOFF (the prefill then hands off again, with
+        the token) or the request ended meanwhile."""
+        recv_ns = time.monotonic_ns()
         key = seq_key(peer.link_id, msg.request_id)
-        seq = self._first_due.pop(key, None)
-        if seq is None:
+        entry = self._first_due.pop(key, None)
+        if entry is None:
             log.debug("first_token_unexpected", request_id=msg.request_id, link=peer.link_id)
             return
+        h, seq, plan = entry
         if len(msg.tokens) != 1 or msg.tokens[0] >= self.vocab_size:
             peer.post_error(
                 ErrorCode.BAD_REQUEST,
@@ -119,15 +127,11 @@ class DecodeRequests:
             )
             self._free(key)
             return
-        now = time.monotonic_ns()
         seq.generated.append(msg.tokens[0])
-        seq.stages_us["first_wait_us"] = (now - seq.joined_ns) / 1000
-        if seq.check_finished():  # nothing to decode: FINISH now, or after RELEASE (_copied)
-            if key not in self._copying:
-                peer.post(self._finished(peer, seq))
-            return
-        seq.joined_ns = now
-        self.engine.add(seq)
+        seq.stages_us["first_wait_us"] = (recv_ns - seq.joined_ns) / 1000
+        if msg.sent_ns:
+            seq.stages_us["first_read_us"] = (recv_ns - msg.sent_ns) / 1000
+        self._start(peer, h, seq, recv_ns, msg.sent_ns, plan)
 
     def drop_peer(self, peer: Peer) -> int:
         """Link lost (its pulls drained): drop its sequences and free their blocks; how many."""
@@ -138,21 +142,67 @@ class DecodeRequests:
         return len(keys)
 
     def handoff(self, peer: Peer, h: Handoff) -> None:
-        """Validate, reserve blocks for the request's whole life, start the pull, join the batch."""
+        """Validate and reserve blocks for the request's whole life; then start the pull and
+        join the batch, or, for an early HANDOFF, wait for the first token (its KV)."""
         recv_ns = time.monotonic_ns()
         seq = self._admit(peer, h)
         if seq is None:
             return
         admitted_ns = time.monotonic_ns()
+        self.seq_peer[seq.key] = peer
+        seq.stages_us = {"admit_us": (admitted_ns - recv_ns) / 1000}
+        if h.sent_ns:
+            seq.stages_us["read_us"] = (recv_ns - h.sent_ns) / 1000
+            # of it, until this daemon's read callback had the bytes (the rest: split, decode)
+            seq.stages_us["wire_us"] = (peer.channel.last_rx * 1e9 - h.sent_ns) / 1000
+        if h.first_token is None:
+            seq.joined_ns = admitted_ns  # until its first token comes (first_wait_us)
+            try:  # all but the enqueue now, while the prefill computes
+                plan = self._plan(peer, h, seq)
+            except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
+                self._fail(peer, seq, exc)
+                return
+            self._first_due[seq.key] = (h, seq, plan)
+        else:
+            self._start(peer, h, seq, recv_ns, h.sent_ns)
+        log.debug(
+            "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
+        )
+
+    @staticmethod
+    def _plan(peer: Peer, h: Handoff, seq: Sequence) -> PullPlan | None:
+        consumer = peer.consumer
+        if not isinstance(consumer, KVConsumer):  # NIXL plans nothing (and never goes early)
+            return None
+        return consumer.plan(h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot)
+
+    def _start(
+        self,
+        peer: Peer,
+        h: Handoff,
+        seq: Sequence,
+        recv_ns: int,
+        sent_ns: int,
+        plan: PullPlan | None = None,
+    ) -> None:
+        """The KV of `seq` is written: start its pull (`plan`, if made ahead) and add it to the
+        batch (a NIXL one joins in `_copied`; one with nothing to decode gets its FINISH after
+        RELEASE there). `recv_ns`, `sent_ns`: when the frame that made the KV ready was read
+        here and sent by the peer."""
         key, consumer = seq.key, peer.consumer
         assert consumer is not None  # _admit checked
-        self.seq_peer[key] = peer
+        started_ns = time.monotonic_ns()
+        seq.started = started_ns / 1e9  # first_step_us and decode_ms count from here
         self._copying.add(key)
-        early = h.first_token is None  # it joins when its first token comes (first_token)
-        decode = early or seq.check_finished() is None  # else FINISH after RELEASE (_copied)
-        done = functools.partial(self._copied, peer, h, seq, recv_ns)
+        decode = seq.check_finished() is None  # else FINISH right after RELEASE (_copied)
+        done = functools.partial(self._copied, peer, h, seq, recv_ns, sent_ns)
         try:
-            ready = consumer.pull(h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done)
+            if plan is not None:
+                ready = consumer.start(plan, done)  # type: ignore[union-attr]
+            else:
+                ready = consumer.pull(
+                    h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot, done
+                )
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
             self._copying.discard(key)
             self._fail(peer, seq, exc)
@@ -160,27 +210,14 @@ class DecodeRequests:
         if ready is AFTER_DONE:  # a NIXL transfer: no stream can wait on it, join on `done`
             if key in self._copying:
                 self._join_on_copy[key] = seq
-        elif early:
-            seq.ready = ready
-            seq.joined_ns = time.monotonic_ns()  # the pull's enqueue, until its first token
-            self._first_due[key] = seq
         elif decode:
             seq.ready = ready
             seq.joined_ns = time.monotonic_ns()
             self.engine.add(seq)
         now = time.monotonic_ns()
-        seq.stages_us = {
-            "admit_us": (admitted_ns - recv_ns) / 1000,
-            "enqueue_us": (now - admitted_ns) / 1000,
-        }
-        if h.sent_ns:
-            seq.usable_us = (now - h.sent_ns) / 1000
-            seq.stages_us["read_us"] = (recv_ns - h.sent_ns) / 1000
-            # of it, until this daemon's read callback had the bytes (the rest: split, decode)
-            seq.stages_us["wire_us"] = (peer.channel.last_rx * 1e9 - h.sent_ns) / 1000
-        log.debug(
-            "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
-        )
+        seq.stages_us["enqueue_us"] = (now - started_ns) / 1000
+        if sent_ns:
+            seq.usable_us = (now - sent_ns) / 1000
 
     def _admit(self, peer: Peer, h: Handoff) -> Sequence | None:
         """Check a HANDOFF and reserve its blocks: its Sequence, or None once answered."""
@@ -232,7 +269,13 @@ class DecodeRequests:
         return seq
 
     def _copied(
-        self, peer: Peer, h: Handoff, seq: Sequence, recv_ns: int, exc: BaseException | None
+        self,
+        peer: Peer,
+        h: Handoff,
+        seq: Sequence,
+        recv_ns: int,
+        sent_ns: int,
+        exc: BaseException | None,
     ) -> None:
         """The consumer's `done`, exactly once per started pull: RELEASE (the peer may reuse its
         blocks and event slot), or fail the request; blocks of a sequence that ended meanwhile
@@ -244,7 +287,7 @@ class DecodeRequests:
             self._fail(peer, seq, exc)
             return
         done_ns = time.monotonic_ns()
-        seq.handoff_us = (done_ns - h.sent_ns) / 1000 if h.sent_ns else 0.0
+        seq.handoff_us = (done_ns - sent_ns) / 1000 if sent_ns else 0.0
         seq.pull_us = (done_ns - recv_ns) / 1000
         peer.post(Release(request_id=h.request_id, event_slot=h.event_slot))
         if self._yield_after_release:

@@ -6,15 +6,13 @@ forward has returned, so at low load a prompt runs alone at once, and under a bu
 that arrive while one forward runs share the next. The queue is served in arrival order; a batch
 takes prompts while their tokens fit `max_tokens`, and a prompt longer than that runs alone.
 
-Contract with the pipeline: `submit` queues a prompt and returns its Ticket; `ticket.result` is the
-prompt's first token (or raises for that request only: RequestFailed NUMERIC_ERROR when its logits
-are not finite, INTERNAL when the batch's forward failed, SHUTTING_DOWN when the batcher stopped
-with the request still queued). With `early`, `ticket.recorded` resolves first, as soon as the
-batch's forward and its event records are queued on the GPU (before the host waits for the first
-tokens): the early handoff may go out then. A request whose ticket is cancelled while queued is
-dropped from the queue and never runs, so its blocks, freed by the pipeline, can go to a new
-request at once; one cancelled while its batch runs is written anyway, and its blocks can only go
-to a later batch, which the single torch thread (and stream) orders after this one.
+Contract with the pipeline: `submit` queues a prompt and returns a future of its first token (or
+of RequestFailed for that request only: NUMERIC_ERROR when its logits are not finite, INTERNAL
+when the batch's forward failed, SHUTTING_DOWN when the batcher stopped with the request still
+queued); `prefill` awaits it. A request whose future is cancelled while queued is dropped from
+the queue and never runs, so its blocks, freed by the pipeline, can go to a new request at once;
+one cancelled while its batch runs is written anyway, and its blocks can only go to a later
+batch, which the single torch thread (and stream) orders after this one.
 """
 
 from __future__ import annotations
@@ -38,31 +36,13 @@ _LOGGED_IDS = 16  # request ids named in one prefill_batch log line
 
 
 @dataclass(eq=False)
-class Ticket:
-    """One queued prompt, as the pipeline holds it."""
-
-    result: asyncio.Future[tuple[int, int]]  # (first token, requests in its forward)
-    recorded: asyncio.Future[None] | None  # early: the forward and its event are queued
-
-    def cancel(self) -> None:
-        """The request is gone: the batcher skips the prompt if it has not run yet."""
-        self.result.cancel()
-        if self.recorded is not None:
-            self.recorded.cancel()
-
-
-@dataclass(eq=False)
 class _Job:
     request_id: str
     prompt: list[int]
     blocks: list[int]
     sampling: SamplingParams
     event_slot: int
-    ticket: Ticket
-
-    @property
-    def future(self) -> asyncio.Future[tuple[int, int]]:
-        return self.ticket.result
+    future: asyncio.Future[tuple[int, int]]  # (first token, requests in its forward)
 
 
 class PrefillBatcher:
@@ -84,17 +64,14 @@ class PrefillBatcher:
         blocks: list[int],
         sampling: SamplingParams,
         event_slot: int,
-        *,
-        early: bool = False,
-    ) -> Ticket:
-        """Queue the prompt for the next batch. `ticket.result`: (its first token, the number of
-        requests that shared its forward) once that batch has run, or RequestFailed for this
-        request; with `early`, `ticket.recorded` resolves once its writes and event are queued."""
-        loop = asyncio.get_running_loop()
-        ticket = Ticket(loop.create_future(), loop.create_future() if early else None)
-        self._queue.append(_Job(request_id, prompt, blocks, sampling, event_slot, ticket))
+    ) -> asyncio.Future[tuple[int, int]]:
+        """Queue the prompt for the next batch: a future of (its first token, the number of
+        requests that shared its forward) once that batch has run, or of RequestFailed for this
+        request. Cancel it if the request goes away: a prompt not yet run is then skipped."""
+        future: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        self._queue.append(_Job(request_id, prompt, blocks, sampling, event_slot, future))
         self._wake.set()
-        return ticket
+        return future
 
     async def prefill(
         self,
@@ -105,11 +82,11 @@ class PrefillBatcher:
         event_slot: int,
     ) -> tuple[int, int]:
         """`submit`, then its result; cancelled with the caller (the job is then skipped)."""
-        ticket = self.submit(request_id, prompt, blocks, sampling, event_slot)
+        future = self.submit(request_id, prompt, blocks, sampling, event_slot)
         try:
-            return await ticket.result
+            return await future
         finally:
-            ticket.cancel()
+            future.cancel()
 
     async def run(self) -> None:
         """Forever: take what is queued (within the budget), run it, answer each request."""
@@ -147,13 +124,6 @@ class PrefillBatcher:
         tokens = sum(len(j.prompt) for j in batch)
         ids = [j.request_id for j in batch]
         start = time.perf_counter()
-        on_recorded = None
-        if any(j.ticket.recorded is not None for j in batch):
-            loop = asyncio.get_running_loop()
-
-            def on_recorded() -> None:  # the torch thread, before it waits for the tokens
-                loop.call_soon_threadsafe(_recorded, batch)
-
         try:
             firsts = await self.rt.run(
                 run_prefill_batch,
@@ -164,7 +134,6 @@ class PrefillBatcher:
                 self.producer,
                 [j.event_slot for j in batch],
                 token_budget=max(self.max_tokens, tokens),
-                on_recorded=on_recorded,
             )
         except Exception as exc:  # the forward failed: its requests fail, the daemon goes on
             log.exception(
@@ -192,21 +161,7 @@ class PrefillBatcher:
         )
 
 
-def _recorded(batch: list[_Job]) -> None:
-    for job in batch:
-        rec = job.ticket.recorded
-        if rec is not None and not rec.done():
-            rec.set_result(None)
-
-
 def _answer(job: _Job, result: tuple[int, int] | BaseException) -> None:
-    rec = job.ticket.recorded
-    if rec is not None and not rec.done():
-        if isinstance(result, BaseException):  # failed before its records: the one answer
-            rec.set_exception(result)
-            job.future.cancel()
-            return
-        rec.set_result(None)
     if job.future.done():  # cancelled while its batch ran
         return
     if isinstance(result, BaseException):

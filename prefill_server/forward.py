@@ -3,7 +3,7 @@ each prompt's first token."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +29,6 @@ def run_prefill_batch(
     slots: Sequence[int] = (),
     *,
     token_budget: int,
-    on_recorded: Callable[[], None] | None = None,
 ) -> list[int | SamplingError]:
     """Write each prompt's K/V into its `blocks` of the pool; each prompt's first token, or a
     SamplingError in its place when that prompt's logits are not finite or its draw fails (the
@@ -41,21 +40,16 @@ def run_prefill_batch(
     Runs on the torch thread, on the daemon's stream. On CUDA, the producer records every event
     `slots[i]` on that stream after the batch's scatter and the first tokens' sampling kernels,
     so a peer stream that waits on it sees every write of prompt i's K/V (slot -1: no event, the
-    CPU case), and a peer's copy queued behind it does not compete with those kernels.
-    `on_recorded()` is called right after the records are queued and before the host waits for
-    the first tokens: from then on a peer may be told to wait on the events (the early handoff).
-    A failure of the forward itself raises, for the whole batch.
+    CPU case). A failure of the forward itself raises, for the whole batch.
     """
     bs = rt.layout.block_size
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
     mappings = [slots_for(b, 0, len(p), bs) for p, b in zip(prompts, blocks, strict=True)]
     with rt.on_stream():
         logits = prefill_many(rt.model, tokens, mappings, rt.pool.tensor, token_budget=token_budget)
-        pending = start_sampling(logits)
+        pending = start_sampling(logits)  # queued before the records: see docs/benchmarks.md
         if producer is not None:
             for slot in slots:
                 producer.record(slot, rt.stream)
-        if on_recorded is not None:
-            on_recorded()
         generators = [make_generator(p, 0) for p in sampling]
         return finish_sampling(pending, logits, sampling, generators)

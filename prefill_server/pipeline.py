@@ -7,12 +7,12 @@ handoff deadline) → relay TOKENS/FINISH. Whatever ends the request, `finally` 
 and an unfinished handoff is aborted on the decode side.
 
 The early handoff (Unix-socket links, `--early-handoff`, on by default): the HANDOFF goes out
-without its first token as soon as the forward and the request's event record are queued on the
-GPU (on CPU: once the forward has run), so the decode reads it, reserves its blocks and queues its
-pull (its GPU waiting on our event) while our GPU still computes; once the first token is on the
-host it goes to the decode in a TOKENS frame, then to the client. The 2nd token then waits for one TOKENS hop and one decode step, not
-for the whole handoff. A decode that answers the early HANDOFF with NO_CAPACITY gets it again
-later, the first token in it.
+without its first token when the prompt is queued for its forward, so the decode reads it and
+reserves its blocks while we compute; once the first token is on our host (the KV is written) it
+goes to the decode in a TOKENS frame, which starts the decode's pull, then to the client. The 2nd
+token then waits for one small frame, the pull's enqueue and one decode step, not for the
+HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_CAPACITY gets it
+again later, the first token in it.
 
 One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
 the link) and the link's frames (`deliver`, `link_lost`); the pipeline owns the request table and
@@ -149,16 +149,14 @@ class RequestPipeline:
             await self._link_up(time.monotonic() + self.cfg.handoff_timeout_s)
             blocks = await self._allocate(req)
             await self._acquire_slot(req, time.monotonic() + self.cfg.handoff_timeout_s)
-            early = self.cfg.early_handoff and self.link.tcp is None and sampling.max_tokens > 1
-            ticket = self.batcher.submit(rid, prompt, blocks, sampling, req.event_slot, early=early)
+            future = self.batcher.submit(rid, prompt, blocks, sampling, req.event_slot)
             try:
-                if ticket.recorded is not None:
-                    await ticket.recorded  # its KV writes and event record are queued on the GPU
+                if self.cfg.early_handoff and self.link.tcp is None and sampling.max_tokens > 1:
                     deadline = time.monotonic() + self.cfg.handoff_timeout_s
-                    await self._send_handoff(req, blocks, None, deadline)
-                first, shared = await ticket.result
+                    await self._send_handoff(req, blocks, None, deadline)  # during the forward
+                first, shared = await future
             finally:
-                ticket.cancel()  # the request went away while queued: skip its prompt
+                future.cancel()  # the request went away while queued: skip its prompt
             req.generated.append(first)
             req.first_ns = time.monotonic_ns()
             req.ttft_ms = (req.first_ns / 1e9 - req.arrived) * 1000
@@ -287,8 +285,9 @@ class RequestPipeline:
         HANDOFF. A lost link is the relay's to report (LINK_LOST, from link_lost)."""
         if self.link.link_id != req.link_id:
             return
+        msg = Tokens(request_id=req.request_id, tokens=[first], sent_ns=time.monotonic_ns())
         with contextlib.suppress(ConnectionError):
-            await self.link.send(Tokens(request_id=req.request_id, tokens=[first]))
+            await self.link.send(msg)
 
     async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
         msg = first

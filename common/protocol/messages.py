@@ -48,9 +48,9 @@ class Handoff(Message, frozen=True):
     """P → D, per request: the prompt's KV is in `block_ids` of the registered pool.
 
     `event_slot` is the ring slot recorded after the scatter (-1 on CPU: the frame is the signal).
-    `first_token` null (v4, Unix-socket links; on CUDA with `event_slot` ≥ 0): the early handoff,
-    sent once the forward is queued (CUDA) or done (CPU), before the first token is sampled; that
-    token follows in a TOKENS frame P → D.
+    `first_token` null (v4, Unix-socket links): the early handoff, sent when the prompt is queued
+    for its forward; the blocks are not written yet, and may be read only once the first token
+    follows in a TOKENS frame P → D.
     `sent_ns` is the sender's CLOCK_MONOTONIC (same host), for handoff latency.
     """
 
@@ -75,12 +75,14 @@ class Release(Message, frozen=True):
 
 class Tokens(Message, frozen=True):
     """D → P → C: new tokens of a request, in order. `text` is filled by P for its client.
-    P → D (v4): the one first token of a request whose HANDOFF came without it."""
+    P → D (v4): the one first token of a request whose HANDOFF came without it, which also says
+    that its KV is written; `sent_ns` then is P's CLOCK_MONOTONIC at send (0 otherwise)."""
 
     TYPE = MsgType.TOKENS
     request_id: RequestId
     tokens: list[TokenId]
     text: str = ""
+    sent_ns: NonNeg = 0
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -23,6 +23,9 @@ Contract:
   `pull` raises (IpcError, PdkvError, a CUDA error) when the copy could not be started; then
   `done` never runs. Otherwise `done` runs exactly once, and a RELEASE may go out only then: the
   peer may overwrite its blocks and re-record the event slot after it.
+- `plan(src_ids, dst_ids, slot)` then `start(plan, done)` is `pull` in two steps: the checks and
+  everything the launch needs worked out first (the decode plans an early HANDOFF's pull while
+  the prefill computes), so starting it is the enqueue alone.
 - `drain()` waits until every started pull has completed and its `done` has run; `close()`
   (idempotent, after drain) unmaps the peer's pool, closes its events and stops the waiter. A
   mapping is never closed under a copy that reads it.
@@ -34,6 +37,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -55,6 +59,17 @@ PullDone = Callable[[BaseException | None], None]
 Ready = Any  # a torch.cuda.Event on CUDA (anything with synchronize(): completion.Waitable)
 #: What `pull` returns when the blocks may be read only after `done(None)` (NIXL transfers).
 AFTER_DONE: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """A checked pull, ready to start (KVConsumer.plan); `kernel` is the prepared launch on a
+    GPU (common.blockcopy.KernelCopy), None where the copy goes through copy_blocks_from."""
+
+    src_ids: list[int]
+    dst_ids: list[int]
+    slot: int
+    kernel: Any = None
 
 
 class TransferRefused(PdkvError):
@@ -169,21 +184,38 @@ class KVConsumer:
         """Start copying peer blocks src_ids into local dst_ids; returns None when the copy is
         complete already (CPU), else the event a reader's stream waits on. As the module
         docstring says: raises if the copy could not be started, else `done` runs once."""
+        return self.start(self.plan(src_ids, dst_ids, slot), done)
+
+    def plan(self, src_ids: list[int], dst_ids: list[int], slot: int) -> PullPlan:
+        """The pull checked and prepared, not started (IpcError as `pull` would raise)."""
+        peer = self._peer()
+        if slot >= 0 and self._events is not None and slot >= len(self._events):
+            raise IpcError(f"event slot {slot} out of range for a ring of {len(self._events)}")
+        kernel = (
+            None if self._stream is None else self.local.plan_kernel_copy(peer, src_ids, dst_ids)
+        )
+        return PullPlan(src_ids, dst_ids, slot, kernel)
+
+    def start(self, plan: PullPlan, done: PullDone) -> Ready | None:
+        """Start a planned pull: `pull`'s contract (returns, raises and calls `done` as it)."""
         peer = self._peer()
         if self._stream is None:
-            self.local.copy_blocks_from(peer, src_ids, dst_ids)
+            self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids)
             done(None)
             return None
-        ready = self._enqueue(peer, src_ids, dst_ids, slot)
+        ready = self._enqueue(peer, plan)
         self._track(ready, done)
         return ready
 
-    def _enqueue(self, peer: KVPool, src_ids: list[int], dst_ids: list[int], slot: int) -> Ready:
+    def _enqueue(self, peer: KVPool, plan: PullPlan) -> Ready:
         """CUDA: the pull stream waits on the peer's event `slot`, the copy follows on that
         stream, and an event recorded after it is returned. Nothing here waits on the host."""
-        if slot >= 0 and self._events is not None:
-            self._events.wait(slot, self._stream)  # the GPU waits, not the CPU
-        self.local.copy_blocks_from(peer, src_ids, dst_ids, self._stream)
+        if plan.slot >= 0 and self._events is not None:
+            self._events.wait(plan.slot, self._stream)  # the GPU waits, not the CPU
+        if plan.kernel is not None:
+            plan.kernel.launch(self._stream)
+        else:
+            self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids, self._stream)
         copied = torch.cuda.Event(blocking=True)  # the waiter thread sleeps on it, never spins
         copied.record(self._stream)
         return copied
@@ -267,8 +299,6 @@ def check_handoff(
         raise ValueError(f"token ids must be < vocab size {vocab_size}")
     if first is None and not early_ok:
         raise ValueError("a HANDOFF without its first token (the early handoff) on a TCP link")
-    if first is None and event_slots and h.event_slot < 0:
-        raise ValueError("an early HANDOFF on a CUDA link names no event slot to wait on")
     ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
     if max(ids) >= peer_blocks or len(set(ids)) != len(ids):
         check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which
@@ -286,6 +316,7 @@ __all__ = [
     "AFTER_DONE",
     "KVConsumer",
     "PullDone",
+    "PullPlan",
     "Ready",
     "TransferRefused",
     "check_handoff",

@@ -98,16 +98,44 @@ def test_summary_figures_are_consistent(report: dict) -> None:
         assert s["duration_s"] > 0
 
 
-def test_the_daemons_report_their_own_timings(report: dict) -> None:
+@pytest.fixture(scope="module")
+def late_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The daemons alone with the early handoff off: the HANDOFF carries the first token."""
+    out = tmp_path_factory.mktemp("late") / "serve.json"
+    argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "0"]
+    argv += ["--prompt-len", PROMPT, "--output-len", OUTPUT, "--seed", "3"]
+    argv += ["--target", "daemons", "--device", "cpu", "--json", str(out)]
+    env = dict(os.environ, PDKV_EARLY_HANDOFF="0")
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+def _check_timings(t: dict, *, early: bool) -> None:
+    """One request's FINISH timings (both daemons'), for the way its HANDOFF went."""
+    assert t["handoff_us"] > 0 and t["decode_handoff_us"] > 0 and t["pull_us"] >= 0, t
+    assert 0 < t["usable_us"] < t["total_ms"] * 1000, t
+    assert 0 < t["first_step_us"] <= t["decode_ms"] * 1000, t
+    assert t["read_us"] > 0 and t["admit_us"] > 0 and t["enqueue_us"] > 0, t
+    assert 0 < t["wire_us"] <= t["read_us"], t
+    if early:  # the HANDOFF left before the first token; its TOKENS started the pull
+        assert t["handoff_after_first_us"] < 0 and t["first_wait_us"] > 0, t
+        assert t["first_read_us"] > 0, t
+        assert t["first_read_us"] + t["enqueue_us"] <= t["usable_us"] + 1, t
+    else:
+        assert t["handoff_after_first_us"] > 0 and "first_wait_us" not in t, t
+        assert t["read_us"] + t["admit_us"] + t["enqueue_us"] <= t["usable_us"] + 1, t
+
+
+def test_the_daemons_report_their_own_timings(report: dict, late_report: dict) -> None:
     daemons, api, local = report["runs"]
     for q in daemons["requests"]:  # from each FINISH: the handoff as both daemons saw it
-        t = q["server_timings"]
-        assert t["handoff_us"] > 0 and t["decode_handoff_us"] > 0 and t["pull_us"] >= 0, t
-        assert 0 < t["usable_us"] < t["total_ms"] * 1000, t
-        assert 0 < t["first_step_us"] <= t["decode_ms"] * 1000, t
-        assert t["read_us"] > 0 and t["admit_us"] > 0 and t["enqueue_us"] > 0, t
-        assert t["read_us"] + t["admit_us"] + t["enqueue_us"] <= t["usable_us"] + 1, t
-        assert 0 < t["wire_us"] <= t["read_us"], t
+        _check_timings(q["server_timings"], early=True)  # the default on a Unix socket
+    for q in late_report["runs"][0]["requests"]:
+        _check_timings(q["server_timings"], early=False)
+    assert [q["tokens"] for q in late_report["runs"][0]["requests"]] == [
+        q["tokens"] for q in daemons["requests"]
+    ]
     handoff = daemons["summary"]["server_timings"]["handoff_us"]
     assert 0 < handoff["p50"] <= handoff["p99"]
     assert api["summary"]["server_timings"] == local["summary"]["server_timings"] == {}

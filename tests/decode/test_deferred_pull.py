@@ -56,8 +56,8 @@ class DeferredConsumer(KVConsumer):
     """KVConsumer taking its stream-ordered branch: the copy runs on the CPU, the returned
     event completes when the test says so."""
 
-    def _enqueue(self, peer: KVPool, src_ids, dst_ids, slot):  # type: ignore[no-untyped-def]
-        self.local.copy_blocks_from(peer, src_ids, dst_ids)
+    def _enqueue(self, peer: KVPool, plan):  # type: ignore[no-untyped-def]
+        self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids)
         event = FakeEvent()
         self.events.append(event)
         return event

@@ -72,3 +72,32 @@ def test_event_ring_acquire_exhausts() -> None:
     assert ring.acquire() == a
     ring.close()
     ring.close()
+
+
+def test_a_planned_pull_launches_the_same_copy_later() -> None:
+    """KVPool.plan_kernel_copy checks and prepares now, KernelCopy.launch only enqueues: the
+    blocks equal those copy_blocks_from gives, and what the kernel cannot take plans None."""
+    from common.kvpool import KVPool, PoolLayout
+
+    layout = PoolLayout(
+        num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16"
+    )
+    src, dst, want = (KVPool.create(layout, "cuda:0") for _ in range(3))
+    src.tensor.normal_()
+    src_ids, dst_ids = (
+        random.Random(5).sample(range(64), 20),
+        random.Random(6).sample(range(64), 20),
+    )
+    plan = dst.plan_kernel_copy(src, src_ids, dst_ids)
+    assert plan is not None
+    src_ids.clear()  # the plan holds its own copy of the ids
+    stream = torch.cuda.Stream(0)
+    plan.launch(stream)
+    want.copy_blocks_from(src, random.Random(5).sample(range(64), 20), dst_ids, stream)
+    stream.synchronize()
+    assert torch.equal(dst.tensor.view(torch.uint8), want.tensor.view(torch.uint8))
+    assert dst.plan_kernel_copy(dst, [1], [2]) is None  # one pool: the snapshot path
+    cpu = KVPool.create(layout)
+    assert cpu.plan_kernel_copy(KVPool.create(layout), [1], [2]) is None
+    with pytest.raises(Exception, match="repeat"):
+        dst.plan_kernel_copy(src, [1, 2], [3, 3])
