@@ -9,7 +9,7 @@ takes prompts while their tokens fit `max_tokens`, and a prompt longer than that
 Contract with the pipeline: `submit` queues a prompt and returns a future of its first token (or
 of RequestFailed for that request only: NUMERIC_ERROR when its logits are not finite, INTERNAL
 when the batch's forward failed, SHUTTING_DOWN when the batcher stopped with the request still
-queued); `prefill` awaits it. A request whose future is cancelled while queued is dropped from
+queued). A request whose future is cancelled while queued is dropped from
 the queue and never runs, so its blocks, freed by the pipeline, can go to a new request at once;
 one cancelled while its batch runs is written anyway, and its blocks can only go to a later
 batch, which the single torch thread (and stream) orders after this one.
@@ -72,21 +72,6 @@ class PrefillBatcher:
         self._queue.append(_Job(request_id, prompt, blocks, sampling, event_slot, future))
         self._wake.set()
         return future
-
-    async def prefill(
-        self,
-        request_id: str,
-        prompt: list[int],
-        blocks: list[int],
-        sampling: SamplingParams,
-        event_slot: int,
-    ) -> tuple[int, int]:
-        """`submit`, then its result; cancelled with the caller (the job is then skipped)."""
-        future = self.submit(request_id, prompt, blocks, sampling, event_slot)
-        try:
-            return await future
-        finally:
-            future.cancel()
 
     async def run(self) -> None:
         """Forever: take what is queued (within the budget), run it, answer each request."""

@@ -90,7 +90,7 @@ class RequestPipeline:
             req.inbox.put_nowait(msg)
         elif not req.released and self.producer.released(req.request_id, req.event_slot):
             req.released = True
-            req.handoff_us = (time.monotonic_ns() - req.handoff_sent_ns) / 1000
+            req.handoff_us = (time.monotonic_ns() - (req.kv_ready_ns or req.handoff_sent_ns)) / 1000
             req.event_slot = -1
             self.capacity_changed()
 
@@ -262,6 +262,8 @@ class RequestPipeline:
             self.producer.lease(req.request_id, link.link_id, lease_end)
             req.handed_off, req.link_id = True, link.link_id
         req.handoff_sent_ns = time.monotonic_ns()
+        if first_token is not None:  # the decode may read the blocks from now on
+            req.kv_ready_ns = req.handoff_sent_ns
         handoff = Handoff(
             request_id=req.request_id,
             block_ids=blocks,
@@ -285,9 +287,10 @@ class RequestPipeline:
         HANDOFF. A lost link is the relay's to report (LINK_LOST, from link_lost)."""
         if self.link.link_id != req.link_id:
             return
-        msg = Tokens(request_id=req.request_id, tokens=[first], sent_ns=time.monotonic_ns())
+        req.kv_ready_ns = time.monotonic_ns()  # the decode's pull starts on this frame
+        msg = Tokens(request_id=req.request_id, tokens=[first], sent_ns=req.kv_ready_ns)
         with contextlib.suppress(ConnectionError):
-            await self.link.send(msg)
+            await self.link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
 
     async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
         msg = first

@@ -36,7 +36,8 @@ class PrefillRequest:
     ttft_ms: float = 0.0
     first_ns: int = 0  # monotonic ns when the first token reached the loop
     handoff_sent_ns: int = 0
-    handoff_us: float = 0.0  # HANDOFF sent → RELEASE received
+    kv_ready_ns: int = 0  # the frame that lets the decode read the KV sent (HANDOFF or TOKENS)
+    handoff_us: float = 0.0  # that frame sent → RELEASE received
     handed_off: bool = False
     released: bool = False
     done: bool = False  # the decode finished or failed it: nothing to abort

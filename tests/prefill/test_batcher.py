@@ -40,7 +40,7 @@ def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int]
         tasks = []
         for i, p in enumerate(texts):
             blocks = rt.allocator.allocate(f"r{i}", -(-len(p) // BLOCK))
-            tasks.append(asyncio.create_task(batcher.prefill(f"r{i}", p, blocks, GREEDY, -1)))
+            tasks.append(batcher.submit(f"r{i}", p, blocks, GREEDY, -1))
         await asyncio.sleep(0)  # every request queued, the batcher not started yet
         for i in cancel:
             tasks[i].cancel()
