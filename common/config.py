@@ -77,7 +77,7 @@ class PrefillConfig(DaemonConfig):
     client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
     decode: str | None = None  # tcp://HOST:PORT: link to a decode on another host (NIXL)
     transfer: str = "push"  # a TCP link's KV transfer: push (prefill WRITEs) or pull (decode READs)
-    # CUDA links: HANDOFF as soon as a prompt's KV writes are queued, its first token after it
+    # Unix-socket links: HANDOFF when a prompt is queued, its first token (the KV written) after it
     early_handoff: bool = True
 
     @property

@@ -100,10 +100,7 @@ class DecodeRequests:
             )
             return
         self.engine.remove(key)
-        due = self._first_due.get(key)
-        self._free(key)
-        if due is not None:  # never pulled: its blocks and event slot are the prefill's again
-            peer.post(Release(request_id=request_id, event_slot=due[0].event_slot))
+        self._free(key)  # one awaiting its first token never pulled: no RELEASE is due
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
     def first_token(self, peer: Peer, msg: Tokens) -> None:

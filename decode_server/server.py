@@ -113,7 +113,7 @@ class DecodeServer(DaemonServer):
             self.nixl.close()
 
     def in_flight(self) -> int:
-        return len(self.requests)
+        return len(self.requests.sequences())  # those awaiting a first token or a NIXL copy too
 
     def failure(self) -> BaseException | None:
         return self._failure

@@ -283,6 +283,12 @@ class DecodeLink:
                 channel.fail(ConnectionError(f"heartbeat write failed: {exc}"))
                 return
 
+    def post(self, msg: Message) -> None:
+        """A frame to the decode now, without awaiting (in order after what is being written);
+        dropped if the link is gone."""
+        if self.channel is not None and self.ready.is_set():
+            self.channel.write_nowait(encode(msg))
+
     def _post(self, msg: Message) -> None:
         """A frame to the decode from a callback (PUSH_FAILED); dropped if the link is gone."""
         if self.channel is not None:

@@ -67,6 +67,9 @@ class RequestPipeline:
         self.throughput = Throughput()  # finished requests and their tokens, for status
         self.stopping = False  # set by the server's shutdown: new requests are refused
         self._freed = asyncio.Event()
+        # aborted requests whose event slot waits in quarantine for the decode's answer to the
+        # ABORT (RELEASE, or CACHE_NOT_EXIST when it held nothing): request id -> slot
+        self._aborting: dict[str, int] = {}
 
     def capacity_changed(self) -> None:
         """Wake every request waiting for blocks or an event slot."""
@@ -79,14 +82,26 @@ class RequestPipeline:
         rest goes to the request's inbox. Called in the link's read callback."""
         rid = getattr(msg, "request_id", None)
         req = self.requests.get(rid) if rid else None
-        if req is None or (isinstance(msg, Release) and not req.handed_off):  # late (id reused)
-            if isinstance(msg, Release):
-                if self.producer.ack_late(msg.event_slot):
+        if isinstance(msg, Release) and (
+            req is None
+            or not req.leased  # its blocks are not the decode's to release (an id reused)
+            or 0 <= req.event_slot != msg.event_slot  # another request's slot: an id reused
+        ):
+            if self._aborting.get(rid) == msg.event_slot:
+                del self._aborting[rid]
+            if self.producer.ack_late(msg.event_slot):
+                self.capacity_changed()
+            return
+        if req is None:
+            if isinstance(msg, Error) and rid in self._aborting:  # it held nothing to release
+                if self.producer.ack_late(self._aborting.pop(rid)):
                     self.capacity_changed()
             elif not isinstance(msg, Finish | Tokens):
                 log.warning("link_message_for_unknown_request", type=msg.TYPE.name, request_id=rid)
             return
         if not isinstance(msg, Release):
+            if isinstance(msg, Error | Finish):
+                req.held = False  # the decode holds nothing of it any more
             req.inbox.put_nowait(msg)
         elif not req.released and self.producer.released(req.request_id, req.event_slot):
             req.released = True
@@ -95,10 +110,14 @@ class RequestPipeline:
             self.capacity_changed()
 
     def link_lost(self, link_id: str, reason: str) -> None:
-        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST."""
-        freed = self.producer.link_lost(link_id)
+        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST
+        (the blocks of one whose forward has not run yet are not leased: they stay its own
+        until its forward is done, and are freed then)."""
+        freed = self.producer.link_lost(link_id)  # its quarantined slots too
+        self._aborting.clear()
         for req in self.requests.values():
-            if req.handed_off:
+            if req.handed_off and req.link_id == link_id:
+                req.held = False
                 req.inbox.put_nowait(
                     Error(code=ErrorCode.LINK_LOST, message=f"link to decode lost: {reason}")
                 )
@@ -130,7 +149,7 @@ class RequestPipeline:
     async def run(self, rid: str, msg: Generate) -> AsyncIterator[Tokens | Finish]:
         if self.stopping:
             raise RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
-        if rid in self.requests:
+        if rid in self.requests or rid in self._aborting:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
         if len(self.requests) >= self.cfg.max_pending:
             raise RequestFailed(
@@ -238,10 +257,13 @@ class RequestPipeline:
                 )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.2)
-            if req.request_id not in self.rt.allocator:
-                # the link was lost or the lease expired meanwhile: the blocks are freed and
-                # the inbox holds the reason; never hand off blocks we no longer own
+            await self._link_up(deadline)
+            if not req.inbox.empty() or req.request_id not in self.rt.allocator:
+                # the link was lost or the lease expired meanwhile: the inbox holds the reason;
+                # never hand off blocks we no longer own
                 return await req.inbox.get()
+            if req.link_id != self.link.link_id:  # nor to a link that never heard of them
+                raise RequestFailed(ErrorCode.LINK_LOST, "link to decode lost during the retry")
             await self._send_handoff(req, blocks, req.generated[0], deadline, spin=True)
 
     async def _send_handoff(
@@ -253,16 +275,16 @@ class RequestPipeline:
         *,
         spin: bool = False,
     ) -> None:
-        """Lease the blocks to the live link (once) and send the HANDOFF; `first_token` None is
-        the early handoff. LINK_LOST if the link is down past `deadline` or the send fails."""
+        """Send the HANDOFF on the live link, and with the first token lease the blocks to it
+        (once); `first_token` None is the early handoff, whose blocks are leased when its
+        TOKENS goes (their KV written). LINK_LOST if the link is down past `deadline` or the
+        send fails."""
         await self._link_up(deadline)
         link = self.link
-        if not req.handed_off:
-            lease_end = time.monotonic() + self.cfg.lease_timeout_s
-            self.producer.lease(req.request_id, link.link_id, lease_end)
-            req.handed_off, req.link_id = True, link.link_id
+        req.handed_off, req.held, req.link_id = True, True, link.link_id
         req.handoff_sent_ns = time.monotonic_ns()
         if first_token is not None:  # the decode may read the blocks from now on
+            self._lease(req)
             req.kv_ready_ns = req.handoff_sent_ns
         handoff = Handoff(
             request_id=req.request_id,
@@ -279,14 +301,22 @@ class RequestPipeline:
         except ConnectionError as exc:
             # the frame did not get through whole, so the decode cannot act on it: the
             # blocks and the event slot are ours again (freed by _cleanup, not quarantined)
-            req.handed_off = False
+            req.handed_off = req.held = False
+            req.kv_ready_ns = 0
             raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
+
+    def _lease(self, req: PrefillRequest) -> None:
+        if not req.leased:
+            lease_end = time.monotonic() + self.cfg.lease_timeout_s
+            self.producer.lease(req.request_id, req.link_id, lease_end)
+            req.leased = True
 
     async def _send_first(self, req: PrefillRequest, first: int) -> None:
         """After an early HANDOFF: its first token to the decode, on the link that has the
         HANDOFF. A lost link is the relay's to report (LINK_LOST, from link_lost)."""
-        if self.link.link_id != req.link_id:
+        if not (self.link.ready.is_set() and self.link.link_id == req.link_id):
             return
+        self._lease(req)
         req.kv_ready_ns = time.monotonic_ns()  # the decode's pull starts on this frame
         msg = Tokens(request_id=req.request_id, tokens=[first], sent_ns=req.kv_ready_ns)
         with contextlib.suppress(ConnectionError):
@@ -299,11 +329,9 @@ class RequestPipeline:
                 req.generated.extend(msg.tokens)
                 yield self.output.tokens(req, msg.tokens)
             elif isinstance(msg, Finish):
-                req.done = True
                 yield self._finish(req, msg.reason, msg.timings)
                 return
             elif isinstance(msg, Error):
-                req.done = True
                 raise RequestFailed(msg.code, msg.message)
             msg = await req.inbox.get()
 
@@ -315,23 +343,17 @@ class RequestPipeline:
         rid = req.request_id
         if rid in self.rt.allocator:
             self.rt.allocator.free(rid)
-        unfinished = req.handed_off and not req.done
         link = self.link
-        if unfinished and link.ready.is_set() and link.link_id == req.link_id:
-            # the client went away (or the prefill failed) while the decode still works on it
-            task = asyncio.get_running_loop().create_task(_abort(link, rid))
-            task.add_done_callback(lambda t: t.exception())
+        abort = req.held and link.ready.is_set() and link.link_id == req.link_id
+        if abort:  # the request ended (client gone, first token a stop, a failure, a timeout)
+            link.post(Abort(request_id=rid))  # written now: before the id can come again
         if req.event_slot >= 0:
-            if unfinished:
-                self.producer.quarantine(req.event_slot)  # the decode may still wait on it
-            else:
+            if abort and req.kv_ready_ns:  # the decode may wait on it: until it answers
+                self.producer.quarantine(req.event_slot)
+                self._aborting[rid] = req.event_slot
+            else:  # it never waited on the slot (no KV was offered) or answered already
                 self.producer.drop_slot(req.event_slot)
             req.event_slot = -1
         if self.requests.get(rid) is req:
             del self.requests[rid]
         self.capacity_changed()
-
-
-async def _abort(link: DecodeLink, rid: str) -> None:
-    with contextlib.suppress(ConnectionError, OSError):
-        await link.send(Abort(request_id=rid))

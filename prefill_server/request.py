@@ -38,9 +38,10 @@ class PrefillRequest:
     handoff_sent_ns: int = 0
     kv_ready_ns: int = 0  # the frame that lets the decode read the KV sent (HANDOFF or TOKENS)
     handoff_us: float = 0.0  # that frame sent → RELEASE received
-    handed_off: bool = False
+    handed_off: bool = False  # a HANDOFF went out on `link_id`
+    held: bool = False  # ... and that decode may still hold the request (no ERROR/FINISH yet)
+    leased: bool = False  # the blocks are leased to the link: their KV is written
     released: bool = False
-    done: bool = False  # the decode finished or failed it: nothing to abort
     link_id: str = ""
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
 

@@ -137,10 +137,10 @@ def prefill() -> None:
     envvar="PDKV_EARLY_HANDOFF",
     default=True,
     show_default=True,
-    help="Send each HANDOFF before the first token is known: on CUDA as soon as the prompt's "
-    "forward is queued, so the decode starts its pull (waiting on the GPU) while the prefill still "
-    "computes; the first token follows in a TOKENS frame. Off: HANDOFF after the first token. "
-    "TCP links never hand off early.",
+    help="Send each HANDOFF when its prompt is queued for the forward, so the decode checks it, "
+    "reserves its blocks and prepares the pull while the prefill computes; the first token "
+    "follows in a TOKENS frame that starts the pull. Off: HANDOFF after the first token. TCP "
+    "links never hand off early.",
 )
 @click.option(
     "--decode",

@@ -19,9 +19,9 @@ HISTORY: dict[int, str] = {
     3: "links across hosts (TCP): HELLO/HELLO_OK nonces and proofs (HMAC-SHA256 over both), "
     "REGISTER/REGISTERED carry `nixl` (a NIXL agent and its registered pool), PUSH and "
     "PUSH_FAILED for push links, error code AUTH_FAILED",
-    4: "the early handoff on Unix-socket links: HANDOFF's `first_token` may be null (sent once the "
-    "prompt's KV writes and its event slot are queued, before the first token is known), and "
-    "TOKENS P → D then carries that first token",
+    4: "the early handoff on Unix-socket links: HANDOFF's `first_token` may be null (sent when the "
+    "prompt is queued for its forward, before its KV is written), and TOKENS P → D then carries "
+    "that first token, which also says the KV may be read; TOKENS has `sent_ns`",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -94,7 +94,8 @@ class FakePrefill:
 class FakeDecode:
     """A link server on its own thread and loop. Mutable knobs decide how it behaves:
 
-    `answer_pings` (PONG each PING), `release` (RELEASE each HANDOFF at once), `accept` (serve new
+    `answer_pings` (PONG each PING), `release` (RELEASE each HANDOFF at once, an early one at its
+    TOKENS, as the decode does once it has pulled), `accept` (serve new
     connections; when False they are closed at once), `finish_on_first` (answer the prefill's
     TOKENS, the first token after an early HANDOFF, with RELEASE and FINISH). It sends no TOKENS.
     """
@@ -111,6 +112,7 @@ class FakeDecode:
         self.frames: list[tuple[str, str]] = []  # (type, request id) of every request's frame
         self.first_tokens: list[Tokens] = []  # TOKENS from the prefill (early handoffs)
         self._refused: set[str] = set()  # answered NO_CAPACITY, no HANDOFF accepted since
+        self._early: dict[str, int] = {}  # `release`: early HANDOFFs awaiting their TOKENS
         self.stalled = False  # after the handshake, read nothing more: the daemon's writes block
         self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
@@ -189,13 +191,20 @@ class FakeDecode:
             elif self.finish_on_first and msg.first_token is not None:
                 self._refused.discard(msg.request_id)
                 await self._finish(ch, msg.request_id)
-            elif self.release:
+            elif self.release and msg.first_token is not None:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
+            elif self.release:  # early: released once its TOKENS says the KV is written
+                self._early[msg.request_id] = msg.event_slot
         elif isinstance(msg, Tokens):
             self.frames.append(("TOKENS", msg.request_id))
             self.first_tokens.append(msg)
-            if self.finish_on_first and msg.request_id not in self._refused:
-                await self._finish(ch, msg.request_id)  # a refused request's is dropped
+            slot = self._early.pop(msg.request_id, None)
+            if msg.request_id in self._refused:
+                pass  # a refused request's is dropped, as the decode does
+            elif self.finish_on_first:
+                await self._finish(ch, msg.request_id)
+            elif slot is not None:
+                await ch.send(Release(request_id=msg.request_id, event_slot=slot))
         elif isinstance(msg, Abort):
             self.frames.append(("ABORT", msg.request_id))
             self.aborts.append(msg.request_id)
