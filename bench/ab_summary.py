@@ -14,6 +14,8 @@ from pathlib import Path
 STAGES = (
     "handoff_after_first_us",
     "usable_us",
+    "first_wait_us",
+    "first_read_us",
     "wire_us",
     "read_us",
     "admit_us",

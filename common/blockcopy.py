@@ -122,16 +122,20 @@ class KernelCopy:
 
     dst_ptr: int
     src_ptr: int
-    src_ids: np.ndarray
-    dst_ids: np.ndarray
+    src_ids: np.ndarray | list[int]
+    dst_ids: np.ndarray | list[int]
     block_nbytes: int
     device: int
 
     @classmethod
     def between(
-        cls, dst: torch.Tensor, src: torch.Tensor, s_ids: np.ndarray, d_ids: np.ndarray
+        cls,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        s_ids: np.ndarray | list[int],
+        d_ids: np.ndarray | list[int],
     ) -> KernelCopy:
-        """For checked pools on one GPU and checked int64 id arrays."""
+        """For checked pools and checked int64 ids; the kernel runs on dst's GPU."""
         nbytes = math.prod(dst.shape[1:]) * dst.element_size()
         return cls(dst.data_ptr(), src.data_ptr(), s_ids, d_ids, nbytes, dst.device.index)
 
@@ -165,14 +169,4 @@ def copy_ids_cuda(
         with cuda_errors():
             ext().enable_peer_access(device, peer)
         _PEERS.add((device, peer))
-    block_nbytes = dst[0].numel() * dst.element_size()
-    with cuda_errors():
-        ext().copy_blocks(
-            dst.data_ptr(),
-            src.data_ptr(),
-            s_ids,
-            d_ids,
-            block_nbytes,
-            stream_ptr(stream, device),
-            device,
-        )
+    KernelCopy.between(dst, src, s_ids, d_ids).launch(stream)

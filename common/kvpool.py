@@ -202,19 +202,9 @@ class KVPool:
         ):
             self._copy_few(src, src_ids, dst_ids)  # the handoff's common case, in a few µs
             return
-        if src._compat != self._compat:
-            raise IpcError(
-                f"cannot copy blocks between incompatible pools: source {src.layout.compat_fields()}"
-                f", destination {self.layout.compat_fields()}"
-            )
-        s = src._ids(src_ids, "source")
-        d = self._ids(dst_ids, "destination")
-        if s.size != d.size:
-            raise IpcError(f"{s.size} source block ids but {d.size} destination ids")
+        s, d = self._checked_ids(src, src_ids, dst_ids)
         if d.size == 0:
             return
-        if np.unique(d).size != d.size:
-            raise IpcError(f"destination block ids repeat: {d.tolist()}")
         overlap = self._overlaps(src)
         kernel = not overlap and self._dev == src._dev and self._dev[0] == "cuda"
         if stream is not None and not (kernel and has_extension()):
@@ -258,16 +248,32 @@ class KVPool:
         copy_blocks_from). Raises IpcError as copy_blocks_from would."""
         if not (self._dev == src._dev and self._dev[0] == "cuda" and has_extension()):
             return None
-        if src._compat != self._compat or self._overlaps(src):
-            return None  # copy_blocks_from says why, or takes the snapshot path
-        s, d = src._ids(src_ids, "source"), self._ids(dst_ids, "destination")
-        if s.size != d.size or not d.size:
+        if self._overlaps(src):
+            return None  # copy_blocks_from takes the snapshot path
+        s, d = self._checked_ids(src, src_ids, dst_ids)
+        if not d.size:
             return None
-        if np.unique(d).size != d.size:
-            raise IpcError(f"destination block ids repeat: {d.tolist()}")
         from common.blockcopy import KernelCopy
 
         return KernelCopy.between(self.tensor, src.tensor, s, d)
+
+    def _checked_ids(
+        self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A pull's checks (pools of one block layout, ids in range, as many of each, distinct
+        destinations): the ids as int64 arrays, or IpcError saying what is wrong."""
+        if src._compat != self._compat:
+            raise IpcError(
+                f"cannot copy blocks between incompatible pools: source {src.layout.compat_fields()}"
+                f", destination {self.layout.compat_fields()}"
+            )
+        s = src._ids(src_ids, "source")
+        d = self._ids(dst_ids, "destination")
+        if s.size != d.size:
+            raise IpcError(f"{s.size} source block ids but {d.size} destination ids")
+        if np.unique(d).size != d.size:
+            raise IpcError(f"destination block ids repeat: {d.tolist()}")
+        return s, d
 
     def _copy_few(self, src: KVPool, src_ids: list[int], dst_ids: list[int]) -> None:
         """copy_blocks_from for a few ids given as lists, between CPU pools: the same checks

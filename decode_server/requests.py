@@ -56,9 +56,9 @@ class DecodeRequests:
         self.seq_peer: dict[str, Peer] = {}  # key -> the link of every live sequence
         self._copying: set[str] = set()  # keys whose pull is not yet reported complete
         self._join_on_copy: dict[str, Sequence] = {}  # of those, the ones joining after it (NIXL)
-        # early HANDOFFs awaiting their first token (their KV): key -> (HANDOFF, sequence, the
-        # pull planned ahead, or None where the consumer plans none)
-        self._first_due: dict[str, tuple[Handoff, Sequence, PullPlan | None]] = {}
+        # early HANDOFFs awaiting their first token (their KV): key -> (HANDOFF, sequence, its
+        # pull planned ahead)
+        self._first_due: dict[str, tuple[Handoff, Sequence, PullPlan]] = {}
         self._stepping = False  # a decode step is in flight (run)
         self._deferred: list[str] = []  # keys whose blocks are freed when that step returns
         self.handoffs = 0
@@ -125,7 +125,7 @@ class DecodeRequests:
             self._free(key)
             return
         seq.generated.append(msg.tokens[0])
-        seq.stages_us["first_wait_us"] = (recv_ns - seq.joined_ns) / 1000
+        seq.stages_us["first_wait_us"] = (recv_ns / 1e9 - seq.started) * 1e6  # since admitted
         if msg.sent_ns:
             seq.stages_us["first_read_us"] = (recv_ns - msg.sent_ns) / 1000
         self._start(peer, h, seq, recv_ns, msg.sent_ns, plan)
@@ -153,7 +153,6 @@ class DecodeRequests:
             # of it, until this daemon's read callback had the bytes (the rest: split, decode)
             seq.stages_us["wire_us"] = (peer.channel.last_rx * 1e9 - h.sent_ns) / 1000
         if h.first_token is None:
-            seq.joined_ns = admitted_ns  # until its first token comes (first_wait_us)
             try:  # all but the enqueue now, while the prefill computes
                 plan = self._plan(peer, h, seq)
             except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
@@ -167,10 +166,9 @@ class DecodeRequests:
         )
 
     @staticmethod
-    def _plan(peer: Peer, h: Handoff, seq: Sequence) -> PullPlan | None:
+    def _plan(peer: Peer, h: Handoff, seq: Sequence) -> PullPlan:
         consumer = peer.consumer
-        if not isinstance(consumer, KVConsumer):  # NIXL plans nothing (and never goes early)
-            return None
+        assert isinstance(consumer, KVConsumer)  # check_handoff refuses early ones over NIXL
         return consumer.plan(h.block_ids, seq.blocks[: len(h.block_ids)], h.event_slot)
 
     def _start(

@@ -30,7 +30,7 @@ class Sequence:
     handoff_us: float = 0.0
     pull_us: float = 0.0
     usable_us: float = 0.0  # HANDOFF sent -> its pull enqueued and the sequence in the batch
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)  # admitted; then its pull started
     first_step_us: float = 0.0  # its pull started (`started`) -> its first decoded token posted
     # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests; of it wire_us: sent -> the
     # bytes read), admit_us (checked, blocks reserved), enqueue_us (pull started, in the batch);

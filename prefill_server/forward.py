@@ -12,9 +12,8 @@ from common.model.prefill import prefill_many
 from common.model.sampling import (
     SamplingError,
     SamplingParams,
-    finish_sampling,
     make_generator,
-    start_sampling,
+    sample_batch_isolated,
 )
 from common.modelrt import ModelRuntime
 from common.transfer import KVProducer
@@ -38,18 +37,17 @@ def run_prefill_batch(
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
     token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
     Runs on the torch thread, on the daemon's stream. On CUDA, the producer records every event
-    `slots[i]` on that stream after the batch's scatter and the first tokens' sampling kernels,
-    so a peer stream that waits on it sees every write of prompt i's K/V (slot -1: no event, the
-    CPU case). A failure of the forward itself raises, for the whole batch.
+    `slots[i]` right after the batch's scatter on that stream, so a peer stream that waits on it
+    sees every write of prompt i's K/V (slot -1: no event, the CPU case). A failure of the forward
+    itself raises, for the whole batch.
     """
     bs = rt.layout.block_size
     tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
     mappings = [slots_for(b, 0, len(p), bs) for p, b in zip(prompts, blocks, strict=True)]
     with rt.on_stream():
         logits = prefill_many(rt.model, tokens, mappings, rt.pool.tensor, token_budget=token_budget)
-        pending = start_sampling(logits)  # queued before the records: see docs/benchmarks.md
         if producer is not None:
             for slot in slots:
                 producer.record(slot, rt.stream)
         generators = [make_generator(p, 0) for p in sampling]
-        return finish_sampling(pending, logits, sampling, generators)
+        return sample_batch_isolated(logits, sampling, generators)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -33,8 +34,6 @@ _RENAMED = {
     "client_idle_timeout": "client_idle_timeout_s",
     "client_write_timeout": "client_write_timeout_s",
 }
-#: boolean options that default to on: a background start passes them as --no-x when off
-_NEGATABLE = frozenset({"early_handoff"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +99,10 @@ def background_argv(g: Globals, role: str, opts: dict[str, Any]) -> list[str]:
         g.log_level,
     ]
     argv += [role, "start"]
+    cls = DecodeConfig if role == "decode" else PrefillConfig
+    on_by_default = {f.name for f in dataclasses.fields(cls) if f.default is True}
     for key, value in opts.items():
-        if key in _NEGATABLE and value is False:  # a --x/--no-x pair whose default is on
+        if value is False and _RENAMED.get(key, key) in on_by_default:  # a --x/--no-x pair
             argv.append("--no-" + key.replace("_", "-"))
             continue
         if value is None or value is False or value == "":

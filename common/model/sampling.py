@@ -116,28 +116,10 @@ def sample_batch_isolated(
     one request and goes on with the others). `argmax` [B], when the caller has it already (a
     CUDA graph computed it), is used as is; argmax and the finiteness flags reach the host in one
     copy."""
-    return finish_sampling(start_sampling(logits, argmax), logits, params, generators)
-
-
-def start_sampling(logits: torch.Tensor, argmax: torch.Tensor | None = None) -> torch.Tensor:
-    """The device half of `sample_batch_isolated`: each row's argmax and finiteness flag as one
-    [2, B] tensor, queued on the current stream without a host sync (the caller may queue more
-    work, e.g. record an event, before `finish_sampling` waits for it)."""
     if argmax is None:
         argmax = torch.argmax(logits, dim=-1)
     finite = torch.isfinite(logits).all(dim=-1).to(argmax.dtype)
-    return torch.stack((argmax, finite))
-
-
-def finish_sampling(
-    pending: torch.Tensor,
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None],
-) -> list[int | SamplingError]:
-    """The host half of `sample_batch_isolated`, over what `start_sampling` queued: one host
-    sync, then the draws of the non-greedy rows."""
-    ids, flags = pending.tolist()
+    ids, flags = torch.stack((argmax, finite)).tolist()
     out: list[int | SamplingError] = list(ids)
     for row, (p, g, ok) in enumerate(zip(params, generators, flags, strict=True)):
         if not ok:
