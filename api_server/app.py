@@ -26,7 +26,7 @@ from api_server.metrics import CONTENT_TYPE, Metrics
 from api_server.sse import json_response
 from api_server.tokens import PromptCounter
 from api_server.upstream import Upstream
-from common.app import client
+from common import client
 from common.errors import PdkvError
 from common.protocol import StatusReply
 

@@ -17,7 +17,7 @@ from api_server.errors import ApiError, from_daemon, timed_out, unavailable
 from api_server.metrics import Metrics
 from api_server.tokens import PromptCounter
 from api_server.upstream import Upstream
-from common.app import client
+from common import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
 

@@ -53,7 +53,7 @@ def _detach(cfg: ApiConfig, *, log_level: str, drain_timeout: float) -> int:
     if pid is not None:
         click.echo(f"error: api already running (pid {pid}); `pdkv stop api` first", err=True)
         return EXIT_STARTUP
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(cfg.runtime_dir)]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(cfg.runtime_dir)]
     argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
     argv += ["--host", cfg.host, "--port", str(cfg.port), "--drain-timeout", str(drain_timeout)]
     argv += ["--request-timeout", str(cfg.request_timeout_s)]

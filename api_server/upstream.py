@@ -1,7 +1,7 @@
 """One long-lived connection to the prefill daemon, shared by every HTTP request.
 
 The client socket lets requests share a connection (every reply names its request id). Opening
-and closing a Unix socket per request, as `common.app.client.stream` does, costs ~12 ms of CPU per
+and closing a Unix socket per request, as `common.client.stream` does, costs ~12 ms of CPU per
 request on the sandboxed CI VM (connect + close); the shared connection pays that once. Frames
 are routed from the channel's read callback to each request's queue (no task per frame).
 
@@ -17,8 +17,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from common.app.client import RequestFailed
 from common.channel import FrameChannel, connect
+from common.client import RequestFailed
 from common.protocol import Abort, Error, Finish, Generate, Message, Tokens, encode
 from common.sampling_params import SamplingParams
 

@@ -2,7 +2,7 @@
 
 Starts a decode daemon, a prefill daemon and the API (the real CLI, CPU), then sends `--requests`
 streamed greedy generations one after another, alternating between the raw socket client
-(common.app.client.stream) and POST /v1/completions with stream=true (httpx, one kept-alive
+(common.client.stream) and POST /v1/completions with stream=true (httpx, one kept-alive
 connection, SSE lines parsed as a client would), so both see the same machine noise. Both
 clocks stop at the same events: TTFT at the first non-empty text, the end at the last text
 (FINISH / the finish_reason chunk); per token = (end − TTFT) / (tokens − 1).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from common.app import client
+from common import client
 from common.sampling_params import SamplingParams
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
@@ -40,7 +40,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def start(rt: Path, *argv: str) -> subprocess.Popen:
     log = open(rt / f"{argv[0]}.log", "wb")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(rt), "--log-format", "json"]
+    cmd = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt), "--log-format", "json"]
     return subprocess.Popen([*cmd, "--log-level", "WARNING", *argv], stdout=log, stderr=log)
 
 

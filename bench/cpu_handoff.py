@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import daemon
-from common.app import client
+from common import client, daemon
 from common.channel import connect
 from common.ipc.shm import ShmRegion
 from common.kvpool import KVPool, PoolLayout
@@ -81,7 +80,7 @@ async def run(args: argparse.Namespace) -> dict:  # type: ignore[type-arg]
             [
                 sys.executable,
                 "-m",
-                "common.app.cli",
+                "pdkv.cli",
                 "--runtime-dir",
                 str(rt),
                 "--log-format",

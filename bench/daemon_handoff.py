@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common.app import client
+from common import client
 from common.sampling_params import SamplingParams
 
 _KEYS = ("handoff_us", "decode_handoff_us", "pull_us")
@@ -44,7 +44,7 @@ def start(rt: Path, role: str, spin_us: int, cpus: set[int] | None = None) -> su
     argv = [
         sys.executable,
         "-m",
-        "common.app.cli",
+        "pdkv.cli",
         "--runtime-dir",
         str(rt),
         "--log-format",

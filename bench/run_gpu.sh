@@ -17,7 +17,7 @@ status=0
 timeout 260 "$PY" -m pytest -m gpu tests -q -rs \
   -p no:cacheprovider --timeout 180 2>&1 | tee "$OUT/gpu_tests.log" || status=1
 # the whole system on the GPU, checked against the reference (bf16 default dtype)
-timeout 90 "$PY" -m common.app.cli demo --device cuda:0 --prompts 16 2>&1 | tee "$OUT/demo.log" \
+timeout 90 "$PY" -m pdkv.cli demo --device cuda:0 --prompts 16 2>&1 | tee "$OUT/demo.log" \
   || status=1
 timeout 40 "$PY" bench/gpu_handoff.py --out "$OUT/gpu_handoff.json" 2>&1 | tee -a "$log" || status=1
 timeout 40 "$PY" bench/gpu_pull.py --out "$OUT/gpu_pull.json" 2>&1 | tee -a "$log" || status=1

@@ -17,7 +17,7 @@ nvidia-smi topo -m 2>&1 | head -4 | tee -a "$log"
 status=0
 timeout 260 "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider --timeout 180 2>&1 \
   | tee "$OUT/gpu_tests.log" || status=1
-timeout 90 "$PY" -m common.app.cli demo --device cuda:0 --decode-device cuda:1 --prompts 16 2>&1 \
+timeout 90 "$PY" -m pdkv.cli demo --device cuda:0 --decode-device cuda:1 --prompts 16 2>&1 \
   | tee "$OUT/demo_x2.log" || status=1
 timeout 60 "$PY" bench/gpu_pull.py --out "$OUT/gpu_pull.json" 2>&1 | tee -a "$log" || status=1
 if [ ! -d "$CKPT" ]; then

@@ -11,7 +11,7 @@ Targets (`--target`, default both = daemons + local; all = daemons + api + local
 workload replayed on each, one target after the other):
   daemons  a decode + prefill pair of its own on temporary sockets (stopped and removed at the
            end), or running daemons given by --client-socket / --runtime-dir; the client is
-           common.app.client, every TOKENS frame timestamped on arrival;
+           common.client, every TOKENS frame timestamped on arrival;
   api      the same pair through `pdkv api start` on a free loopback port (started and stopped by
            the bench), or a running API given by --api-url: streamed POST /v1/completions, every
            SSE chunk with text timestamped on arrival, the token count from the usage chunk;

@@ -5,7 +5,7 @@ runtime dir (without waiting in between: they load their models side by side and
 link retries until the decode listens), waits until the prefill reports its link up, and at the
 end stops the prefill then the decode (SIGTERM, SIGKILL after a timeout) and removes the
 directory, logs included; if the pair fails to come up, the error carries the tail of its logs. `daemon_stream` is one request
-through `common.app.client`, yielding the token ids of each TOKENS frame as it arrives.
+through `common.client`, yielding the token ids of each TOKENS frame as it arrives.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from serve_load import ServerTimings
 
-from common.app import client
+from common import client
 from common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,7 +36,7 @@ class PairFailed(RuntimeError):
 
 def start_cli(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
     """`pdkv --runtime-dir rt <role> start <opts>` in the background, its output in rt/<role>.log."""
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(rt)]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt)]
     argv += ["--log-format", "json", "--log-level", "WARNING", role, "start", *opts]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,7 +32,7 @@ def start(runtime: Path, role: str, *args: str) -> subprocess.Popen:
     argv = [
         sys.executable,
         "-m",
-        "common.app.cli",
+        "pdkv.cli",
         "--runtime-dir",
         str(runtime),
         "--log-format",

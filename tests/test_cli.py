@@ -10,7 +10,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from common.app.cli import cli
+from pdkv.cli import cli
 
 
 def _commands(group: click.Group, prefix: str = "pdkv") -> list[tuple[str, click.Command]]:
@@ -82,7 +82,7 @@ def test_a_background_start_keeps_an_option_turned_off(tmp_path: Path) -> None:
     dropping a False flag would start it with the default (on)."""
     import subprocess
 
-    from common.app.commands import Globals, background_argv
+    from pdkv.commands import Globals, background_argv
 
     g = Globals(runtime_dir=tmp_path)
     seen = {}

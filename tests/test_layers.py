@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "prefill_server", "decode_server")
+PACKAGES = ("common", "prefill_server", "decode_server", "api_server", "pdkv")
 
 
 def _modules() -> dict[str, Path]:
@@ -90,18 +90,30 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_sees_imports():
     graph = _graph()
     assert "common.transfer.producer" in graph["prefill_server.server"] | graph["common.transfer"]
-    assert "decode_server.server" in graph["common.app.commands"]  # a lazy import counts
+    assert "decode_server.server" in graph["pdkv.commands"]  # a lazy import counts
+    assert "common.client" in graph["api_server.upstream"]
 
 
 def test_no_module_imports_itself_through_others():
     assert _cycles(_graph()) == []
 
 
-def test_common_below_the_app_never_imports_a_server():
+def test_common_never_imports_what_is_built_on_it():
     for name, deps in _graph().items():
-        if name.startswith("common.") and not name.startswith("common.app"):
-            servers = {d for d in deps if d.startswith(("prefill_server", "decode_server"))}
-            assert not servers, f"{name} imports {servers}"
+        if name == "common" or name.startswith("common."):
+            above = {
+                d
+                for d in deps
+                if d.startswith(("prefill_server", "decode_server", "api_server", "pdkv"))
+            }
+            assert not above, f"{name} imports {above}"
+
+
+def test_the_api_is_a_client_of_the_daemons_not_of_the_app():
+    for name, deps in _graph().items():
+        if name.startswith("api_server"):
+            above = {d for d in deps if d.startswith(("prefill_server", "decode_server", "pdkv"))}
+            assert not above, f"{name} imports {above}"
 
 
 def test_the_daemons_meet_only_in_common():
@@ -114,5 +126,5 @@ def test_the_daemons_meet_only_in_common():
 
 def test_only_the_app_imports_the_app():
     for name, deps in _graph().items():
-        if not name.startswith("common.app"):
-            assert not any(d.startswith("common.app") for d in deps), name
+        if not name.startswith("pdkv"):
+            assert not any(d == "pdkv" or d.startswith("pdkv.") for d in deps), name

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import client
+from common import client
 from tests.integration.conftest import Pair
 
 openai = pytest.importorskip("openai")
@@ -82,7 +82,7 @@ def start_api(runtime: Path, *args: str, api_key: str | None = None) -> ApiProc:
     argv = [
         sys.executable,
         "-m",
-        "common.app.cli",
+        "pdkv.cli",
         "--runtime-dir",
         str(runtime),
         "--log-format",

@@ -142,7 +142,7 @@ def test_non_loopback_address_without_key_is_refused(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "common.app.cli",
+            "pdkv.cli",
             "--runtime-dir",
             str(tmp_path),
             "api",
@@ -166,7 +166,7 @@ def test_background_start_status_and_stop(tmp_path_factory: pytest.TempPathFacto
     port = free_port()
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(runtime), *args]
+        argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime), *args]
         return subprocess.run(argv, capture_output=True, text=True, timeout=120)
 
     started = cli("api", "start", "--background", "--port", str(port))

@@ -14,7 +14,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.app import client
+from common import client
 from common.sampling_params import SamplingParams
 from tests.api.conftest import MODEL, Stack, openai
 
@@ -51,7 +51,7 @@ def test_greedy_completion_equals_pdkv_generate(stack: Stack) -> None:
         [
             sys.executable,
             "-m",
-            "common.app.cli",
+            "pdkv.cli",
             "--runtime-dir",
             str(stack.pair.runtime),
             "generate",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
@@ -70,7 +70,7 @@ class CrossPair:
         rt = self.root / role
         rt.mkdir(mode=0o700, exist_ok=True)
         ns = self.hosts.decode_ns if role == "decode" else self.hosts.prefill_ns
-        argv = [*self.hosts.exec_argv(ns), sys.executable, "-m", "common.app.cli"]
+        argv = [*self.hosts.exec_argv(ns), sys.executable, "-m", "pdkv.cli"]
         argv += ["--runtime-dir", str(rt), "--log-format", "json", role, "start"]
         argv += ["--device", "cpu", "--heartbeat-timeout", "3", "--num-blocks", "256"]
         argv += ["--link-key-file", str(self.key_file(f"{role}.key", key)), *args]

@@ -80,7 +80,7 @@ async def test_a_frame_with_fds_is_refused_on_a_tcp_link_and_plain_frames_pass()
 
 
 def _start(tmp_path: Path, role: str, *args: str, env: dict[str, str] | None = None):  # type: ignore[no-untyped-def]
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(tmp_path / "rt")]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(tmp_path / "rt")]
     argv += [role, "start", "--device", "cpu", *args]
     return subprocess.run(
         argv, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})}

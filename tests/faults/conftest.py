@@ -16,7 +16,7 @@ from typing import TypeVar
 import pytest
 import torch
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams

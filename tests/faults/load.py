@@ -6,7 +6,7 @@ import asyncio
 import random
 from dataclasses import dataclass, field
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 
 

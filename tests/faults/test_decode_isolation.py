@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
@@ -140,7 +140,7 @@ def test_stop_reports_a_daemon_that_exits_without_a_clean_shutdown(tmp_path):
             [
                 sys.executable,
                 "-m",
-                "common.app.cli",
+                "pdkv.cli",
                 "--runtime-dir",
                 str(runtime),
                 "stop",

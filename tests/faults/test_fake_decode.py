@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 from common.protocol import Finish, Release, Tokens, Usage
 from tests.faults.conftest import Daemon, FaultPair, all_free, poll, status, wait_ready

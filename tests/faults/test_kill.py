@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 from tests.faults.conftest import FaultPair, all_free, assert_pair_free, new_pair, poll, status
 from tests.faults.load import Load

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 from tests.faults.conftest import FaultPair, all_free, assert_pair_free, poll, status
 from tests.faults.load import Load
@@ -58,7 +58,7 @@ def _start_cli(pair: FaultPair, role: str) -> subprocess.CompletedProcess[str]:
     argv = [
         sys.executable,
         "-m",
-        "common.app.cli",
+        "pdkv.cli",
         "--runtime-dir",
         str(pair.runtime),
         "--log-format",

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from common.app import client
+from common import client
 from common.errors import ProtocolError
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams

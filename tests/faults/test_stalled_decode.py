@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 from tests.faults.conftest import FaultPair, all_free, poll, status, wait_ready
 from tests.faults.fakes import FakeDecode

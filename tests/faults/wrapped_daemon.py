@@ -44,6 +44,6 @@ def _arm() -> None:
 
 if __name__ == "__main__":
     _arm()
-    from common.app.cli import cli
+    from pdkv.cli import cli
 
     cli()

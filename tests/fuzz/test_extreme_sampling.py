@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams

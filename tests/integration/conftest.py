@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import client
+from common import client
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Pair:
         role: str,
         *args: str,
         wait: bool = True,
-        module: str = "common.app.cli",
+        module: str = "pdkv.cli",
         env: dict[str, str] | None = None,
     ) -> Daemon:
         """Start `role` through the CLI (or `module`, a CLI wrapper) with `env` added."""

@@ -13,7 +13,7 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
         [
             sys.executable,
             "-m",
-            "common.app.cli",
+            "pdkv.cli",
             "demo",
             "--prompts",
             "5",
@@ -41,7 +41,7 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
 def test_demo_decode_device_is_checked_apart(tmp_path):
     """--decode-device puts the decode on its own device (two GPUs); one that does not exist
     here is refused in one line, naming that option, before anything starts."""
-    argv = [sys.executable, "-m", "common.app.cli", "demo", "--device", "cpu"]
+    argv = [sys.executable, "-m", "pdkv.cli", "demo", "--device", "cpu"]
     proc = subprocess.run(
         [*argv, "--decode-device", "cuda:7", "--prompts", "1"],
         capture_output=True,

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams

@@ -19,7 +19,7 @@ def soft_nofile(pid: int) -> int:
 
 
 def start_decode(runtime: Path, soft: int, hard: int, *args: str) -> Daemon:
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(runtime)]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime)]
     argv += ["--log-format", "json", "decode", "start", "--device", "cpu", *args]
     log = runtime / "decode.log"
     with open(log, "ab") as fh:

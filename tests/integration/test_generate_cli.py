@@ -25,7 +25,7 @@ def tiny():  # type: ignore[no-untyped-def]
 
 
 def _generate(pair: Pair, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(pair.runtime), "generate"]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(pair.runtime), "generate"]
     return subprocess.run([*argv, *args], input=stdin, capture_output=True, text=True, timeout=120)
 
 
@@ -66,7 +66,7 @@ def test_empty_prompt_and_no_prompt(pair: Pair) -> None:
 
 
 def test_prefill_dying_mid_stream_is_a_message_not_a_traceback(pair: Pair) -> None:
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(pair.runtime), "generate"]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(pair.runtime), "generate"]
     gen = subprocess.Popen(
         [*argv, "a long one", "--max-tokens", "8000", "--ignore-eos"],
         stdout=subprocess.PIPE,

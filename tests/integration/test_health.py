@@ -12,14 +12,14 @@ import time
 
 import pytest
 
-from common.app import client
+from common import client
 from common.model.sampling import SamplingParams
 from tests.integration.conftest import Pair, wait_ready
 
 
 def _status(pair: Pair, *args: str) -> subprocess.CompletedProcess[str]:
     """`pdkv status` as a probe runs it, with the runtime dir given after the subcommand."""
-    argv = [sys.executable, "-m", "common.app.cli", "status", "--runtime-dir", str(pair.runtime)]
+    argv = [sys.executable, "-m", "pdkv.cli", "status", "--runtime-dir", str(pair.runtime)]
     return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from common.app import client
+from common import client
 from common.notify import notify
 from tests.integration.conftest import Pair, wait_ready
 

@@ -15,7 +15,7 @@ from tests.model.test_hf_checkpoint import save_hf_llama
 
 
 def _start(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(runtime)]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime)]
     return subprocess.run(
         [*argv, "decode", "start", *args], capture_output=True, text=True, timeout=120
     )

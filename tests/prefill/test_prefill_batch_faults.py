@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.app import client
+from common import client
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Generate

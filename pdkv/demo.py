@@ -20,8 +20,7 @@ from pathlib import Path
 
 import click
 
-from common import logs
-from common.app import client
+from common import client, logs
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
 
@@ -43,7 +42,7 @@ def _spawn(
     argv = [
         sys.executable,
         "-m",
-        "common.app.cli",
+        "pdkv.cli",
         "--runtime-dir",
         str(runtime),
         "--log-format",

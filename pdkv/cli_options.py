@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from common.app import commands
+from pdkv import commands
 
 _DAEMON_OPTIONS = [
     click.option(

@@ -1,4 +1,4 @@
-"""`pdkv api start`: the HTTP API's command group, a thin shim over common/app/commands.py's
+"""`pdkv api start`: the HTTP API's command group, a thin shim over pdkv/commands.py's
 start_api."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from common.app import commands
-from common.app.cli_options import global_options
+from pdkv import commands
+from pdkv.cli_options import global_options
 
 
 @click.group()

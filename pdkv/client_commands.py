@@ -12,12 +12,12 @@ from typing import Any
 import click
 import msgspec
 
-from common.app import client
-from common.app.commands import EXIT_FAIL, EXIT_OK, Globals
+from common import client
 from common.errors import PdkvError
 from common.protocol import ConnectionClosed
 from common.rundir import read_pid
 from common.sampling_params import SamplingParams
+from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
 
 
 def status(

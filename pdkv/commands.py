@@ -18,8 +18,7 @@ from typing import Any
 
 import click
 
-from common import logs
-from common.app import client
+from common import client, logs
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
 from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
@@ -91,7 +90,7 @@ def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
 
 def background_argv(g: Globals, role: str, opts: dict[str, Any]) -> list[str]:
     """The command line of a detached `pdkv <role> start` with the same options."""
-    argv = [sys.executable, "-m", "common.app.cli", "--runtime-dir", str(g.runtime_dir)]
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(g.runtime_dir)]
     argv += [
         "--log-format",
         "json" if g.log_format == "auto" else g.log_format,
@@ -214,6 +213,6 @@ def start_api(g: Globals, **opts: Any) -> int:
 
 
 def demo(g: Globals, **opts: Any) -> int:
-    from common.app.demo import run_demo
+    from pdkv.demo import run_demo
 
     return run_demo(log_level=g.log_level, **opts)

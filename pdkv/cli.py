@@ -1,4 +1,4 @@
-"""`pdkv` command line: a thin click shim over keyword-only functions (see common/app/commands.py
+"""`pdkv` command line: a thin click shim over keyword-only functions (see pdkv/commands.py
 and client_commands.py).
 
 This module holds the root group, its global options and the single commands (stop, status,
@@ -18,17 +18,17 @@ from typing import Any
 
 import click
 
-from common.app import client_commands, commands
-from common.app.cli_api import api
-from common.app.cli_daemons import decode, prefill
-from common.app.cli_options import (
+from common.rundir import default_runtime_dir
+from pdkv import client_commands, commands
+from pdkv.cli_api import api
+from pdkv.cli_daemons import decode, prefill
+from pdkv.cli_options import (
     CLIENT_SOCKET,
     LOG_FORMATS,
     LOG_LEVEL_HELP,
     RUNTIME_DIR_HELP,
     global_options,
 )
-from common.rundir import default_runtime_dir
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

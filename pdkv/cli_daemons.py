@@ -1,5 +1,5 @@
 """`pdkv decode start` and `pdkv prefill start`: the two daemons' command groups, thin shims over
-common/app/commands.py's start_daemon (the options they share live in cli_options.py)."""
+pdkv/commands.py's start_daemon (the options they share live in cli_options.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from common.app import commands
-from common.app.cli_options import daemon_options
+from pdkv import commands
+from pdkv.cli_options import daemon_options
 
 
 @click.group()

@@ -1,0 +1,5 @@
+"""`python -m pdkv`: the `pdkv` command."""
+
+from pdkv.cli import main
+
+main()
