@@ -32,6 +32,7 @@ from common.protocol import (
     ErrorCode,
     Finish,
     Handoff,
+    KvReady,
     Message,
     Release,
     Tokens,
@@ -103,11 +104,11 @@ class DecodeRequests:
         self._free(key)  # one awaiting its first token never pulled: no RELEASE is due
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
-    def first_token(self, peer: Peer, msg: Tokens) -> None:
-        """TOKENS from the prefill: the first token of an early HANDOFF, so its KV is written:
-        start the pull, and the sequence joins the next step. One for a request that awaits
-        none is dropped: the decode refused its HANDOFF (the prefill then hands off again, with
-        the token) or the request ended meanwhile."""
+    def kv_ready(self, peer: Peer, msg: KvReady) -> None:
+        """KV_READY from the prefill: an early HANDOFF's KV is written and its first token is
+        `msg.first_token`: start the pull, and the sequence joins the next step. One for a
+        request that awaits none is dropped: the decode refused its HANDOFF (the prefill then
+        hands off again, with the token) or the request ended meanwhile."""
         recv_ns = time.monotonic_ns()
         key = seq_key(peer.link_id, msg.request_id)
         entry = self._first_due.pop(key, None)
@@ -115,16 +116,15 @@ class DecodeRequests:
             log.debug("first_token_unexpected", request_id=msg.request_id, link=peer.link_id)
             return
         h, seq, plan = entry
-        if len(msg.tokens) != 1 or msg.tokens[0] >= self.vocab_size:
+        if msg.first_token >= self.vocab_size:
             peer.post_error(
                 ErrorCode.BAD_REQUEST,
-                f"the first token comes alone and below the vocab size {self.vocab_size}, got "
-                f"{len(msg.tokens)} tokens",
+                f"first token {msg.first_token} is not below the vocab size {self.vocab_size}",
                 msg.request_id,
             )
             self._free(key)
             return
-        seq.generated.append(msg.tokens[0])
+        seq.generated.append(msg.first_token)
         seq.stages_us["first_wait_us"] = (recv_ns / 1e9 - seq.started) * 1e6  # since admitted
         if msg.sent_ns:
             seq.stages_us["first_read_us"] = (recv_ns - msg.sent_ns) / 1000

@@ -34,13 +34,13 @@ from common.protocol import (
     ErrorCode,
     Handoff,
     Hello,
+    KvReady,
     Message,
     Ping,
     Pong,
     PushFailed,
     Register,
     Status,
-    Tokens,
 )
 from common.rundir import check_free
 from common.server import DaemonServer
@@ -221,8 +221,8 @@ class DecodeServer(DaemonServer):
                 msg = msgspec.structs.replace(msg, sent_ns=0)
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
-        elif isinstance(msg, Tokens):  # the first token of an early HANDOFF
-            self.requests.first_token(peer, msg)
+        elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token
+            self.requests.kv_ready(peer, msg)
         elif isinstance(msg, Ping):
             peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
         elif isinstance(msg, Abort):

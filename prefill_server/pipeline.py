@@ -9,7 +9,7 @@ and an unfinished handoff is aborted on the decode side.
 The early handoff (Unix-socket links, `--early-handoff`, on by default): the HANDOFF goes out
 without its first token when the prompt is queued for its forward, so the decode reads it and
 reserves its blocks while we compute; once the first token is on our host (the KV is written) it
-goes to the decode in a TOKENS frame, which starts the decode's pull, then to the client. The 2nd
+goes to the decode in KV_READY, which starts the decode's pull, then to the client. The 2nd
 token then waits for one small frame, the pull's enqueue and one decode step, not for the
 HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_CAPACITY gets it
 again later, the first token in it.
@@ -39,6 +39,7 @@ from common.protocol import (
     Finish,
     Generate,
     Handoff,
+    KvReady,
     Message,
     Release,
     Tokens,
@@ -277,7 +278,7 @@ class RequestPipeline:
     ) -> None:
         """Send the HANDOFF on the live link, and with the first token lease the blocks to it
         (once); `first_token` None is the early handoff, whose blocks are leased when its
-        TOKENS goes (their KV written). LINK_LOST if the link is down past `deadline` or the
+        KV_READY goes (their KV written). LINK_LOST if the link is down past `deadline` or the
         send fails."""
         await self._link_up(deadline)
         link = self.link
@@ -318,7 +319,7 @@ class RequestPipeline:
             return
         self._lease(req)
         req.kv_ready_ns = time.monotonic_ns()  # the decode's pull starts on this frame
-        msg = Tokens(request_id=req.request_id, tokens=[first], sent_ns=req.kv_ready_ns)
+        msg = KvReady(request_id=req.request_id, first_token=first, sent_ns=req.kv_ready_ns)
         with contextlib.suppress(ConnectionError):
             await self.link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
 

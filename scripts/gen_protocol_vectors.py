@@ -28,6 +28,7 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    KvReady,
     Message,
     MsgType,
     Ping,
@@ -103,6 +104,7 @@ def examples() -> list[Message]:
             event_slot=1,
             sent_ns=123456789,
         ),
+        KvReady(request_id="req-7", first_token=101, sent_ns=123459999),
         Release(request_id="req-7", event_slot=1),
         Tokens(request_id="req-7", tokens=[32, 121], text=" y"),
         Finish(

@@ -49,8 +49,8 @@ class Handoff(Message, frozen=True):
 
     `event_slot` is the ring slot recorded after the scatter (-1 on CPU: the frame is the signal).
     `first_token` null (v4, Unix-socket links): the early handoff, sent when the prompt is queued
-    for its forward; the blocks are not written yet, and may be read only once the first token
-    follows in a TOKENS frame P → D.
+    for its forward; the blocks are not written yet, and may be read only once KV_READY (v5)
+    brings the first token.
     `sent_ns` is the sender's CLOCK_MONOTONIC (same host), for handoff latency.
     """
 
@@ -73,16 +73,24 @@ class Release(Message, frozen=True):
     event_slot: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
 
+class KvReady(Message, frozen=True):
+    """P → D (v5), after an early HANDOFF: the request's KV is written (its event slot recorded),
+    and `first_token` is the token P sampled from the prefill logits. D may start the pull now.
+    `sent_ns` is P's CLOCK_MONOTONIC at send (same host), for handoff latency."""
+
+    TYPE = MsgType.KV_READY
+    request_id: RequestId
+    first_token: TokenId
+    sent_ns: NonNeg = 0
+
+
 class Tokens(Message, frozen=True):
-    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client.
-    P → D (v4): the one first token of a request whose HANDOFF came without it, which also says
-    that its KV is written; `sent_ns` then is P's CLOCK_MONOTONIC at send (0 otherwise)."""
+    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client."""
 
     TYPE = MsgType.TOKENS
     request_id: RequestId
     tokens: list[TokenId]
     text: str = ""
-    sent_ns: NonNeg = 0
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -179,6 +187,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Register,
     Registered,
     Handoff,
+    KvReady,
     Release,
     Tokens,
     Finish,

@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -22,6 +22,8 @@ HISTORY: dict[int, str] = {
     4: "the early handoff on Unix-socket links: HANDOFF's `first_token` may be null (sent when the "
     "prompt is queued for its forward, before its KV is written), and TOKENS P → D then carries "
     "that first token, which also says the KV may be read; TOKENS has `sent_ns`",
+    5: "KV_READY P → D: the first token of an early HANDOFF, which says its KV is written, gets "
+    "its own message instead of TOKENS P → D (TOKENS is D → P → C only again; its `sent_ns` goes)",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -32,6 +32,7 @@ class MsgType(enum.IntEnum):
     PONG = 12
     PUSH = 13  # v3
     PUSH_FAILED = 14  # v3
+    KV_READY = 15  # v5
     GENERATE = 20
     STATUS = 21
     STATUS_REPLY = 22

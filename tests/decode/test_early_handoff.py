@@ -15,7 +15,7 @@ import pytest
 
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.protocol import Error, ErrorCode, Finish, Handoff, Release, Tokens
+from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
 from common.transfer.consumer import check_handoff
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_deferred_pull import PROMPT, dlink, table  # noqa: F401 (fixtures)
@@ -39,7 +39,7 @@ async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_refe
     table.handoff(link, early(h))
     assert link.sent == []  # reserved only: the blocks may still be written, nothing copied
     assert len(table) == 0 and [s.request_id for s in table.sequences()] == ["r1"]
-    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))
+    table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))
     assert link.of(Release) == [Release(request_id="r1", event_slot=-1)]  # CPU: copied inline
     assert len(table) == 1
     await decode_until(table, lambda: link.of(Finish))
@@ -55,12 +55,12 @@ async def test_tokens_for_a_request_that_awaits_none_are_dropped(
     table,  # noqa: F811
     rt,
 ):
-    table.first_token(link, Tokens(request_id="nobody", tokens=[7]))
+    table.kv_ready(link, KvReady(request_id="nobody", first_token=7))
     assert link.sent == []
     h = side.prefill("r1", PROMPT, GREEDY)
     table.handoff(link, early(h))
-    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))
-    table.first_token(link, Tokens(request_id="r1", tokens=[h.first_token]))  # a second: dropped
+    table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))
+    table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))  # a second: dropped
     assert len(table) == 1
     await decode_until(table, lambda: link.of(Finish))
     generated = [t for m in link.of(Tokens) for t in m.tokens]
@@ -68,16 +68,14 @@ async def test_tokens_for_a_request_that_awaits_none_are_dropped(
     side.producer.allocator.free("r1")
 
 
-@pytest.mark.parametrize("tokens", [[1, 2], [], [10**6]])
-def test_a_first_token_that_is_not_one_valid_token_is_bad_request_and_frees_the_blocks(
+def test_a_first_token_beyond_the_vocab_is_bad_request_and_frees_the_blocks(
     side: Side,
     link: FakeLink,
     table,  # noqa: F811
     rt,
-    tokens: list[int],
 ):
     table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
-    table.first_token(link, Tokens(request_id="r1", tokens=tokens))
+    table.kv_ready(link, KvReady(request_id="r1", first_token=10**6))
     assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.BAD_REQUEST, "r1")]
     assert len(table) == 0 and table.sequences() == [] and link.of(Release) == []
     assert "link-a/r1" not in rt.allocator
@@ -96,7 +94,7 @@ def test_abort_while_awaiting_the_first_token_frees_at_once_and_answers_nothing(
     table.abort(dlink, "r1")
     assert table.sequences() == [] and "link-d/r1" not in rt.allocator
     assert dlink.sent == [] and dlink.consumer.events == []  # no pull was ever started
-    table.first_token(dlink, Tokens(request_id="r1", tokens=[5]))  # late: dropped
+    table.kv_ready(dlink, KvReady(request_id="r1", first_token=5))  # late: dropped
     assert len(table) == 0 and dlink.sent == []
     side.producer.allocator.free("r1")
 
@@ -110,7 +108,7 @@ async def test_a_first_token_that_ends_the_request_finishes_only_after_the_pull(
     params = SamplingParams(max_tokens=1)
     h = side.prefill("r1", PROMPT, params)
     table.handoff(dlink, early(h))
-    table.first_token(dlink, Tokens(request_id="r1", tokens=[h.first_token]))
+    table.kv_ready(dlink, KvReady(request_id="r1", first_token=h.first_token))
     assert len(table) == 0 and dlink.sent == []  # nothing to decode, and its copy still runs
     assert dlink.consumer.pulls_in_flight == 1
     dlink.consumer.events[0].complete()
@@ -130,7 +128,7 @@ async def test_the_first_step_waits_on_the_pull_of_an_early_handoff(
     h = side.prefill("r1", PROMPT, GREEDY)
     table.handoff(dlink, early(h))
     assert dlink.consumer.events == []  # the KV may not be written yet: no pull
-    table.first_token(dlink, Tokens(request_id="r1", tokens=[h.first_token]))
+    table.kv_ready(dlink, KvReady(request_id="r1", first_token=h.first_token))
     (event,) = dlink.consumer.events
     await decode_until(table, lambda: dlink.of(Tokens))
     assert len(event.waited_by) == 1 and event.waited_by[0].startswith("pdkv-decode-torch")

@@ -26,13 +26,13 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    KvReady,
     Message,
     Ping,
     Pong,
     Register,
     Registered,
     Release,
-    Tokens,
     Usage,
     fingerprint,
 )
@@ -95,9 +95,9 @@ class FakeDecode:
     """A link server on its own thread and loop. Mutable knobs decide how it behaves:
 
     `answer_pings` (PONG each PING), `release` (RELEASE each HANDOFF at once, an early one at its
-    TOKENS, as the decode does once it has pulled), `accept` (serve new
+    KV_READY, as the decode does once it has pulled), `accept` (serve new
     connections; when False they are closed at once), `finish_on_first` (answer the prefill's
-    TOKENS, the first token after an early HANDOFF, with RELEASE and FINISH). It sends no TOKENS.
+    KV_READY, the first token after an early HANDOFF, with RELEASE and FINISH). It sends no TOKENS.
     """
 
     def __init__(self, path: Path) -> None:
@@ -110,9 +110,9 @@ class FakeDecode:
         self.no_capacity_once: set[str] = set()  # answer these ids' first HANDOFF so
         self.finish_on_first = False
         self.frames: list[tuple[str, str]] = []  # (type, request id) of every request's frame
-        self.first_tokens: list[Tokens] = []  # TOKENS from the prefill (early handoffs)
+        self.first_tokens: list[KvReady] = []  # KV_READY from the prefill (early handoffs)
         self._refused: set[str] = set()  # answered NO_CAPACITY, no HANDOFF accepted since
-        self._early: dict[str, int] = {}  # `release`: early HANDOFFs awaiting their TOKENS
+        self._early: dict[str, int] = {}  # `release`: early HANDOFFs awaiting their KV_READY
         self.stalled = False  # after the handshake, read nothing more: the daemon's writes block
         self.handoff_links: list[str] = []  # the link (connection) each HANDOFF came on
         self.handoffs: list[Handoff] = []
@@ -193,10 +193,10 @@ class FakeDecode:
                 await self._finish(ch, msg.request_id)
             elif self.release and msg.first_token is not None:
                 await ch.send(Release(request_id=msg.request_id, event_slot=msg.event_slot))
-            elif self.release:  # early: released once its TOKENS says the KV is written
+            elif self.release:  # early: released once its KV_READY says the KV is written
                 self._early[msg.request_id] = msg.event_slot
-        elif isinstance(msg, Tokens):
-            self.frames.append(("TOKENS", msg.request_id))
+        elif isinstance(msg, KvReady):
+            self.frames.append(("KV_READY", msg.request_id))
             self.first_tokens.append(msg)
             slot = self._early.pop(msg.request_id, None)
             if msg.request_id in self._refused:

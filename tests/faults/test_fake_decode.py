@@ -220,12 +220,12 @@ def test_an_early_handoff_has_no_first_token_and_a_tokens_frame_brings_it(fake_s
         fake.finish_on_first = False
     assert [f for f in fake.frames if f[1] == "early-1"] == [
         ("HANDOFF", "early-1"),
-        ("TOKENS", "early-1"),
+        ("KV_READY", "early-1"),
     ]
     (h,) = [h for h in fake.handoffs if h.request_id == "early-1"]
     assert h.first_token is None and h.event_slot == -1  # CPU: the frame follows the forward
     (first,) = [t for t in fake.first_tokens if t.request_id == "early-1"]
-    assert first.tokens == result.tokens[:1] and len(result.tokens) == 1
+    assert [first.first_token] == result.tokens[:1] and len(result.tokens) == 1
     poll(lambda: all_free(pair.client_socket), what="prefill pool free")
 
 

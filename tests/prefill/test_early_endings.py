@@ -22,7 +22,16 @@ from common.config import PrefillConfig
 from common.ipc.events import CpuEventRing
 from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
-from common.protocol import Abort, Error, ErrorCode, Generate, Handoff, Message, Release, Tokens
+from common.protocol import (
+    Abort,
+    Error,
+    ErrorCode,
+    Generate,
+    Handoff,
+    KvReady,
+    Message,
+    Release,
+)
 from common.transfer import KVProducer
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
@@ -144,7 +153,7 @@ async def test_the_client_leaving_before_the_first_token_aborts_and_frees_the_sl
     await s.until(lambda: s.link.of(Handoff, "r1"))
     await _cancelled(task)
     assert len(s.link.of(Abort, "r1")) == 1  # the decode reserved blocks for it
-    assert s.link.of(Tokens, "r1") == []  # no KV was offered: the slot was never waited on
+    assert s.link.of(KvReady, "r1") == []  # no KV was offered: the slot was never waited on
     assert s.clean(), (s.rt.allocator, s.slots_free())
     await s.close()
 
@@ -157,7 +166,7 @@ async def test_after_its_first_token_an_aborted_request_holds_its_slot_until_the
     s = Setup(*cfg_rt)
     task = s.start("r1")
     s.run_forwards()
-    await s.until(lambda: s.link.of(Tokens, "r1"))  # the KV offered: the decode may wait now
+    await s.until(lambda: s.link.of(KvReady, "r1"))  # the KV offered: the decode may wait now
     slot = s.link.of(Handoff, "r1")[0].event_slot
     await _cancelled(task)
     assert len(s.link.of(Abort, "r1")) == 1
@@ -190,6 +199,6 @@ async def test_a_link_lost_during_the_forward_frees_the_blocks_only_after_it(
     with pytest.raises(RequestFailed) as info:
         await asyncio.wait_for(task, 10)
     assert info.value.code == ErrorCode.LINK_LOST
-    assert s.link.of(Tokens, "r1") == [] and s.link.of(Abort, "r1") == []
+    assert s.link.of(KvReady, "r1") == [] and s.link.of(Abort, "r1") == []
     assert s.clean(), (s.rt.allocator, s.slots_free())
     await s.close()

@@ -27,6 +27,7 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    KvReady,
     Message,
     MsgType,
     NixlRegion,
@@ -128,6 +129,9 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
         sampling=sampling_params,
         event_slot=event_slots,
         sent_ns=nonneg,
+    ),
+    MsgType.KV_READY: st.builds(
+        KvReady, request_id=request_ids, first_token=token_ids, sent_ns=nonneg
     ),
     MsgType.RELEASE: st.builds(Release, request_id=request_ids, event_slot=event_slots),
     MsgType.TOKENS: st.builds(Tokens, request_id=request_ids, tokens=token_lists, text=texts),
