@@ -23,6 +23,7 @@ installed). `--json OUT` writes every figure, per request included. Warm-up requ
 each target and are not counted. Exit status 1 when any request failed.
 
     python bench/serve.py --requests 50 --rate 20
+    python bench/serve.py --model ~/llama-1b --device cuda:0 --nano     # nano-vllm's shape
     python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 1,2,4,8,16 --json serve.json
 """
 
@@ -57,6 +58,9 @@ from serve_report import plot, print_table, same_output  # noqa: E402
 
 from common import logs  # noqa: E402
 
+#: nano-vllm's bench.py: 256 sequences, input and output lengths drawn from 100..1024
+NANO_REQUESTS, NANO_LEN = 256, (100, 1024)
+
 TARGETS = {
     "daemons": ["daemons"],
     "api": ["api"],
@@ -71,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--requests", type=int, default=50, help="requests per rate (default 50)")
+    ap.add_argument(
+        "--nano",
+        action="store_true",
+        help="nano-vllm's benchmark shape: 256 requests all at once, prompts and outputs of "
+        "100-1024 tokens, --max-batch 256, a pool of at least 256 x 2048 tokens (overrides those)",
+    )
     ap.add_argument("--rate", type=float, default=math.inf, help="requests/s; inf = all at once")
     ap.add_argument("--sweep", type=_rates, help="comma-separated rates, e.g. 1,2,4,8 (not --rate)")
     ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
@@ -106,6 +116,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
     ap.add_argument("--plot", type=Path, default=Path("serve_sweep.png"), help="sweep's PNG")
     args = ap.parse_args(argv)
+    if args.nano:
+        if args.sweep:
+            ap.error("--nano is one rate (all at once): not with --sweep")
+        args.requests, args.rate = NANO_REQUESTS, math.inf
+        args.prompt_len = args.output_len = NANO_LEN
+        args.max_batch = NANO_REQUESTS
+        need = NANO_REQUESTS * -(-2 * NANO_LEN[1] // args.block_size)
+        args.num_blocks = max(args.num_blocks, need)
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests must be >= 1 and --rate > 0")
     args.rates = args.sweep or [args.rate]

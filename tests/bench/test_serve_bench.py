@@ -142,3 +142,14 @@ def test_the_daemons_report_their_own_timings(report: dict, late_report: dict) -
     second = daemons["summary"]["second_token_ms"]
     assert 0 < second["p50"] <= second["p99"]
     assert "server's own timings p50/p99: " in report["stdout"]
+
+
+def test_nano_is_nano_vllms_shape_and_sizes_the_pool_for_it() -> None:
+    import serve
+
+    args = serve.parse_args(["--nano", "--block-size", "16"])
+    assert (args.requests, args.rates) == (256, [float("inf")])
+    assert args.prompt_len == args.output_len == (100, 1024)
+    assert args.max_batch == 256 and args.num_blocks >= 256 * 2048 // 16
+    with pytest.raises(SystemExit):
+        serve.parse_args(["--nano", "--sweep", "1,2"])
