@@ -4,8 +4,7 @@ A real decode daemon process (shm backend) and, in this process, a minimal prefi
 the link handshake once (HELLO, REGISTER with the pool's memfd) and then sends HANDOFFs for
 prompts of `--prompt-tokens` tokens with 1, 16 and 256 in flight, timing each until its RELEASE
 arrives. max_tokens=1 so the decode finishes each request right after the pull and the figures
-measure the handoff alone. Prints a table; --out writes JSON; --md appends a row set for
-docs/benchmarks.md.
+measure the handoff alone. Prints a table; --out writes JSON.
 
     .venv/bin/python bench/cpu_handoff.py [--out results.json]
 """

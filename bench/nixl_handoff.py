@@ -152,7 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default=None, help="default bfloat16 (the 1.1B's), float32 on CPU")
+    ap.add_argument("--dtype", default=None, help="default bfloat16 (the 1.1B's), on every device")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--modes", default="push,pull,ipc")
