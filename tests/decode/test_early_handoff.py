@@ -146,8 +146,7 @@ def test_shutdown_reaches_a_sequence_awaiting_its_first_token(
     rt,
 ):
     table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
-    for seq in table.sequences():  # what the server's end_remaining does
-        table.drop(seq, ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down")
+    assert table.shutdown(ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down") == 1
     assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.SHUTTING_DOWN, "r1")]
     assert table.sequences() == [] and "link-a/r1" not in rt.allocator
     side.producer.allocator.free("r1")
