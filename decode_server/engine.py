@@ -89,9 +89,9 @@ class DecodeEngine:
             if self._active.get(seq.key) is not seq:
                 continue  # removed while the step ran
             if not seq.steps:  # its first step: where the 2nd token's time goes
-                seq.stages_us["join_us"] = (started - seq.joined_ns) / 1000
-                seq.stages_us["first_launch_us"] = (launched - started) / 1000
-                seq.stages_us["first_sync_us"] = (synced - launched) / 1000
+                seq.marks.stamp("first_step_started", started)
+                seq.marks.stamp("first_step_launched", launched)
+                seq.marks.stamp("first_step_synced", synced)
             else:  # later steps, for comparison with the first
                 seq.later_step_ns += synced - started
             seq.steps += 1

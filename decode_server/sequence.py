@@ -1,18 +1,47 @@
-"""One sequence in the decode daemon's batch: its blocks, tokens and sampling state."""
+"""One request in the decode daemon: its phase, blocks, tokens, sampling state and timing marks."""
 
 from __future__ import annotations
 
-import time
+import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
+from common.timings import Marks
+
+if TYPE_CHECKING:
+    from common.transfer.consumer import PullPlan
+    from decode_server.peer import Peer
+
+
+class Phase(enum.Enum):
+    """Where a request is in the decode daemon and what happens next (the transitions and what
+    each sends: decode_server/requests.py).
+
+    AWAITING_KV  an early HANDOFF: blocks reserved, its pull planned, nothing read of the peer's
+                 pool yet; KV_READY (its first token) starts the pull.
+    PULLING      its pull in flight, the sequence outside the batch (a NIXL transfer, a CPU copy
+                 while it runs, or a sequence its first token finished): on pull done RELEASE,
+                 then it joins the batch, or gets its FINISH.
+    DECODING     in the batch or queued for it: each step sends TOKENS, the last one FINISH. With
+                 `pull_outstanding` (CUDA: its first step's stream waits for the pull on the
+                 GPU) its RELEASE goes once the host sees the pull done.
+    ENDING       answered (FINISH, ERROR) or aborted, out of the batch: its blocks are freed
+                 once no pull is outstanding (its RELEASE went) and no step is in flight.
+    """
+
+    AWAITING_KV = "awaiting_kv"
+    PULLING = "pulling"
+    DECODING = "decoding"
+    ENDING = "ending"
 
 
 @dataclass(eq=False, slots=True)
 class Sequence:
-    """A request being decoded. Owned by the decode engine; `peer` is the link it came from.
+    """A request in the decode daemon, from its HANDOFF until its blocks are freed. `link` is
+    the prefill it came from; `phase` says where it is, `pull_outstanding` whether a started
+    pull's completion (and so its RELEASE) is still due.
 
     `generated` holds every generated token (the prefill's first one included); the KV cache
     holds positions 0..position-1, and the next step writes the K/V of the last token at
@@ -20,24 +49,18 @@ class Sequence:
     """
 
     request_id: str
-    peer: str
+    link: Peer
     prompt_len: int
     generated: list[int]
     blocks: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
     block_size: int
-    handoff_us: float = 0.0
-    pull_us: float = 0.0
-    usable_us: float = 0.0  # HANDOFF sent -> its pull enqueued and the sequence in the batch
-    started: float = field(default_factory=time.monotonic)  # admitted; then its pull started
-    first_step_us: float = 0.0  # its pull started (`started`) -> its first decoded token posted
-    # the HANDOFF's way in: read_us (sent -> handed to DecodeRequests; of it wire_us: sent -> the
-    # bytes read), admit_us (checked, blocks reserved), enqueue_us (pull started, in the batch);
-    # its first step (engine.py): join_us (in the batch -> the step starts on the torch thread),
-    # first_launch_us (-> every kernel queued), first_sync_us (-> its token on the host)
-    stages_us: dict[str, float] = field(default_factory=dict)
-    joined_ns: int = 0  # monotonic ns when it was added to the engine
+    event_slot: int = -1  # the HANDOFF's, echoed in RELEASE
+    phase: Phase = Phase.AWAITING_KV
+    pull_outstanding: bool = False
+    plan: PullPlan | None = None  # AWAITING_KV: the pull prepared ahead of its KV_READY
+    marks: Marks = field(default_factory=Marks)  # decode_server.timings names them
     steps: int = 0  # decode steps it has been in
     later_step_ns: int = 0  # torch-thread time of its steps after the first, summed
     finish_reason: str | None = None
@@ -49,7 +72,7 @@ class Sequence:
     @property
     def key(self) -> str:
         """Unique across links: request ids are only unique per prefill daemon."""
-        return seq_key(self.peer, self.request_id)
+        return seq_key(self.link.link_id, self.request_id)
 
     @property
     def position(self) -> int:

@@ -129,8 +129,7 @@ class DecodeServer(DaemonServer):
         code, why = ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down"
         if self.failure() is not None:
             code, why = ErrorCode.INTERNAL, "decode daemon failed and is exiting (see its log)"
-        for seq in self.requests.sequences():
-            self.requests.drop(seq, code, why)
+        self.requests.shutdown(code, why)
         for peer in list(self.peers.values()):
             await peer.flush()
             await self._end_link(peer)

@@ -1,11 +1,20 @@
 """The decode side without processes: a real tiny-model runtime, a real producer pool in shared
-memory opened through a real KVConsumer, and a fake link that records what the decode posts."""
+memory opened through a real KVConsumer, and a fake link that records what the decode posts.
+
+The other fakes stand for what cannot exist without a GPU or a second host: the CUDA event a
+stream-ordered pull records (`dlink`: DeferredConsumer, FakeEvent), and a transfer no stream can
+wait on (LaterConsumer, NIXL's shape). The copies themselves run for real.
+"""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +26,8 @@ from common.model.sampling import SamplingParams, make_generator, sample
 from common.modelrt import ModelRuntime
 from common.protocol import Handoff, Message
 from common.transfer import KVConsumer, KVProducer
+from common.transfer.consumer import AFTER_DONE
+from decode_server.requests import DecodeRequests
 
 
 @dataclass(eq=False)
@@ -28,6 +39,7 @@ class FakeLink:
     sent: list[Message] = field(default_factory=list)
     handoffs: int = 0
     closed: bool = False
+    channel: Any = field(default_factory=lambda: SimpleNamespace(last_rx=time.monotonic()))
 
     def post(self, msg: Message) -> None:
         self.sent.append(msg)
@@ -108,3 +120,68 @@ def link(side: Side, rt: ModelRuntime) -> Iterator[FakeLink]:
     consumer = open_consumer(side, rt.pool)
     yield FakeLink("link-a", consumer)
     consumer.close()
+
+
+class FakeEvent:
+    """Stands in for the torch.cuda.Event recorded after a pull's copy: the waiter thread's
+    synchronize() blocks until the test calls complete()."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.waited_by: list[str] = []  # threads whose stream was made to wait on it
+
+    def complete(self, error: BaseException | None = None) -> None:
+        self.error = error
+        self._done.set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(30), "the test never completed this pull"
+        if self.error is not None:
+            raise self.error
+
+    def wait(self, stream: object = None) -> None:  # the engine's stream-side wait
+        self.waited_by.append(threading.current_thread().name)
+
+
+class DeferredConsumer(KVConsumer):
+    """KVConsumer taking its stream-ordered branch: the copy runs on the CPU, the returned
+    event completes when the test says so."""
+
+    def _enqueue(self, peer: KVPool, plan):  # type: ignore[no-untyped-def]
+        self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids)
+        event = FakeEvent()
+        self.events.append(event)
+        return event
+
+
+@pytest.fixture
+def dlink(side: Side, rt):  # type: ignore[no-untyped-def]
+    reg, fds = side.producer.register()
+    consumer = DeferredConsumer.open(
+        reg, lambda n: [os.dup(fd) for fd in fds[:n]], rt.pool, stream=object()
+    )
+    consumer.events = []
+    yield FakeLink("link-d", consumer)
+    consumer.close()
+
+
+@pytest.fixture
+def table(rt):  # type: ignore[no-untyped-def]
+    requests = DecodeRequests(rt, max_batch=8)
+    yield requests
+    assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
+
+
+class LaterConsumer(KVConsumer):
+    """A consumer whose blocks arrive by a transfer no stream can wait on (NIXL's shape): `pull`
+    returns AFTER_DONE and the copy lands when the test calls `land()`."""
+
+    def pull(self, src_ids, dst_ids, slot, done):  # type: ignore[no-untyped-def]
+        self.pending.append((src_ids, dst_ids, done))
+        return AFTER_DONE
+
+    def land(self) -> None:
+        src_ids, dst_ids, done = self.pending.pop(0)
+        self.local.copy_blocks_from(self._peer(), src_ids, dst_ids)
+        done(None)

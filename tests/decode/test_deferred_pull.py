@@ -12,73 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 
-import pytest
-
-from common.kvpool import KVPool
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Release, Tokens
-from common.transfer import KVConsumer
-from common.transfer.consumer import AFTER_DONE
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, Side
+from tests.decode.conftest import FakeLink, LaterConsumer, Side
 from tests.decode.test_requests import decode_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = [5, 17, 99, 3, 42, 8, 250]
-
-
-class FakeEvent:
-    """Stands in for the torch.cuda.Event recorded after a pull's copy: the waiter thread's
-    synchronize() blocks until the test calls complete()."""
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self.error: BaseException | None = None
-        self.waited_by: list[str] = []  # threads whose stream was made to wait on it
-
-    def complete(self, error: BaseException | None = None) -> None:
-        self.error = error
-        self._done.set()
-
-    def synchronize(self) -> None:
-        assert self._done.wait(30), "the test never completed this pull"
-        if self.error is not None:
-            raise self.error
-
-    def wait(self, stream: object = None) -> None:  # the engine's stream-side wait
-        self.waited_by.append(threading.current_thread().name)
-
-
-class DeferredConsumer(KVConsumer):
-    """KVConsumer taking its stream-ordered branch: the copy runs on the CPU, the returned
-    event completes when the test says so."""
-
-    def _enqueue(self, peer: KVPool, plan):  # type: ignore[no-untyped-def]
-        self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids)
-        event = FakeEvent()
-        self.events.append(event)
-        return event
-
-
-@pytest.fixture
-def dlink(side: Side, rt):  # type: ignore[no-untyped-def]
-    reg, fds = side.producer.register()
-    consumer = DeferredConsumer.open(
-        reg, lambda n: [os.dup(fd) for fd in fds[:n]], rt.pool, stream=object()
-    )
-    consumer.events = []
-    yield FakeLink("link-d", consumer)
-    consumer.close()
-
-
-@pytest.fixture
-def table(rt):  # type: ignore[no-untyped-def]
-    requests = DecodeRequests(rt, max_batch=8)
-    yield requests
-    assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
 
 
 async def _until(cond) -> None:  # type: ignore[no-untyped-def]
@@ -170,20 +113,6 @@ async def test_a_request_with_nothing_to_decode_finishes_only_after_its_pull(
     await dlink.consumer.drain()
     assert [type(m) for m in dlink.sent] == [Release, Finish]
     side.producer.allocator.free("r1")
-
-
-class LaterConsumer(KVConsumer):
-    """A consumer whose blocks arrive by a transfer no stream can wait on (NIXL's shape): `pull`
-    returns AFTER_DONE and the copy lands when the test calls `land()`."""
-
-    def pull(self, src_ids, dst_ids, slot, done):  # type: ignore[no-untyped-def]
-        self.pending.append((src_ids, dst_ids, done))
-        return AFTER_DONE
-
-    def land(self) -> None:
-        src_ids, dst_ids, done = self.pending.pop(0)
-        self.local.copy_blocks_from(self._peer(), src_ids, dst_ids)
-        done(None)
 
 
 async def test_a_transfer_without_an_event_joins_the_batch_only_once_it_landed(side: Side, rt):

@@ -18,7 +18,7 @@ from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
 from common.transfer.consumer import check_handoff
 from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_deferred_pull import PROMPT, dlink, table  # noqa: F401 (fixtures)
+from tests.decode.test_deferred_pull import PROMPT
 from tests.decode.test_requests import decode_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -32,7 +32,7 @@ def early(h: Handoff) -> Handoff:
 async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_reference(
     side: Side,
     link: FakeLink,
-    table,  # noqa: F811
+    table,
     rt,
 ):
     h = side.prefill("r1", PROMPT, GREEDY)
@@ -52,7 +52,7 @@ async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_refe
 async def test_tokens_for_a_request_that_awaits_none_are_dropped(
     side: Side,
     link: FakeLink,
-    table,  # noqa: F811
+    table,
     rt,
 ):
     table.kv_ready(link, KvReady(request_id="nobody", first_token=7))
@@ -71,7 +71,7 @@ async def test_tokens_for_a_request_that_awaits_none_are_dropped(
 def test_a_first_token_beyond_the_vocab_is_bad_request_and_frees_the_blocks(
     side: Side,
     link: FakeLink,
-    table,  # noqa: F811
+    table,
     rt,
 ):
     table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
@@ -84,8 +84,8 @@ def test_a_first_token_beyond_the_vocab_is_bad_request_and_frees_the_blocks(
 
 def test_abort_while_awaiting_the_first_token_frees_at_once_and_answers_nothing(
     side: Side,
-    dlink,  # noqa: F811
-    table,  # noqa: F811
+    dlink,
+    table,
     rt,
 ):
     """Nothing was pulled, so the blocks go at once, and no RELEASE is due: the decode never
@@ -101,8 +101,8 @@ def test_abort_while_awaiting_the_first_token_frees_at_once_and_answers_nothing(
 
 async def test_a_first_token_that_ends_the_request_finishes_only_after_the_pull(
     side: Side,
-    dlink,  # noqa: F811
-    table,  # noqa: F811
+    dlink,
+    table,
     rt,
 ):
     params = SamplingParams(max_tokens=1)
@@ -121,8 +121,8 @@ async def test_a_first_token_that_ends_the_request_finishes_only_after_the_pull(
 
 async def test_the_first_step_waits_on_the_pull_of_an_early_handoff(
     side: Side,
-    dlink,  # noqa: F811
-    table,  # noqa: F811
+    dlink,
+    table,
     rt,
 ):
     h = side.prefill("r1", PROMPT, GREEDY)
@@ -142,12 +142,11 @@ async def test_the_first_step_waits_on_the_pull_of_an_early_handoff(
 def test_shutdown_reaches_a_sequence_awaiting_its_first_token(
     side: Side,
     link: FakeLink,
-    table,  # noqa: F811
+    table,
     rt,
 ):
     table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
-    for seq in table.sequences():  # what the server's end_remaining does
-        table.drop(seq, ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down")
+    assert table.shutdown(ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down") == 1
     assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.SHUTTING_DOWN, "r1")]
     assert table.sequences() == [] and "link-a/r1" not in rt.allocator
     side.producer.allocator.free("r1")

@@ -1,0 +1,69 @@
+"""A HANDOFF's way into the decode: checked against the link, and its blocks reserved for the
+request's whole life, or refused with the ERROR the protocol names (BAD_REQUEST, NO_CAPACITY)."""
+
+from __future__ import annotations
+
+import structlog
+
+from common.errors import OutOfBlocks, PdkvError
+from common.modelrt import ModelRuntime
+from common.protocol import ErrorCode, Handoff
+from decode_server.peer import Peer
+from decode_server.sequence import Sequence, blocks_needed, seq_key
+
+log = structlog.get_logger(__name__)
+
+
+def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) -> Sequence | None:
+    """Check `h` and reserve its blocks: its Sequence (Phase.AWAITING_KV, nothing pulled yet),
+    or None once the refusal is posted to `peer`."""
+    consumer = peer.consumer
+    try:
+        if consumer is None:
+            raise ValueError("HANDOFF before REGISTER")
+        consumer.validate(h, rt.model.config.vocab_size)
+    except (ValueError, PdkvError) as exc:
+        refuse(peer, h.request_id, str(exc))
+        return None
+    block_size = rt.layout.block_size
+    need = blocks_needed(h.num_tokens, h.sampling.max_tokens, block_size)
+    if need > rt.allocator.total:
+        peer.post_error(
+            ErrorCode.BAD_REQUEST,
+            f"prompt + max_tokens need {need} KV blocks, the decode pool has "
+            f"{rt.allocator.total} (lower max_tokens or raise the decode's --num-blocks)",
+            h.request_id,
+        )
+        return None
+    try:
+        blocks = rt.allocator.allocate(seq_key(peer.link_id, h.request_id), need)
+    except OutOfBlocks as exc:
+        log.info(
+            "handoff_no_capacity",
+            request_id=h.request_id,
+            link=peer.link_id,
+            need=need,
+            free=exc.free,
+        )
+        peer.post_error(ErrorCode.NO_CAPACITY, str(exc), h.request_id)
+        return None
+    return Sequence(
+        request_id=h.request_id,
+        link=peer,
+        prompt_len=h.num_tokens,
+        generated=[] if h.first_token is None else [h.first_token],
+        blocks=blocks,
+        sampling=h.sampling,
+        stop_ids=stop_ids,
+        block_size=block_size,
+        event_slot=h.event_slot,
+    )
+
+
+def refuse(peer: Peer, request_id: str, why: str) -> None:
+    """Answer a HANDOFF with BAD_REQUEST: the decode holds nothing for it."""
+    log.warning("handoff_rejected", request_id=request_id, link=peer.link_id, error=why)
+    peer.post_error(ErrorCode.BAD_REQUEST, why, request_id)
+
+
+__all__ = ["admit", "refuse"]
