@@ -4,6 +4,9 @@ The base's leases, no event ring (on CUDA `record` waits for the stream, so the 
 written before their HANDOFF leaves), REGISTER with the pool's NixlRegion, and on a push link the
 WRITEs that PUSH frames ask for (`handle_frame`):
 
+- A PUSH is written only when every source block is leased to the link it came on (the blocks
+  of a HANDOFF on that link, not yet RELEASEd): anything else is refused with PUSH_FAILED, so a
+  decode can never have the prefill send blocks that hold another request's KV, or none.
 - When the link ends (`link_lost`) the WRITEs still in flight to its decode are aborted
   (`NixlAgent.cancel`, NIXL's release) before the decode's agent is let go: the decode may
   reuse those blocks for another request. A WRITE that fails on the live link answers
@@ -60,7 +63,7 @@ class NixlProducer(Producer):
 
     def connected(self, ok: Registered, link_id: str | None = None) -> None:
         """The decode's REGISTERED on link `link_id`: on a push link, load its agent (PdkvError
-        if unusable)."""
+        if unusable). PUSHes must then name blocks leased to `link_id` (to any link if None)."""
         self._link_id = link_id
         if self.transfer != "push":
             return
@@ -82,7 +85,7 @@ class NixlProducer(Producer):
 
     def push(self, msg: Push, reply: Reply) -> None:
         """WRITE the blocks PUSH names, notifying its tag; PUSH_FAILED through `reply` if the
-        WRITE fails or cannot start (bad ids included).
+        WRITE fails or cannot start (ids outside a pool or not leased to this link included).
         Never raises."""
         try:
             if self._decode is None:
@@ -91,8 +94,10 @@ class NixlProducer(Producer):
             bn = self.pool.layout.block_nbytes
             if len(msg.src_ids) != len(msg.dst_ids) or not msg.src_ids:
                 raise PdkvError("PUSH source and destination id lists differ in length")
-            if max(msg.src_ids) >= self.pool.num_blocks or max(msg.dst_ids) >= region.nbytes // bn:
-                raise PdkvError("PUSH names a block outside a pool")
+            if max(msg.dst_ids) >= region.nbytes // bn:
+                raise PdkvError("PUSH names a block outside a pool (destination)")
+            if why := self.leased_to(msg.src_ids, self._link_id):
+                raise PdkvError(f"PUSH refused: {why}")
             runs = byte_runs(msg.src_ids, msg.dst_ids, bn, self.agent.addr, region.addr)
         except PdkvError as exc:
             log.warning("nixl_push_refused", tag=msg.tag, error=str(exc))

@@ -2,7 +2,8 @@
 processes, CPU pools), driven over a multiprocessing pipe:
 
 - `serve`: a prefill's NixlProducer. Its pool holds `pattern(seed)`; on REGISTERED it is
-  connected as link LINK.
+  connected as link LINK, with blocks 0..N-3 leased to LINK, block N-2 leased to another link
+  and block N-1 free (what a PUSH may name and what it may not).
 - `serve_decode`: a decode's pool and NixlAgent, the target of a prefill's WRITEs.
 
 `Link` is the decode's end of one link to a `serve` process: a NixlConsumer here, PUSH frames
@@ -50,6 +51,10 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
     pool.tensor.copy_(pattern(layout, seed))
     alloc = BlockAllocator(layout.num_blocks)
     producer = NixlProducer(pool, alloc, transfer=transfer, loop=loop)
+    alloc.allocate("mine", layout.num_blocks - 2)
+    producer.lease("mine", LINK, float("inf"))
+    alloc.allocate("theirs", 1)
+    producer.lease("theirs", "link-other", float("inf"))
 
     def reply(msg: Message) -> None:
         conn.send(("frame", encode(msg)))

@@ -99,6 +99,23 @@ async def test_a_pull_of_ids_outside_either_pool_never_starts(link: Link):
     assert done == [] and link.consumer.pulls_in_flight == 0
 
 
+async def test_a_push_of_blocks_not_leased_to_the_link_is_refused(link: Link):
+    """The prefill writes only blocks leased to the link the PUSH came on: block N-2 is leased
+    to another link and block N-1 to none, so PUSHes naming them get PUSH_FAILED, and the
+    decode's blocks stay as they were."""
+    if link.consumer.region.transfer == "pull":
+        pytest.skip("a pull link has no PUSH")
+    consumer, last = link.consumer, LAYOUT.num_blocks - 1
+    for src, why in (([0, last - 1], "leased to another link"), ([last], "is not leased")):
+        done: list[BaseException | None] = []
+        before = link.local.tensor[[20, 21]].clone()
+        consumer.pull(src, [20, 21][: len(src)], -1, done.append)
+        assert consumer.handle_frame(await _push_failed(link), lambda msg: None)
+        assert len(done) == 1 and isinstance(done[0], NixlTransferError), done
+        assert why in str(done[0])
+        assert torch.equal(link.local.tensor[[20, 21]], before)
+
+
 async def _push_failed(link: Link) -> PushFailed:
     """The next frame the prefill sent back, which must be a PUSH_FAILED (within 30 s)."""
     conn = link.child.conn
