@@ -60,6 +60,8 @@ async def _prefill(conn: Connection, args: argparse.Namespace, mode: str) -> Non
     pool = KVPool.create(lay, args.device)
     pool.tensor.copy_(torch.randn(lay.shape).to(pool.tensor.dtype))
     alloc = BlockAllocator(lay.num_blocks)
+    alloc.allocate("bench", lay.num_blocks)  # every block handed to the one link: PUSH may name it
+    alloc.lease("bench", "bench-link")
     if mode == "ipc":
         producer: KVProducer = KVProducer(pool, alloc, None, event_slots=4)  # type: ignore[arg-type]
     else:
@@ -72,7 +74,7 @@ async def _prefill(conn: Connection, args: argparse.Namespace, mode: str) -> Non
                 return
             if cmd == "registered":
                 assert isinstance(producer, NixlProducer)
-                producer.connected(decode(arg))  # type: ignore[arg-type]
+                producer.connected(decode(arg), "bench-link")  # type: ignore[arg-type]
                 conn.send("ok")
             elif cmd == "push":
                 assert isinstance(producer, NixlProducer)

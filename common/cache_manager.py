@@ -33,14 +33,13 @@ import torch
 
 from common.allocator import BlockAllocator
 from common.errors import IpcError, PdkvError
-from common.fd_inbox import close_fds
 from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
 from common.layerwise import LayerSynchronizer, TransferTask, start_layerwise
 from common.protocol import ErrorCode, Register, decode, encode
 from common.protocol.version import MAGIC
 from common.transfer import KVConsumer, KVProducer, TransferRefused
-from common.transfer.regions import default_backend, export_region, open_region
+from common.transfer.regions import close_fds, default_backend, export_region, open_region
 
 _ids = itertools.count(1)
 

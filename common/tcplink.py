@@ -4,8 +4,11 @@ Contract:
 - `parse_tcp(url)` → (host, port), ValueError naming the expected form otherwise.
 - `load_link_key(path)` reads the shared secret: a regular file, mode 0600 or stricter (no group
   or other bits), at least MIN_KEY_BYTES bytes after stripping whitespace; PdkvError otherwise.
-- `tcp_settings(cfg, address)` is the startup check of a daemon with a TCP link: the address
-  parses, a key file is given and loads, NIXL imports; PdkvError with what to do otherwise.
+- `tcp_settings(address, key_file, option)` is the startup check of a TCP link's address and
+  key: the address parses, a key file is given and loads; PdkvError with what to do otherwise.
+  (Whether the transport that moves the KV over such a link can run is the transport's own
+  check: `common.transfer.registry.transport("tcp").check()`; this module is the wire layer
+  and knows no transport.)
 - The handshake (docs/protocol.md, "Links across hosts"): the prefill's HELLO carries its nonce,
   HELLO_OK the decode's nonce and `proof(key, "decode", ...)`, the prefill's REGISTER
   `proof(key, "prefill", ...)`. Each side checks the other's with `proof_ok` (constant time) and
@@ -80,8 +83,6 @@ def load_link_key(path: Path) -> bytes:
 
 def tcp_settings(address: str, key_file: Path | None, option: str) -> TcpSettings:
     """Startup check of a TCP link option (`option` is its name, for the message)."""
-    from common.transfer.nixl_agent import load_nixl
-
     try:
         host, port = parse_tcp(address)
     except ValueError as exc:
@@ -90,9 +91,7 @@ def tcp_settings(address: str, key_file: Path | None, option: str) -> TcpSetting
         raise PdkvError(
             f"{option} {address} needs --link-key-file: a TCP link is never unauthenticated"
         )
-    key = load_link_key(key_file)
-    load_nixl()  # PdkvError saying what to install
-    return TcpSettings(host, port, key)
+    return TcpSettings(host, port, load_link_key(key_file))
 
 
 def new_nonce() -> str:

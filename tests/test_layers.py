@@ -128,3 +128,27 @@ def test_only_the_app_imports_the_app():
     for name, deps in _graph().items():
         if not name.startswith("pdkv"):
             assert not any(d == "pdkv" or d.startswith("pdkv.") for d in deps), name
+
+
+WIRE = ("common.channel", "common.tcplink", "common.fd_inbox", "common.frame_reader")
+TRANSFER = ("common.transfer", "common.cache_manager", "common.layerwise")
+
+
+def _in(name: str, layer: tuple[str, ...]) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in layer)
+
+
+def test_the_wire_and_the_transfer_meet_only_in_the_message_types():
+    """Frames, channels and links carry the transfer's messages and never import it; the
+    transfer imports of the wire only its message types (common.protocol)."""
+    graph = _graph()
+    wire = [n for n in graph if _in(n, WIRE) or _in(n, ("common.protocol",))]
+    assert {"common.channel", "common.tcplink", "common.fd_inbox"} <= set(wire)
+    for name in wire:
+        into = {d for d in graph[name] if _in(d, TRANSFER)}
+        assert not into, f"{name} imports {into}"
+    transfer = [n for n in graph if _in(n, TRANSFER)]
+    assert "common.transfer.registry" in transfer
+    for name in transfer:
+        down = {d for d in graph[name] if _in(d, WIRE)}
+        assert not down, f"{name} imports {down} (the wire's message types are common.protocol)"

@@ -1,18 +1,22 @@
 """The KV transfer, in one home with two sides (the shape of vLLM's KV connector).
 
-- `producer.KVProducer` (the prefill's, one per process): exports the pool once, owns the event
-  ring (acquire, record, quarantine, release), builds the REGISTER payload and keeps the leases.
-- `consumer.KVConsumer` (the decode's, one per link): opens the peer's pool once, validates a
-  HANDOFF, starts pulls (event wait + copy, ordered on the pull stream; on CUDA the reader waits
-  on the returned event, and `completion.CompletionWaiter` reports the copy done for RELEASE),
-  tracks pulls in flight, closes.
+- `interface`: what every transport does (`Producer`, the prefill's, one per process;
+  `Consumer`, the decode's, one per link) and what it declares it can do (`Capabilities`).
+- `registry`: the transport of each link kind ("unix", "tcp"), its producer and, once per
+  daemon, the resources its consumers share; the daemons get their sides only from here.
+- The IPC pair for one host: `producer.KVProducer` (exports the pool once, owns the event ring),
+  `consumer.KVConsumer` (maps the peer's pool once per link; on CUDA `completion` reports a
+  pull's copy done for RELEASE), `regions` (export once / open once); `unix_transport`.
+- The NIXL pair across hosts: `nixl_producer`, `nixl_consumer` (`nixl_sides` imports both),
+  `nixl_agent` + `nixl_worker` (one agent per process); `nixl_transport`.
 
-Both copy through `KVPool.copy_blocks_from`, the one block copy for every backend; the daemons
-and `common.cache_manager.CacheManager` use the same objects. Messages cross between the sides only
-as `common.protocol` frames (REGISTER → consumer, HANDOFF → consumer, RELEASE → producer).
+Messages cross between the sides only as `common.protocol` frames (REGISTER → consumer, HANDOFF
+→ consumer, RELEASE → producer, and a transport's own frames through `handle_frame`).
+`common.cache_manager.CacheManager` uses the same IPC objects as the daemons.
 """
 
-from common.transfer.consumer import KVConsumer, TransferRefused
+from common.transfer.consumer import KVConsumer
+from common.transfer.interface import Capabilities, Consumer, Producer, TransferRefused
 from common.transfer.producer import KVProducer
 
-__all__ = ["KVConsumer", "KVProducer", "TransferRefused"]
+__all__ = ["Capabilities", "Consumer", "KVConsumer", "KVProducer", "Producer", "TransferRefused"]

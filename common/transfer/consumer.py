@@ -1,31 +1,18 @@
-"""The consumer side of the KV transfer (the decode's): one per link, over the peer's pool.
+"""The IPC consumer (the decode's side of a Unix-socket link): one per link, over the peer's pool.
 
-Contract:
-- `KVConsumer.open(reg, fds, local)` once per link, from the peer's REGISTER: the peer's pool is
-  mapped (in `local`'s device context, so the copy kernel can read it) and its event ring opened.
-  TransferRefused (with the ERROR code to answer) when the REGISTER cannot be honoured; the fds
-  are closed either way.
-- `validate(handoff, vocab_size)` checks one HANDOFF against the peer's pool and this link's
-  ring; ValueError or IpcError with the reason.
-- `pull(src_ids, dst_ids, slot, done)` starts the copy of peer blocks into `local`, ordered after
-  the peer's writes, and returns what a reader must wait on:
-  - CPU: the copy runs inline (the frame was the signal); `done(None)` runs before `pull`
-    returns, and `pull` returns None: the blocks may be read at once.
+`KVConsumer` is `interface.Consumer` for a peer on this host, whose pool it maps:
+- `KVConsumer.open(reg, take_fds, local, stream)` once per link, from the peer's REGISTER: the
+  peer's pool is mapped (in `local`'s device context, so the copy kernel can read it) and its
+  event ring opened. TransferRefused (with the ERROR code to answer) when the REGISTER cannot
+  be honoured; the fds are closed either way.
+- `plan` checks ids and, on CUDA, prepares the kernel launch (the decode plans an early
+  HANDOFF's pull while the prefill computes), so `start` is the enqueue alone:
+  - CPU: the copy runs inline (the frame was the signal); `done(None)` runs before `start`
+    returns, and `start` returns None: the blocks may be read at once.
   - CUDA: the pull stream waits on the peer's event `slot` (the GPU waits, not the CPU), the copy
-    is enqueued behind it, and `pull` returns an event recorded after the copy. Nothing waits on
-    the host: a reader makes its own stream wait on that event (`stream.wait_event`) before it
-    reads the blocks, and may be enqueued at once. A waiter thread (transfer.completion) observes
-    the event and runs `done(None)` on the loop once the copy is complete, or `done(exc)` if it
-    failed.
-  - NIXL (transfer.nixl_sides, a sibling with the same calls): the blocks arrive by a transfer
-    that no local stream can wait on; `pull` returns `AFTER_DONE`: the blocks may be read only
-    once `done(None)` has run.
-  `pull` raises (IpcError, PdkvError, a CUDA error) when the copy could not be started; then
-  `done` never runs. Otherwise `done` runs exactly once, and a RELEASE may go out only then: the
-  peer may overwrite its blocks and re-record the event slot after it.
-- `plan(src_ids, dst_ids, slot)` then `start(plan, done)` is `pull` in two steps: the checks and
-  everything the launch needs worked out first (the decode plans an early HANDOFF's pull while
-  the prefill computes), so starting it is the enqueue alone.
+    is enqueued behind it, and `start` returns an event recorded after the copy. A reader makes
+    its own stream wait on that event before it reads the blocks; a waiter thread
+    (transfer.completion) observes the event and runs `done` on the loop once it completed.
 - `drain()` waits until every started pull has completed and its `done` has run; `close()`
   (idempotent, after drain) unmaps the peer's pool, closes its events and stops the waiter. A
   mapping is never closed under a copy that reads it.
@@ -34,11 +21,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import structlog
 import torch
@@ -52,35 +35,22 @@ from common.kvpool import KVPool, PoolLayout
 from common.model.paged import blocks_for
 from common.protocol import ErrorCode, Handoff, Register
 from common.transfer.completion import CompletionWaiter
-from common.transfer.regions import open_region
+from common.transfer.interface import (
+    AFTER_DONE,
+    Consumer,
+    PullDone,
+    PullPlan,
+    Ready,
+    TransferRefused,
+)
+from common.transfer.regions import close_fds, open_region
 
 log = structlog.get_logger(__name__)
-PullDone = Callable[[BaseException | None], None]
-Ready = Any  # a torch.cuda.Event on CUDA (anything with synchronize(): completion.Waitable)
-#: What `pull` returns when the blocks may be read only after `done(None)` (NIXL transfers).
-AFTER_DONE: Any = object()
 
 
-@dataclass(frozen=True, slots=True)
-class PullPlan:
-    """A checked pull, ready to start (KVConsumer.plan); `kernel` is the prepared launch on a
-    GPU (common.blockcopy.KernelCopy), None where the copy goes through copy_blocks_from."""
+class KVConsumer(Consumer):
+    """`interface.Consumer` over a peer pool mapped into this process (module docstring)."""
 
-    src_ids: list[int]
-    dst_ids: list[int]
-    slot: int
-    kernel: Any = None
-
-
-class TransferRefused(PdkvError):
-    """A REGISTER the consumer cannot honour; `code` is the ERROR to answer with."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class KVConsumer:
     def __init__(
         self,
         local: KVPool,
@@ -117,6 +87,8 @@ class KVConsumer:
             event_handles = reg.event_handle_list()
             if event_handles and local.device.type != "cuda":
                 raise ValueError("event handles on a CPU link (the frame is the signal there)")
+            if reg.nixl is not None:
+                raise ValueError("a NIXL REGISTER on a Unix-socket link")
         except (PdkvError, ValueError) as exc:
             raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
         check_same_blocks(local.layout, layout)
@@ -128,7 +100,7 @@ class KVConsumer:
         try:
             backend_for(descs[0].kind)  # an unknown kind is INCOMPATIBLE, not a bad REGISTER
         except PdkvError as exc:
-            _close_fds(fds)
+            close_fds(fds)
             raise TransferRefused(ErrorCode.INCOMPATIBLE, str(exc)) from exc
         try:
             region = open_region(descs[0], fds, local.device)  # owns the fds from here on
@@ -158,6 +130,10 @@ class KVConsumer:
     def kind(self) -> str:
         return self._region.desc.kind
 
+    @property
+    def peer_blocks(self) -> int:
+        return self._peer().num_blocks
+
     def into(self, local: KVPool) -> KVConsumer:
         """This link, pulling into another local pool of the same layout on the same device
         (CacheManager pulls one import into many caches). The view shares the mapping, the ring
@@ -177,17 +153,9 @@ class KVConsumer:
         events = len(self._events) if self._events is not None else 0
         check_handoff(h, vocab_size, self.local.layout.block_size, self.peer.num_blocks, events)
 
-    # ---- pulls -----------------------------------------------------------------------------------
-    def pull(
-        self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone
-    ) -> Ready | None:
-        """Start copying peer blocks src_ids into local dst_ids; returns None when the copy is
-        complete already (CPU), else the event a reader's stream waits on. As the module
-        docstring says: raises if the copy could not be started, else `done` runs once."""
-        return self.start(self.plan(src_ids, dst_ids, slot), done)
-
+    # ---- pulls ---------------------------------------------------------------------------------
     def plan(self, src_ids: list[int], dst_ids: list[int], slot: int) -> PullPlan:
-        """The pull checked and prepared, not started (IpcError as `pull` would raise)."""
+        """The pull checked and prepared, not started (IpcError if it cannot be made)."""
         peer = self._peer()
         if slot >= 0 and self._events is not None and slot >= len(self._events):
             raise IpcError(f"event slot {slot} out of range for a ring of {len(self._events)}")
@@ -197,7 +165,9 @@ class KVConsumer:
         return PullPlan(src_ids, dst_ids, slot, kernel)
 
     def start(self, plan: PullPlan, done: PullDone) -> Ready | None:
-        """Start a planned pull: `pull`'s contract (returns, raises and calls `done` as it)."""
+        """Start a planned pull: None when the copy is complete already (CPU), else the event a
+        reader's stream waits on; raises if the copy could not be started, else `done` runs
+        once."""
         peer = self._peer()
         if self._stream is None:
             self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids)
@@ -304,12 +274,6 @@ def check_handoff(
         check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which
     if h.event_slot >= event_slots:
         raise ValueError(f"event slot {h.event_slot} does not exist on this link")
-
-
-def _close_fds(fds: list[int]) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
 
 
 __all__ = [

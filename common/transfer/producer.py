@@ -1,19 +1,14 @@
-"""The producer side of the KV transfer (the prefill's): one per process, over the daemon's pool.
+"""The IPC producer (the prefill's side of a Unix-socket link): one per process, over the pool.
 
-Contract, in the order a request meets it:
+`KVProducer` is `interface.Producer` for peers on this host:
 - The pool is exported once, at construction; `register()` gives every new link the same
   REGISTER frame and the fds that travel with it (still owned here: the kernel duplicates them).
-- Per request, on CUDA: `acquire_slot()` before the request's writes, `record(slot, stream)` right
-  after them on the same stream; the slot is named in the HANDOFF. On CPU there is no event ring
-  (the HANDOFF frame itself orders after the writes): `acquire_slot()` gives -1 and every slot verb
-  ignores -1.
-- `lease(rid, link_id, deadline)` when the HANDOFF goes out; the blocks are the link's to read.
-- `released(rid, slot)` on the peer's RELEASE: the blocks are freed and the slot is free again.
+- On CUDA it owns the event ring: `acquire_slot()` before a request's writes, `record(slot,
+  stream)` right after them on the same stream; the slot is named in the HANDOFF. On CPU there
+  is no ring (the HANDOFF frame itself orders after the writes): every slot is -1, ignored.
 - A slot named in a HANDOFF whose request ended without a RELEASE is `quarantine`d: the peer may
   still wait on it, and `cudaStreamWaitEvent` binds to the latest record at call time, so it is
   recorded again only after a late RELEASE (`ack_late`) or the end of the link (`link_lost`).
-- `link_lost(link_id)` frees every lease of that link; `expired(now)` frees overdue leases.
-- `close()` once, after the last link ended.
 
 Block allocation (allocate/free) stays with the caller; the producer only leases what it owns.
 """
@@ -27,17 +22,19 @@ from common.allocator import BlockAllocator
 from common.ipc.events import EventRing
 from common.kvpool import KVPool
 from common.protocol import Register
+from common.transfer.interface import Producer
 from common.transfer.regions import export_region
 
 log = structlog.get_logger(__name__)
 
 
-class KVProducer:
+class KVProducer(Producer):
+    """`interface.Producer` over a pool exported to peers on this host (module docstring)."""
+
     def __init__(
-        self, pool: KVPool, allocator: BlockAllocator, backend: str, *, event_slots: int
+        self, pool: KVPool, allocator: BlockAllocator, backend: str | None, *, event_slots: int
     ) -> None:
-        self.pool = pool
-        self.allocator = allocator
+        super().__init__(pool, allocator)
         device = pool.device
         if device.type == "cuda":
             torch.cuda.set_device(device)  # CUDA calls from the loop thread: export, events
@@ -45,18 +42,17 @@ class KVProducer:
         self.events = EventRing.create(event_slots, device) if device.type == "cuda" else None
         self._quarantine: set[int] = set()
 
-    @property
-    def event_slots(self) -> int:
-        return len(self.events) if self.events is not None else 0
-
     def register(self) -> tuple[Register, list[int]]:
-        """The REGISTER frame for a new link and the fds to send with it."""
         fds = self.region.fds()
         handles = self.events.handles() if self.events is not None else []
         reg = Register.build(self.pool.layout.to_wire(), [self.region.desc], [len(fds)], handles)
         return reg, fds
 
     # ---- event slots -----------------------------------------------------------------------------
+    @property
+    def event_slots(self) -> int:
+        return len(self.events) if self.events is not None else 0
+
     def acquire_slot(self) -> int | None:
         """A slot to record after this request's writes: -1 without a ring, None if all busy."""
         if self.events is None:
@@ -86,32 +82,13 @@ class KVProducer:
             return True
         return False
 
-    # ---- leases ----------------------------------------------------------------------------------
-    def lease(self, request_id: str, link_id: str, deadline: float) -> None:
-        self.allocator.lease(request_id, link_id, deadline)
-
-    def released(self, request_id: str, slot: int) -> bool:
-        """RELEASE for a live request: free its blocks and slot; False if it holds none (late)."""
-        if request_id not in self.allocator:
-            return False
-        self.allocator.release(request_id)
-        self.drop_slot(slot)
-        return True
-
     def link_lost(self, link_id: str) -> list[str]:
         """The link ended: free its leases (returned) and every quarantined slot (the peer closed
         its event handles with the link)."""
-        freed = self.allocator.release_holder(link_id) if link_id else []
+        freed = super().link_lost(link_id)
         for slot in list(self._quarantine):
             self.ack_late(slot)
         return freed
-
-    def expired(self, now: float) -> list[str]:
-        """Free every lease whose deadline is <= now; their request ids, earliest first."""
-        overdue = self.allocator.expired(now)
-        for rid in overdue:
-            self.allocator.free(rid)
-        return overdue
 
     def close(self) -> None:
         """Idempotent; never raises."""

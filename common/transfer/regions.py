@@ -3,10 +3,13 @@
 `export_region` is the owner's (once per pool per process: the descriptor is re-sent to every
 peer); `open_region` the importer's (once per pool per link), mapped in the importer's device
 context so the copy kernel on that device can read it. `default_backend` names the backend a
-device uses when none is chosen.
+device uses when none is chosen; `close_fds` closes fds that no mapping took over.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import torch
 
@@ -35,4 +38,11 @@ def open_region(desc: RegionDescriptor, fds: list[int], device: torch.device) ->
     return backend_for(desc.kind).open_for(desc, fds, device)
 
 
-__all__ = ["default_backend", "export_region", "open_region"]
+def close_fds(fds: list[int]) -> None:
+    """Close each fd, ignoring any already closed."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+__all__ = ["close_fds", "default_backend", "export_region", "open_region"]

@@ -4,71 +4,24 @@ CPU pools): the prefill's NixlProducer in a child, the decode's NixlConsumer her
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 from collections.abc import AsyncIterator
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
 
+from common.errors import IpcError
 from common.kvpool import KVPool, block_runs
-from common.protocol import Message, Push, PushFailed, Register, Registered, decode, encode
+from common.protocol import PushFailed, decode
+from common.transfer.interface import AFTER_DONE, PullPlan
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError
-from common.transfer.nixl_sides import NixlConsumer, byte_runs
-from tests.crosshost import nixl_peer
-from tests.crosshost.nixl_peer import LAYOUT, pattern
+from common.transfer.nixl_sides import byte_runs
+from tests.crosshost.nixl_peer import LAYOUT, Link, pattern
 
 SEED = 3
 # one prefill process per transfer mode for the whole module: starting one costs seconds
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-class Link:
-    """The decode's end of one link: a NixlConsumer over a child's pool, PUSH relayed to it."""
-
-    def __init__(self, conn, proc, local: KVPool, agent: NixlAgent) -> None:  # type: ignore[no-untyped-def]
-        self.conn, self.proc = conn, proc
-        self.local, self.agent = local, agent
-        self.loop = asyncio.get_running_loop()
-        self.consumer: NixlConsumer
-
-    @classmethod
-    async def connect(cls, transfer: str, seed: int, local: KVPool, agent: NixlAgent) -> Link:
-        """Start a prefill process with pool `pattern(seed)`, then REGISTER / REGISTERED."""
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=nixl_peer.serve, args=(child, transfer, seed), daemon=True)
-        proc.start()
-        link = cls(parent, proc, local, agent)
-        parent.send(("register", None))
-        kind, frame = await link.recv()
-        reg = decode(frame)  # type: ignore[arg-type]
-        assert kind == "frame" and isinstance(reg, Register) and reg.nixl is not None
-        link.consumer = NixlConsumer.open(reg, local, agent, link.post)
-        nixl = agent.region(transfer) if transfer == "push" else None
-        parent.send(("registered", encode(Registered(num_blocks=LAYOUT.num_blocks, nixl=nixl))))
-        assert (await link.recv())[0] == "ok"
-        return link
-
-    def post(self, msg: Message) -> None:
-        assert isinstance(msg, Push)
-        self.conn.send(("push", encode(msg)))
-
-    async def recv(self) -> tuple[str, object]:
-        return await self.loop.run_in_executor(None, self.conn.recv)
-
-    async def pull(self, src: list[int], dst: list[int]) -> BaseException | None:
-        fut: asyncio.Future[BaseException | None] = self.loop.create_future()
-        self.consumer.pull(src, dst, -1, fut.set_result)
-        return await asyncio.wait_for(fut, 30)
-
-    async def close(self) -> None:
-        await self.consumer.drain()
-        self.consumer.close()
-        self.conn.send(("stop", None))
-        self.proc.join(10)
-        if self.proc.is_alive():
-            self.proc.kill()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["pull", "push"])
@@ -113,24 +66,64 @@ async def test_many_transfers_in_flight_each_complete_once(link: Link):
 
 
 async def test_a_failed_transfer_fails_that_request_only(link: Link):
-    if link.consumer.region.transfer == "pull":
-        # a real NIXL failure: the peer agent is unknown to ours when the READ is posted
-        link.agent.remove_peer(link.consumer.peer_agent)
-        err = await link.pull([1], [1])
+    consumer = link.consumer
+    if consumer.region.transfer == "pull":
+        # a real NIXL failure: the READ names memory the peer never registered (its REGISTER
+        # gave a wrong address)
+        region = consumer.region
+        consumer.region = msgspec.structs.replace(region, addr=region.addr + region.nbytes)
+        try:
+            err = await link.pull([1], [1])
+        finally:
+            consumer.region = region
         assert isinstance(err, NixlTransferError)
-        link.agent.add_peer(link.consumer.region)
     else:
         # the prefill refuses a WRITE outside the decode's pool and says so (PUSH_FAILED)
         done: list[BaseException | None] = []
-        link.consumer.pull([1], [LAYOUT.num_blocks + 5], -1, done.append)
-        kind, frame = await link.recv()
-        failed = decode(frame)  # type: ignore[arg-type]
-        assert kind == "frame" and isinstance(failed, PushFailed)
-        link.consumer.push_failed(failed)
+        plan = PullPlan([1], [LAYOUT.num_blocks + 5], -1)  # past the consumer's own checks
+        assert consumer.start(plan, done.append) is AFTER_DONE
+        failed = await _push_failed(link)
+        assert consumer.handle_frame(failed, lambda msg: None)
         assert len(done) == 1 and isinstance(done[0], NixlTransferError)
         assert "outside" in str(done[0])
     assert await link.pull([2, 3], [5, 6]) is None  # the link goes on
     assert torch.equal(link.local.tensor[[5, 6]], pattern(LAYOUT, SEED)[[2, 3]])
+
+
+async def test_a_pull_of_ids_outside_either_pool_never_starts(link: Link):
+    done: list[BaseException | None] = []
+    with pytest.raises(IpcError, match="source block ids"):
+        link.consumer.pull([LAYOUT.num_blocks], [0], -1, done.append)
+    with pytest.raises(IpcError, match="destination block ids repeat"):
+        link.consumer.pull([0, 1], [3, 3], -1, done.append)
+    assert done == [] and link.consumer.pulls_in_flight == 0
+
+
+async def test_a_push_of_blocks_not_leased_to_the_link_is_refused(link: Link):
+    """The prefill writes only blocks leased to the link the PUSH came on: block N-2 is leased
+    to another link and block N-1 to none, so PUSHes naming them get PUSH_FAILED, and the
+    decode's blocks stay as they were."""
+    if link.consumer.region.transfer == "pull":
+        pytest.skip("a pull link has no PUSH")
+    consumer, last = link.consumer, LAYOUT.num_blocks - 1
+    for src, why in (([0, last - 1], "leased to another link"), ([last], "is not leased")):
+        done: list[BaseException | None] = []
+        before = link.local.tensor[[20, 21]].clone()
+        consumer.pull(src, [20, 21][: len(src)], -1, done.append)
+        assert consumer.handle_frame(await _push_failed(link), lambda msg: None)
+        assert len(done) == 1 and isinstance(done[0], NixlTransferError), done
+        assert why in str(done[0])
+        assert torch.equal(link.local.tensor[[20, 21]], before)
+
+
+async def _push_failed(link: Link) -> PushFailed:
+    """The next frame the prefill sent back, which must be a PUSH_FAILED (within 30 s)."""
+    conn = link.child.conn
+    assert await link.loop.run_in_executor(None, conn.poll, 30), "no PUSH_FAILED came back"
+    kind, frame = conn.recv()
+    failed = decode(frame)  # type: ignore[arg-type]
+    assert kind == "frame" and isinstance(failed, PushFailed)
+    return failed
 
 
 async def test_drain_waits_for_a_read_started_as_the_last_one_completed(link: Link):
@@ -150,12 +143,9 @@ async def test_drain_waits_for_a_read_started_as_the_last_one_completed(link: Li
 
     link.consumer.pull([1], [1], -1, first_done)
     await link.consumer.drain()
-    try:
-        assert first == [None]
-        assert later == [None] * 3 * LAYOUT.num_blocks
-        assert torch.equal(link.local.tensor, pattern(LAYOUT, SEED))
-    finally:
-        link.agent.add_peer(link.consumer.region)  # drain disconnected it: the link goes on
+    assert first == [None]
+    assert later == [None] * 3 * LAYOUT.num_blocks
+    assert torch.equal(link.local.tensor, pattern(LAYOUT, SEED))
 
 
 async def test_drain_waits_for_reads_and_fails_pushes_still_awaited(link: Link):

@@ -1,0 +1,246 @@
+"""What every KV transport does, on each side of a link, and what it declares it can do.
+
+A transport is a producer (the prefill's side, one per process) and a consumer (the decode's
+side, one per link), the shape of vLLM's KV connector: the daemons hold a `Producer` and a
+`Consumer` and never test which transport they have. What differs between transports is
+declared in `Capabilities`, not discovered by the caller:
+
+- `stream_wait`: a pull's `start` returns what a reader's stream waits on (a CUDA event; None
+  when the blocks are readable at once). Without it `start` returns AFTER_DONE and the blocks
+  are readable only once `done(None)` has run (a NIXL transfer: no local stream can wait on it).
+- `early_handoff`: a HANDOFF may go out before its KV is written (no first token); the consumer
+  plans the pull and starts it on KV_READY.
+- `frames`: the link frames this side takes in `handle_frame(msg, reply)` (NIXL's PUSH on the
+  producer, PUSH_FAILED on the consumer); any other frame is the daemon's.
+
+Abstract base classes, not `typing.Protocol`: both sides share real code (leases and the
+slot-less defaults on the producer, `pull` as plan + start on the consumer, no-op hooks), a
+subclass that misses a verb fails when it is built rather than when a request first calls it,
+and a transport is registered by name (common.transfer.registry), never matched by its shape.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.allocator import BlockAllocator
+from common.errors import PdkvError
+from common.kvpool import KVPool
+from common.protocol import ErrorCode, Handoff, Message, MsgType, Register, Registered
+
+PullDone = Callable[[BaseException | None], None]
+Reply = Callable[[Message], None]
+Ready = Any  # a torch.cuda.Event on CUDA (anything with synchronize(): completion.Waitable)
+#: What `start`/`pull` return when the blocks may be read only after `done(None)`.
+AFTER_DONE: Any = object()
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What one side of a transport can do (module docstring)."""
+
+    stream_wait: bool
+    early_handoff: bool
+    frames: frozenset[MsgType] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """A checked pull, ready to start (`Consumer.plan`); `kernel` is the prepared launch on a
+    GPU (common.blockcopy.KernelCopy), None where the copy needs none."""
+
+    src_ids: list[int]
+    dst_ids: list[int]
+    slot: int
+    kernel: Any = None
+
+
+class TransferRefused(PdkvError):
+    """A REGISTER the consumer cannot honour; `code` is the ERROR to answer with."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Producer(ABC):
+    """The prefill's side: one per process, over the daemon's pool and allocator.
+
+    Contract, in the order a link and a request meet it:
+    - `register()` gives every new link its REGISTER frame and the fds that travel with it
+      (still owned here); `connected(registered, link_id)` takes the decode's REGISTERED.
+    - Per request: `acquire_slot()` before the writes (-1 where the transport has no event
+      ring, None while every slot is busy), `record(slot, stream)` right after them;
+      `lease(rid, link_id, deadline)` when its HANDOFF goes out; `released(rid, slot)` on the
+      RELEASE; `quarantine(slot)` / `ack_late(slot)` / `drop_slot(slot)` for a slot of a
+      request that ended otherwise.
+    - `handle_frame(msg, reply)` takes the frames in `caps.frames`; True when it took `msg`.
+    - `link_lost(link_id)` frees that link's leases and stops what still moves to its peer;
+      `expired(now)` frees overdue leases; `close()` once, after the last link ended.
+    """
+
+    caps = Capabilities(stream_wait=True, early_handoff=True)
+
+    def __init__(self, pool: KVPool, allocator: BlockAllocator) -> None:
+        self.pool = pool
+        self.allocator = allocator
+
+    @abstractmethod
+    def register(self) -> tuple[Register, list[int]]:
+        """The REGISTER frame for a new link and the fds to send with it."""
+
+    def connected(self, ok: Registered, link_id: str | None = None) -> None:
+        """The decode's REGISTERED on link `link_id`; PdkvError if the link cannot be used."""
+        return None
+
+    def handle_frame(self, msg: Message, reply: Reply) -> bool:
+        """Take a frame of this transport's own (`caps.frames`); False for any other."""
+        return False
+
+    # ---- event slots: none unless the transport has a ring ---------------------------------------
+    @property
+    def event_slots(self) -> int:
+        return 0
+
+    def acquire_slot(self) -> int | None:
+        return -1
+
+    def record(self, slot: int, stream: object = None) -> None:
+        """After the writes `slot` covers, on their stream (torch thread)."""
+        return None
+
+    def drop_slot(self, slot: int) -> None:
+        """The request ended before the peer could wait on `slot`."""
+        return None
+
+    def quarantine(self, slot: int) -> None:
+        """The request ended after its HANDOFF but before its RELEASE."""
+        return None
+
+    def ack_late(self, slot: int) -> bool:
+        """A RELEASE for a request already gone; True if it freed a quarantined slot."""
+        return False
+
+    # ---- leases ----------------------------------------------------------------------------------
+    def lease(self, request_id: str, link_id: str, deadline: float) -> None:
+        self.allocator.lease(request_id, link_id, deadline)
+
+    def released(self, request_id: str, slot: int) -> bool:
+        """RELEASE for a live request: free its blocks and slot; False if it holds none (late)."""
+        if request_id not in self.allocator:
+            return False
+        self.allocator.release(request_id)
+        self.drop_slot(slot)
+        return True
+
+    def leased_to(self, block_ids: list[int], link_id: str | None) -> str | None:
+        """None when every block is leased to `link_id` (to any link where it is None), else
+        why not, naming the first block that is not."""
+        for block in block_ids:
+            if not 0 <= block < self.allocator.total:
+                return f"block {block} is outside the pool of {self.allocator.total}"
+            owner = self.allocator.owner_of(block)
+            lease = self.allocator.lease_of(owner) if owner is not None else None
+            if lease is None:
+                return f"block {block} is not leased"
+            if link_id is not None and lease.holder != link_id:
+                return f"block {block} is leased to another link"
+        return None
+
+    def link_lost(self, link_id: str) -> list[str]:
+        """The link ended: free its leases; the request ids freed."""
+        return self.allocator.release_holder(link_id) if link_id else []
+
+    def expired(self, now: float) -> list[str]:
+        """Free every lease whose deadline is <= now; their request ids, earliest first."""
+        overdue = self.allocator.expired(now)
+        for rid in overdue:
+            self.allocator.free(rid)
+        return overdue
+
+    @abstractmethod
+    def close(self) -> None:
+        """Idempotent; never raises."""
+
+
+class Consumer(ABC):
+    """The decode's side: one per link, over the peer's pool, pulling into `local`.
+
+    Contract:
+    - Opened once per link from the peer's REGISTER (common.transfer.registry's ConsumerSide);
+      `registered()` is the REGISTERED to answer with.
+    - `validate(handoff, vocab_size)` checks one HANDOFF; ValueError or IpcError with why.
+    - `plan(src_ids, dst_ids, slot)` checks and prepares a pull (IpcError if it cannot be made);
+      `start(plan, done)` starts it, ordered after the peer's writes, and returns what a reader
+      waits on (`caps.stream_wait`: an event, or None when the copy is complete already; else
+      AFTER_DONE). `start` raises when the copy could not be started, and then `done` never
+      runs; otherwise `done(None)` or `done(exc)` runs exactly once, on the loop, once the
+      transfer is over: nothing writes the destination blocks after it, so they may be freed
+      then, and a RELEASE may go out. `pull` is plan + start.
+    - `handle_frame(msg, reply)` takes the frames in `caps.frames`; True when it took `msg`.
+    - `drain()` waits (bounded where the transport can hang) until no pull reads the peer's
+      pool; `close()` (idempotent, after drain) lets go of the peer; a pull whose `done` has
+      not run keeps what it uses until it is over.
+    """
+
+    caps = Capabilities(stream_wait=True, early_handoff=True)
+    local: KVPool
+
+    @property
+    @abstractmethod
+    def kind(self) -> str:
+        """The transport as logs and STATUS name it (the IPC backend, nixl-push, ...)."""
+
+    @property
+    @abstractmethod
+    def peer_blocks(self) -> int:
+        """How many blocks the peer's pool has."""
+
+    def registered(self) -> Registered:
+        """The REGISTERED answering the REGISTER this consumer was opened from."""
+        return Registered(num_blocks=self.local.num_blocks)
+
+    @abstractmethod
+    def validate(self, h: Handoff, vocab_size: int) -> None: ...
+
+    @abstractmethod
+    def plan(self, src_ids: list[int], dst_ids: list[int], slot: int) -> PullPlan: ...
+
+    @abstractmethod
+    def start(self, plan: PullPlan, done: PullDone) -> Ready | None: ...
+
+    def pull(
+        self, src_ids: list[int], dst_ids: list[int], slot: int, done: PullDone
+    ) -> Ready | None:
+        """Plan and start a pull of peer blocks src_ids into local dst_ids."""
+        return self.start(self.plan(src_ids, dst_ids, slot), done)
+
+    def handle_frame(self, msg: Message, reply: Reply) -> bool:
+        """Take a frame of this transport's own (`caps.frames`); False for any other."""
+        return False
+
+    @property
+    @abstractmethod
+    def pulls_in_flight(self) -> int: ...
+
+    @abstractmethod
+    async def drain(self) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+__all__ = [
+    "AFTER_DONE",
+    "Capabilities",
+    "Consumer",
+    "Producer",
+    "PullDone",
+    "PullPlan",
+    "Ready",
+    "Reply",
+    "TransferRefused",
+]

@@ -1,0 +1,219 @@
+"""The NIXL consumer (the decode's side of a TCP link): `interface.Consumer` across hosts.
+
+No memory is shared and no fd or CUDA event crosses hosts: each daemon registers its own pool
+with its NixlAgent once; REGISTER carries the prefill's agent and pool (`NixlRegion`), REGISTERED
+the decode's (`registered()`, on a push link). One NIXL request per HANDOFF:
+
+- **pull** (`transfer="pull"`): the decode READs the HANDOFF's blocks into its own; fast where
+  UCX has RDMA (NICs, NVLink), slow over TCP (UCX emulates the read with active messages).
+- **push** (`transfer="push"`, the default): the decode sends PUSH (a tag unique in the decode's
+  agent, source and destination ids); the prefill WRITEs the runs with the notification
+  `pdkv-push:<tag>`, which NIXL delivers after the data and the decode awaits. A WRITE that
+  fails comes back as PUSH_FAILED (`handle_frame`).
+
+No local stream can wait on either: `start` returns AFTER_DONE and the blocks are read only
+after `done(None)`. A failed transfer fails that request only (NixlTransferError), never the
+link. A READ's `done` runs when NIXL reports it DONE or ERR, never before, since the decode
+frees its blocks right after: a READ that outlives `drain`'s bound is left to end (it is not
+released: under UCX's TCP transport a released READ still wrote its bytes once the peer answered,
+measured), and `close` leaves the peer to the agent, which forgets it only once no READ from it
+is in flight. A host that vanished fails its READs when UCX gives up on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import structlog
+
+from common.blockids import check_block_ids
+from common.errors import IpcError, PdkvError
+from common.kvpool import KVPool, PoolLayout
+from common.protocol import (
+    ErrorCode,
+    Handoff,
+    Message,
+    MsgType,
+    NixlRegion,
+    Push,
+    PushFailed,
+    Register,
+    Registered,
+)
+from common.transfer.consumer import check_handoff, check_same_blocks
+from common.transfer.interface import (
+    AFTER_DONE,
+    Capabilities,
+    Consumer,
+    PullDone,
+    PullPlan,
+    Reply,
+    TransferRefused,
+)
+from common.transfer.nixl_agent import NixlAgent, NixlTransferError
+from common.transfer.nixl_shared import byte_runs, check_region, push_tag
+
+log = structlog.get_logger(__name__)
+
+
+class NixlConsumer(Consumer):
+    """The decode's side of one TCP link (module docstring)."""
+
+    def __init__(
+        self,
+        local: KVPool,
+        agent: NixlAgent,
+        region: NixlRegion,
+        layout: PoolLayout,
+        peer_agent: str,
+        post: Callable[[Message], None],
+    ) -> None:
+        self.local = local
+        self.agent = agent
+        self.region = region
+        self._peer_blocks = layout.num_blocks
+        self.peer_agent = peer_agent
+        self._post = post
+        self._pending: dict[int, PullDone] = {}  # tag -> done, READs and PUSHes in flight
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
+        self._holds_peer = True  # this link's count on the peer agent (NixlAgent.add_peer)
+        frames = frozenset({MsgType.PUSH_FAILED}) if region.transfer == "push" else frozenset()
+        self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
+
+    @classmethod
+    def open(
+        cls, reg: Register, local: KVPool, agent: NixlAgent, post: Callable[[Message], None]
+    ) -> NixlConsumer:
+        """From the peer's REGISTER; TransferRefused with the ERROR to answer otherwise."""
+        if reg.nixl is None:
+            raise TransferRefused(ErrorCode.BAD_REQUEST, "a TCP link's REGISTER names no NIXL pool")
+        try:
+            layout = PoolLayout.from_wire(reg.layout)
+            check_region(reg.nixl, layout, "the prefill's")
+        except (PdkvError, ValueError) as exc:
+            raise TransferRefused(ErrorCode.BAD_REQUEST, f"bad REGISTER: {exc}") from exc
+        check_same_blocks(local.layout, layout)
+        if reg.regions or reg.event_count:
+            raise TransferRefused(ErrorCode.BAD_REQUEST, "a NIXL REGISTER carries no IPC regions")
+        try:
+            name = agent.add_peer(reg.nixl)
+        except PdkvError as exc:
+            raise TransferRefused(ErrorCode.BAD_REQUEST, str(exc)) from exc
+        return cls(local, agent, reg.nixl, layout, name, post)
+
+    @property
+    def kind(self) -> str:
+        return f"nixl-{self.region.transfer}"
+
+    @property
+    def peer_blocks(self) -> int:
+        return self._peer_blocks
+
+    @property
+    def peer(self) -> NixlRegion | None:
+        return None if self._closed else self.region
+
+    def registered(self) -> Registered:
+        """A push link's REGISTERED names our pool, which the prefill WRITEs into."""
+        push = self.region.transfer == "push"
+        nixl = self.agent.region("push") if push else None
+        return Registered(num_blocks=self.local.num_blocks, nixl=nixl)
+
+    def validate(self, h: Handoff, vocab_size: int) -> None:
+        if self._closed:
+            raise ValueError("the link's pool is closed")
+        check_handoff(
+            h, vocab_size, self.local.layout.block_size, self._peer_blocks, 0, early_ok=False
+        )
+
+    # ---- pulls -----------------------------------------------------------------------------------
+    def plan(self, src_ids: list[int], dst_ids: list[int], slot: int) -> PullPlan:
+        """The ids checked against both pools (IpcError); nothing to prepare beyond them."""
+        if self._closed:
+            raise PdkvError("the link's pool is closed")
+        if len(src_ids) != len(dst_ids) or not src_ids:
+            raise IpcError(f"{len(src_ids)} source and {len(dst_ids)} destination blocks")
+        check_block_ids(src_ids, self._peer_blocks, "source")
+        check_block_ids(dst_ids, self.local.num_blocks, "destination", distinct=True)
+        return PullPlan(list(src_ids), list(dst_ids), slot)
+
+    def start(self, plan: PullPlan, done: PullDone) -> object:
+        """Post the READ, or send the PUSH and await its notification; `done` once the blocks
+        are here or the transfer failed. Returns AFTER_DONE: nothing may read them before."""
+        if self._closed:
+            raise PdkvError("the link's pool is closed")
+        tag = self.agent.new_tag()
+        self._pending[tag] = done
+        self._idle.clear()
+        finish = lambda exc: self._finish(tag, exc)  # noqa: E731
+        try:
+            if self.region.transfer == "pull":
+                bn = self.local.layout.block_nbytes
+                runs = byte_runs(plan.dst_ids, plan.src_ids, bn, self.agent.addr, self.region.addr)
+                self.agent.transfer("READ", self.peer_agent, runs, b"", finish)
+            else:
+                self.agent.expect(self.peer_agent, push_tag(tag), finish)
+                self._post(Push(tag=tag, src_ids=plan.src_ids, dst_ids=plan.dst_ids))
+        except Exception as exc:  # the agent closed: fail this request only
+            self._finish(tag, exc)
+        return AFTER_DONE
+
+    def handle_frame(self, msg: Message, reply: Reply) -> bool:
+        if isinstance(msg, PushFailed):
+            self.push_failed(msg)
+            return True
+        return False
+
+    def push_failed(self, msg: PushFailed) -> None:
+        """The prefill could not WRITE push `tag`: that request fails (a late notify is ignored)."""
+        self._finish(msg.tag, NixlTransferError(f"the prefill's NIXL WRITE failed: {msg.message}"))
+
+    def _finish(self, tag: int, exc: BaseException | None) -> None:
+        done = self._pending.pop(tag, None)
+        if not self._pending:
+            self._idle.set()
+        if done is not None:
+            done(exc)
+
+    @property
+    def pulls_in_flight(self) -> int:
+        return len(self._pending)
+
+    async def drain(self, read_timeout_s: float = 30.0) -> None:
+        """The link ended. Push: let go of the peer and fail the PUSHes still awaited. Pull:
+        wait for the READs in flight (they write into our blocks), at most `read_timeout_s`;
+        a READ still in flight then keeps its `done`, and so its blocks, until NIXL reports it
+        over."""
+        if self.region.transfer == "push":
+            self._let_go()
+            self.agent.forget(self.peer_agent)
+            self._fail_pending("the link ended before the push arrived")
+            return
+        try:
+            async with asyncio.timeout(read_timeout_s):
+                while self._pending:  # a pull started in the turn that set _idle: wait for it too
+                    await self._idle.wait()
+        except TimeoutError:
+            log.warning("nixl_reads_outlived_link", reads=len(self._pending), peer=self.peer_agent)
+
+    def _fail_pending(self, why: str) -> None:
+        for tag in list(self._pending):
+            self._finish(tag, NixlTransferError(why))
+
+    def _let_go(self) -> None:
+        if self._holds_peer:
+            self._holds_peer = False
+            self.agent.remove_peer(self.peer_agent)
+
+    def close(self) -> None:
+        """Idempotent; after drain. The agent is the daemon's and outlives the link; it forgets
+        the peer once no link uses it and no READ from it is in flight."""
+        if not self._closed:
+            self._closed = True
+            self._let_go()
+
+
+__all__ = ["NixlConsumer"]

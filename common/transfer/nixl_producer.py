@@ -1,0 +1,132 @@
+"""The NIXL producer (the prefill's side of a TCP link): `interface.Producer` across hosts.
+
+The base's leases, no event ring (on CUDA `record` waits for the stream, so the blocks are
+written before their HANDOFF leaves), REGISTER with the pool's NixlRegion, and on a push link the
+WRITEs that PUSH frames ask for (`handle_frame`):
+
+- A PUSH is written only when every source block is leased to the link it came on (the blocks
+  of a HANDOFF on that link, not yet RELEASEd): anything else is refused with PUSH_FAILED, so a
+  decode can never have the prefill send blocks that hold another request's KV, or none.
+- When the link ends (`link_lost`) the WRITEs still in flight to its decode are aborted
+  (`NixlAgent.cancel`, NIXL's release) before the decode's agent is let go: the decode may
+  reuse those blocks for another request. A WRITE that fails on the live link answers
+  PUSH_FAILED; an aborted one answers nothing (its link is gone). The abort is what NIXL
+  offers, not a fence: under UCX's TCP transport a WRITE released while its target stalled
+  still landed once the target ran again (measured), so it narrows the window, no more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from common.allocator import BlockAllocator
+from common.errors import PdkvError
+from common.kvpool import KVPool
+from common.protocol import Message, MsgType, NixlRegion, Push, PushFailed, Register, Registered
+from common.transfer.interface import Capabilities, Producer, Reply
+from common.transfer.nixl_agent import NixlAgent, NixlTransferCancelled
+from common.transfer.nixl_shared import TRANSFERS, byte_runs, push_tag
+
+log = structlog.get_logger(__name__)
+
+
+class NixlProducer(Producer):
+    def __init__(
+        self,
+        pool: KVPool,
+        allocator: BlockAllocator,
+        *,
+        transfer: str,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        if transfer not in TRANSFERS:
+            raise PdkvError(f"transfer must be one of {TRANSFERS}, got {transfer!r}")
+        super().__init__(pool, allocator)
+        self.transfer = transfer
+        frames = frozenset({MsgType.PUSH}) if transfer == "push" else frozenset()
+        self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
+        self.agent = NixlAgent("prefill", pool.tensor, loop)
+        self._decode: tuple[str, NixlRegion] | None = None
+        self._link_id: str | None = None
+
+    def register(self) -> tuple[Register, list[int]]:
+        reg = Register(
+            layout=self.pool.layout.to_wire(), regions=[], nixl=self.agent.region(self.transfer)
+        )
+        return reg, []
+
+    def record(self, slot: int, stream: object = None) -> None:
+        if stream is not None and self.pool.device.type == "cuda":
+            stream.synchronize()  # type: ignore[attr-defined]  # no event crosses hosts
+
+    def connected(self, ok: Registered, link_id: str | None = None) -> None:
+        """The decode's REGISTERED on link `link_id`: on a push link, load its agent (PdkvError
+        if unusable). PUSHes must then name blocks leased to `link_id` (to any link if None)."""
+        self._link_id = link_id
+        if self.transfer != "push":
+            return
+        if ok.nixl is None:
+            raise PdkvError("the decode's REGISTERED names no NIXL pool for a push link")
+        layout = self.pool.layout
+        if ok.nixl.nbytes != ok.num_blocks * layout.block_nbytes:
+            raise PdkvError(
+                f"the decode's NIXL region is {ok.nixl.nbytes} bytes, "
+                f"{ok.num_blocks} blocks need {ok.num_blocks * layout.block_nbytes}"
+            )
+        self._decode = (self.agent.add_peer(ok.nixl), ok.nixl)
+
+    def handle_frame(self, msg: Message, reply: Reply) -> bool:
+        if isinstance(msg, Push):
+            self.push(msg, reply)
+            return True
+        return False
+
+    def push(self, msg: Push, reply: Reply) -> None:
+        """WRITE the blocks PUSH names, notifying its tag; PUSH_FAILED through `reply` if the
+        WRITE fails or cannot start (ids outside a pool or not leased to this link included).
+        Never raises."""
+        try:
+            if self._decode is None:
+                raise PdkvError("PUSH on a link without the decode's NIXL pool")
+            name, region = self._decode
+            bn = self.pool.layout.block_nbytes
+            if len(msg.src_ids) != len(msg.dst_ids) or not msg.src_ids:
+                raise PdkvError("PUSH source and destination id lists differ in length")
+            if max(msg.dst_ids) >= region.nbytes // bn:
+                raise PdkvError("PUSH names a block outside a pool (destination)")
+            if why := self.leased_to(msg.src_ids, self._link_id):
+                raise PdkvError(f"PUSH refused: {why}")
+            runs = byte_runs(msg.src_ids, msg.dst_ids, bn, self.agent.addr, region.addr)
+        except PdkvError as exc:
+            log.warning("nixl_push_refused", tag=msg.tag, error=str(exc))
+            reply(PushFailed(tag=msg.tag, message=str(exc)))
+            return
+        decode = self._decode
+
+        def written(exc: BaseException | None) -> None:
+            if exc is None or isinstance(exc, NixlTransferCancelled):
+                return
+            log.warning("nixl_push_failed", tag=msg.tag, error=str(exc))
+            if self._decode is decode:  # still the link that asked: tell it
+                reply(PushFailed(tag=msg.tag, message=str(exc)))
+
+        self.agent.transfer("WRITE", name, runs, push_tag(msg.tag), written)
+
+    def link_lost(self, link_id: str) -> list[str]:
+        """Abort the WRITEs still in flight to the link's decode, let its agent go (once they
+        are over), then free the link's leases."""
+        if self._decode is not None:
+            name = self._decode[0]
+            self.agent.cancel(name)
+            self.agent.remove_peer(name)
+            self._decode = None
+        self._link_id = None
+        return super().link_lost(link_id)
+
+    def close(self) -> None:
+        self.agent.close()
+
+
+__all__ = ["NixlProducer"]
