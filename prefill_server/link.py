@@ -3,8 +3,9 @@
 Once per connection: HELLO (fingerprint) and REGISTER (the KVProducer's payload: the pool's
 descriptor, its fd for shm, the event ring's handles for CUDA; exported once per process).
 While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
-timeout ends the link. On loss every request handed to this link gets LINK_LOST through `on_lost`
-and the link reconnects with capped exponential backoff.
+timeout ends the link. The frames about requests go to the listener given to `start` (the
+request pipeline, `LinkListener`); on loss it is told `link_lost` (every request handed to this
+link gets LINK_LOST) and the link reconnects with capped exponential backoff.
 
 With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink): HELLO carries our
 nonce, the decode's HELLO_OK its nonce and key proof (checked here: a wrong one is answered with
@@ -18,7 +19,7 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import Callable
+from typing import Protocol
 
 import msgspec
 import structlog
@@ -69,6 +70,16 @@ def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> KVProducer:
     )
 
 
+class LinkListener(Protocol):
+    """What the link tells its receiver (the request pipeline), given to `DecodeLink.start`."""
+
+    def deliver(self, msg: Message) -> None:
+        """Each frame from the decode about a request, in the socket's read callback."""
+
+    def link_lost(self, link_id: str, reason: str) -> None:
+        """Once per established connection that ended, before the link reconnects."""
+
+
 class DecodeLink:
     def __init__(
         self,
@@ -78,18 +89,13 @@ class DecodeLink:
         compat: dict,
         backend: str,
         producer: KVProducer,
-        on_message: Callable[[Message], None],
-        on_lost: Callable[[str, str], None],
     ) -> None:
-        """`on_message(msg)`: each frame about a request, in the read callback. `on_lost(link_id,
-        reason)`: once per established connection that ended."""
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.compat = compat
         self.backend = backend
         self.producer = producer
-        self.on_message = on_message
-        self.on_lost = on_lost
+        self.listener: LinkListener | None = None  # set by start(), before any connection
         self.channel: FrameChannel | None = None
         self.link_id = ""
         self.ready = asyncio.Event()
@@ -107,7 +113,10 @@ class DecodeLink:
     def state(self) -> str:
         return "up" if self.ready.is_set() else "down"
 
-    def start(self) -> None:
+    def start(self, listener: LinkListener) -> None:
+        """Connect (and reconnect) from now on, telling `listener` the decode's frames and each
+        loss of the connection."""
+        self.listener = listener
         self._task = asyncio.create_task(self._run(), name="decode-link")
 
     async def stop(self) -> None:
@@ -271,8 +280,8 @@ class DecodeLink:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
         elif isinstance(msg, Push) and isinstance(self.producer, NixlProducer):
             self.producer.push(msg, self._post)
-        else:
-            self.on_message(msg)
+        elif self.listener is not None:
+            self.listener.deliver(msg)
 
     async def _heartbeat(self, channel: FrameChannel) -> None:
         while True:
@@ -300,8 +309,8 @@ class DecodeLink:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        if was_up:
-            self.on_lost(self.link_id, reason)
+        if was_up and self.listener is not None:
+            self.listener.link_lost(self.link_id, reason)
 
 
-__all__ = ["DecodeLink", "LinkRefused"]
+__all__ = ["DecodeLink", "LinkListener", "LinkRefused"]

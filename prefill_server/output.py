@@ -1,22 +1,34 @@
 """The client frames of one prefill request: TOKENS (with streamed text) and FINISH.
 
 Text is decoded incrementally (`text_delta`), so the tokenizer runs over the new tokens only, and
-held back while it ends inside a UTF-8 sequence; FINISH carries the prefill's timings on top of the
-decode's and is where the request's one `request_finished` log line is written.
+held back while it ends inside a UTF-8 sequence; FINISH carries the prefill's timings (`TIMINGS`,
+spans between the request's marks) on top of the decode's and is where the request's one
+`request_finished` log line is written.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import structlog
 
 from common.protocol import Finish, Tokens, Usage
+from common.timings import Span
 from prefill_server.request import PrefillRequest
 
 log = structlog.get_logger(__name__)
 _TEXT_CONTEXT = 4  # emitted tokens decoded again as context for the next text delta
+_MS = 1_000_000
+
+TIMINGS = (
+    Span("ttft_ms", "arrived", "first_token", _MS),
+    Span("handoff_us", "kv_offered", "released"),  # the KV ready to move -> RELEASE received
+    # the first token on the loop -> the (last) HANDOFF sent: negative for an early handoff
+    Span("handoff_after_first_us", "first_token", "handoff_sent"),
+    Span("total_ms", "arrived", "finished", _MS),
+)
+"""The timings the prefill adds to the decode's in FINISH (docs/protocol.md, "FINISH")."""
+_UNSET = dict.fromkeys((span.key for span in TIMINGS), 0.0)
 
 
 class RequestOutput:
@@ -44,17 +56,8 @@ class RequestOutput:
 
     def finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
         """FINISH for the client, and the request's `request_finished` log line."""
-        total_ms = (time.monotonic() - req.arrived) * 1000
-        timings = {
-            **decode_timings,
-            "ttft_ms": round(req.ttft_ms, 3),
-            "handoff_us": round(req.handoff_us, 1),
-            # the first token on the loop -> HANDOFF sent (its TOKENS to the client between)
-            "handoff_after_first_us": round((req.handoff_sent_ns - req.first_ns) / 1000, 1)
-            if req.handoff_sent_ns
-            else 0.0,
-            "total_ms": round(total_ms, 3),
-        }
+        # a stage the request skipped (no handoff, no RELEASE before FINISH) reads 0.0
+        timings = {**decode_timings, **_UNSET, **req.marks.render(TIMINGS)}
         log.info(
             "request_finished",
             request_id=req.request_id,

@@ -1,15 +1,16 @@
-"""One client request inside the prefill daemon: its blocks, its inbox from the link, its timings."""
+"""One client request inside the prefill daemon: its phase, blocks, inbox from the link, marks."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from common.errors import PdkvError
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode, Generate, Message
+from common.timings import Marks
+from prefill_server.phase import Event, Phase, accepts, next_phase
 
 
 class RequestFailed(PdkvError):
@@ -23,27 +24,37 @@ class RequestFailed(PdkvError):
 @dataclass(eq=False)
 class PrefillRequest:
     """Created by RequestPipeline.run; the pipeline routes the decode's answers (from the link)
-    into `inbox`."""
+    into `inbox`. Its life is `phase` (prefill_server.phase), moved only by `advance`.
+
+    Marks (monotonic ns, `marks`): arrived, first_token (on the loop), handoff_sent (the last
+    HANDOFF), kv_offered (the frame that lets the decode read the KV: HANDOFF with the first
+    token, or KV_READY), released (RELEASE received), finished (FINISH to the client)."""
 
     request_id: str
     prompt_tokens: list[int]
     sampling: SamplingParams
     stream: bool = True
+    phase: Phase = Phase.ADMITTED
     inbox: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
-    arrived: float = field(default_factory=time.monotonic)
+    marks: Marks = field(default_factory=Marks)
+    blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     text_tokens: int = 0  # generated tokens already turned into text for the client
-    ttft_ms: float = 0.0
-    first_ns: int = 0  # monotonic ns when the first token reached the loop
-    handoff_sent_ns: int = 0
-    kv_ready_ns: int = 0  # the frame that lets the decode read the KV sent (HANDOFF or TOKENS)
-    handoff_us: float = 0.0  # that frame sent → RELEASE received
-    handed_off: bool = False  # a HANDOFF went out on `link_id`
-    held: bool = False  # ... and that decode may still hold the request (no ERROR/FINISH yet)
-    leased: bool = False  # the blocks are leased to the link: their KV is written
-    released: bool = False
-    link_id: str = ""
+    link_id: str = ""  # the link the HANDOFF went out on
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
+
+    def __post_init__(self) -> None:
+        self.marks.stamp("arrived")
+
+    def advance(self, event: Event) -> Phase:
+        """Move to the phase `event` leads to and return it; IllegalEvent (phase unchanged) if
+        it cannot happen in this one."""
+        self.phase = next_phase(self.request_id, self.phase, event)
+        return self.phase
+
+    def accepts(self, event: Event) -> bool:
+        """True if `event` may happen in the request's phase."""
+        return accepts(self.phase, event)
 
 
 def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) -> list[int]:

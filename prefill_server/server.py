@@ -3,9 +3,9 @@ KV producer.
 
 Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
 frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the KVProducer (the pool exported once), the DecodeLink and the RequestPipeline, and routes
-the link's frames into the pipeline; nothing below holds the server. Life cycle and STATUS are
-common.server.DaemonServer's.
+builds the KVProducer (the pool exported once), the DecodeLink and the RequestPipeline over them,
+and starts the link with the pipeline as its listener; nothing below holds the server. Life cycle
+and STATUS are common.server.DaemonServer's.
 """
 
 from __future__ import annotations
@@ -59,14 +59,12 @@ class PrefillServer(DaemonServer):
             compat=rt.compat,
             backend=rt.backend,
             producer=self.producer,
-            on_message=lambda msg: self.pipeline.deliver(msg),
-            on_lost=lambda link_id, reason: self.pipeline.link_lost(link_id, reason),
         )
         self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
-        self.link.start()
+        self.link.start(self.pipeline)  # its frames and losses go to the pipeline
         self.spawn(self.pipeline.reap_leases(), "lease-reaper")
         batcher = self.spawn(self.pipeline.batcher.run(), "prefill-batcher")
         batcher.add_done_callback(self._batcher_ended)

@@ -1,4 +1,5 @@
-"""Real pairs for the prefill's batching tests, a burst client, and the prefill's batch log lines."""
+"""Real pairs for the prefill's batching tests, a burst client, the prefill's batch log lines,
+and a prefill runtime for the RequestPipeline tests."""
 
 from __future__ import annotations
 
@@ -6,16 +7,19 @@ import asyncio
 import json
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.channel import connect
+from common.config import PrefillConfig
 from common.model.loader import load_model
+from common.modelrt import ModelRuntime
 from common.protocol import Error, Finish, Generate, Tokens, encode
 from tests.integration.conftest import Pair, runtime_dir
 
-__all__ = ["BLOCK", "burst", "events", "new_pair", "prompts", "runtime_dir", "tiny"]
+__all__ = ["BLOCK", "burst", "cfg_rt", "events", "new_pair", "prompts", "runtime_dir", "tiny"]
 BLOCK = 16
 
 
@@ -66,3 +70,16 @@ def prompts(n: int, lengths: list[int], seed: int = 3) -> list[list[int]]:
     """n prompts of random byte ids, their lengths cycling through `lengths`."""
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(lengths[i % len(lengths)])] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cfg_rt(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[PrefillConfig, ModelRuntime]]:
+    """The tiny model's prefill runtime on CPU with a 16-block pool, for RequestPipeline tests."""
+    cfg = PrefillConfig(
+        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=16
+    )
+    runtime = ModelRuntime.load(cfg, "prefill")
+    yield cfg, runtime
+    runtime.close()

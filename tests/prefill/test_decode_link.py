@@ -7,11 +7,25 @@ import asyncio
 from common.allocator import BlockAllocator
 from common.config import PrefillConfig
 from common.kvpool import KVPool, PoolLayout
+from common.protocol import Message
 from common.transfer import KVProducer
 from prefill_server.link import DecodeLink
 
 
-def _link(tmp_path, lost: list[str]) -> DecodeLink:
+class _Listener:
+    """The link's listener: `on_frame` handles each frame; a lost link is ignored."""
+
+    def __init__(self, on_frame=lambda m: None) -> None:  # type: ignore[no-untyped-def]
+        self.on_frame = on_frame
+
+    def deliver(self, msg: Message) -> None:
+        self.on_frame(msg)
+
+    def link_lost(self, link_id: str, reason: str) -> None:
+        pass
+
+
+def _link(tmp_path) -> DecodeLink:  # type: ignore[no-untyped-def]
     layout = PoolLayout(
         num_blocks=4, num_layers=1, num_kv_heads=1, head_dim=8, block_size=2, dtype="float32"
     )
@@ -24,8 +38,6 @@ def _link(tmp_path, lost: list[str]) -> DecodeLink:
         compat={},
         backend="shm",
         producer=producer,
-        on_message=lambda m: None,
-        on_lost=lambda link_id, reason: lost.append(reason),
     )
 
 
@@ -33,8 +45,8 @@ async def test_stop_ends_a_link_that_keeps_failing_to_connect(tmp_path):
     # connect() fails at once (no socket), so stop()'s cancel often lands in the same loop turn
     # as the failure: on Python 3.11 that cancel can be lost, and only the stop flag ends the loop.
     for i in range(40):
-        link = _link(tmp_path, [])
-        link.start()
+        link = _link(tmp_path)
+        link.start(_Listener())
         await asyncio.sleep(0.001 * (i % 8))
         async with asyncio.timeout(3):
             await link.stop()
@@ -51,12 +63,11 @@ async def test_a_frame_the_handler_fails_on_drops_the_link_and_it_reconnects(tmp
     from tests.faults.fakes import FakeDecode
 
     fake = FakeDecode(tmp_path / "d.sock").start()
-    link = _link(tmp_path, [])
+    link = _link(tmp_path)
     link.cfg = PrefillConfig(runtime_dir=tmp_path, link_socket=fake.path)
     allocator = link.producer.allocator
     allocator.allocate("held", 1)  # allocated, not leased: still being prefilled
-    link.on_message = lambda m: link.producer.released(m.request_id, -1)  # type: ignore[attr-defined]
-    link.start()
+    link.start(_Listener(lambda m: link.producer.released(m.request_id, -1)))
     try:
         await link.wait_up(5)
         fake.send_all(Release(request_id="held"))

@@ -12,120 +12,12 @@ what the pipeline sends, and the test delivers the decode's answers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from common.config import PrefillConfig
-from common.ipc.events import CpuEventRing
-from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
-from common.protocol import (
-    Abort,
-    Error,
-    ErrorCode,
-    Generate,
-    Handoff,
-    KvReady,
-    Message,
-    Release,
-)
-from common.transfer import KVProducer
-from prefill_server.pipeline import RequestPipeline
+from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Release
 from prefill_server.request import RequestFailed
-
-SLOTS = 4
-
-
-class FakeLink:
-    """Stands in for prefill_server.link.DecodeLink: up, and what is sent lands in `sent`."""
-
-    tcp = None
-
-    def __init__(self) -> None:
-        self.link_id = "link-1"
-        self.ready = asyncio.Event()
-        self.ready.set()
-        self.sent: list[Message] = []
-
-    async def wait_up(self, timeout: float) -> None:
-        if not self.ready.is_set():
-            raise ConnectionError("no link to the decode daemon")
-
-    async def send(self, msg: Message, *, spin: bool = False) -> None:
-        if not self.ready.is_set():
-            raise ConnectionError("no link to the decode daemon")
-        self.sent.append(msg)
-
-    def post(self, msg: Message) -> None:
-        if self.ready.is_set():
-            self.sent.append(msg)
-
-    def of(self, kind: type, rid: str) -> list:
-        return [m for m in self.sent if isinstance(m, kind) and m.request_id == rid]
-
-
-@pytest.fixture(scope="module")
-def cfg_rt(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[tuple[PrefillConfig, ModelRuntime]]:
-    cfg = PrefillConfig(
-        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=16
-    )
-    runtime = ModelRuntime.load(cfg, "prefill")
-    yield cfg, runtime
-    runtime.close()
-
-
-class Setup:
-    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime) -> None:
-        self.rt = rt
-        self.producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=SLOTS)
-        self.producer.events = CpuEventRing(SLOTS)  # slots as on CUDA: quarantine applies
-        self.link = FakeLink()
-        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)  # type: ignore[arg-type]
-        self.batcher_task: asyncio.Task[None] | None = None
-
-    def start(self, rid: str) -> asyncio.Task[list]:
-        """One request, as the server runs it: its frames collected, or its RequestFailed."""
-        msg = Generate(
-            sampling=SamplingParams(max_tokens=4, ignore_eos=True), prompt_tokens=[3] * 20
-        )
-
-        async def consume() -> list:
-            return [m async for m in self.pipeline.run(rid, msg)]
-
-        return asyncio.create_task(consume())
-
-    def run_forwards(self) -> None:
-        self.batcher_task = asyncio.create_task(self.pipeline.batcher.run())
-
-    async def until(self, cond) -> None:  # type: ignore[no-untyped-def]
-        async with asyncio.timeout(10):
-            while not cond():
-                await asyncio.sleep(0.001)
-
-    def slots_free(self) -> int:
-        assert self.producer.events is not None
-        return self.producer.events.free_count
-
-    def clean(self) -> bool:
-        a = self.rt.allocator
-        return a.num_free == a.total and self.slots_free() == SLOTS
-
-    async def close(self) -> None:
-        if self.batcher_task is not None:
-            self.batcher_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.batcher_task
-
-
-async def _cancelled(task: asyncio.Task[list]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.wait_for(task, 10)
+from tests.prefill.pipeline_parts import SLOTS, Setup, cancelled
 
 
 async def test_a_refused_early_handoff_then_the_client_leaving_gets_no_abort_and_no_quarantine(
@@ -139,7 +31,7 @@ async def test_a_refused_early_handoff_then_the_client_leaving_gets_no_abort_and
     await s.until(lambda: s.link.of(Handoff, "r1"))
     assert s.link.of(Handoff, "r1")[0].first_token is None  # the forward has not run
     s.pipeline.deliver(Error(code=ErrorCode.NO_CAPACITY, message="full", request_id="r1"))
-    await _cancelled(task)
+    await cancelled(task)
     assert s.link.of(Abort, "r1") == []
     assert s.clean(), (s.rt.allocator, s.slots_free())
     await s.close()
@@ -151,7 +43,7 @@ async def test_the_client_leaving_before_the_first_token_aborts_and_frees_the_sl
     s = Setup(*cfg_rt)
     task = s.start("r1")
     await s.until(lambda: s.link.of(Handoff, "r1"))
-    await _cancelled(task)
+    await cancelled(task)
     assert len(s.link.of(Abort, "r1")) == 1  # the decode reserved blocks for it
     assert s.link.of(KvReady, "r1") == []  # no KV was offered: the slot was never waited on
     assert s.clean(), (s.rt.allocator, s.slots_free())
@@ -168,7 +60,7 @@ async def test_after_its_first_token_an_aborted_request_holds_its_slot_until_the
     s.run_forwards()
     await s.until(lambda: s.link.of(KvReady, "r1"))  # the KV offered: the decode may wait now
     slot = s.link.of(Handoff, "r1")[0].event_slot
-    await _cancelled(task)
+    await cancelled(task)
     assert len(s.link.of(Abort, "r1")) == 1
     assert s.slots_free() == SLOTS - 1  # quarantined: the decode may still wait on it
     again = s.start("r1")  # the same id before the decode answered: refused, not mixed up

@@ -13,6 +13,7 @@ from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import Release
 from common.transfer import KVProducer
+from prefill_server.phase import Phase
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import PrefillRequest
 
@@ -35,7 +36,7 @@ async def test_a_release_before_the_handoff_frees_nothing_and_does_not_raise(cfg
     pipeline.requests["x"] = PrefillRequest("x", [1, 2, 3], SamplingParams(max_tokens=4))
     try:
         pipeline.deliver(Release(request_id="x"))  # raised AllocatorError in the read callback
-        assert "x" in rt.allocator and not pipeline.requests["x"].released
+        assert "x" in rt.allocator and pipeline.requests["x"].phase is Phase.ADMITTED
         assert rt.allocator.num_free == rt.allocator.total - len(blocks)
     finally:
         rt.allocator.free("x")

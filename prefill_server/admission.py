@@ -1,0 +1,77 @@
+"""What a prefill request waits for before its forward: its KV blocks and an event slot.
+
+Both are waited for within the handoff deadline; every change of capacity (blocks freed, a slot
+free again) wakes every waiter, which then looks again. NO_CAPACITY when the deadline passes,
+BAD_REQUEST for a prompt the whole pool cannot hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from common.allocator import BlockAllocator
+from common.model.paged import blocks_for
+from common.protocol import ErrorCode
+from common.transfer import KVProducer
+from prefill_server.request import RequestFailed
+
+
+class Capacity:
+    """Blocks and event slots: allocated here, freed elsewhere, each freeing announced by
+    `changed()`."""
+
+    def __init__(self, allocator: BlockAllocator, producer: KVProducer, block_size: int) -> None:
+        self.allocator = allocator
+        self.producer = producer
+        self.block_size = block_size
+        self._freed = asyncio.Event()
+
+    def changed(self) -> None:
+        """Wake every request waiting for blocks or an event slot."""
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    async def blocks(self, request_id: str, num_tokens: int, timeout_s: float) -> list[int]:
+        """The blocks of a `num_tokens` prompt, allocated to `request_id` (OWNED)."""
+        alloc = self.allocator
+        need = blocks_for(num_tokens, self.block_size)
+        if need > alloc.total:
+            raise RequestFailed(
+                ErrorCode.BAD_REQUEST,
+                f"prompt needs {need} blocks, the pool has {alloc.total} (raise --num-blocks)",
+            )
+        deadline = time.monotonic() + timeout_s
+        while not alloc.can_allocate(need):
+            if not await self._wait(deadline):
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY,
+                    f"no {need} free KV blocks within {timeout_s}s "
+                    f"({alloc.num_free} free of {alloc.total})",
+                )
+        return alloc.allocate(request_id, need)
+
+    async def slot(self, timeout_s: float) -> int:
+        """An event slot to record after the request's writes (-1: no ring, the CPU case)."""
+        deadline = time.monotonic() + timeout_s
+        while (slot := self.producer.acquire_slot()) is None:
+            if not await self._wait(deadline):
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY,
+                    f"all {self.producer.event_slots} handoff event slots busy",
+                )
+        return slot
+
+    async def _wait(self, deadline: float) -> bool:
+        """Wait until capacity changes or `deadline`; False once the deadline has passed."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(left):
+                await self._freed.wait()
+        return True
+
+
+__all__ = ["Capacity"]

@@ -1,0 +1,150 @@
+"""The handoff of a request to the decode, the one way it is sent: offer, ready, hand_over, end.
+
+- `offer`: HANDOFF, without its first token (the early handoff, while the forward runs: the KV is
+  not written) or with it (the KV written: the blocks are leased to the link first).
+- `ready`: KV_READY after an early offer, once the first token is on our host: the KV is written,
+  the decode's pull may start (the blocks are leased to the link first).
+- `hand_over`: after the first token, offers the request unless it went early, and while the
+  decode answers NO_CAPACITY offers it again (with its first token) after a backoff, until the
+  handoff deadline; returns the decode's first other answer.
+- `end`: the request ended: ABORT to a decode that may hold it; its event slot freed, or
+  quarantined while the decode may wait on it (the request is then ABORTING).
+
+Each moves the request's phase (prefill_server.phase) through `advance`; what `end` does follows
+from the phase alone: a lost link has already moved its requests to DONE (`link_lost`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from common.allocator import BlockAllocator
+from common.config import PrefillConfig
+from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Message
+from common.transfer import KVProducer
+from prefill_server.link import DecodeLink
+from prefill_server.phase import Event, Phase
+from prefill_server.request import PrefillRequest, RequestFailed
+
+_DECODE_MAY_HOLD = (Phase.OFFERED, Phase.LEASED, Phase.RELEASED)
+
+
+class HandoffPath:
+    """Sends every HANDOFF, KV_READY and ABORT of the pipeline's requests on the link."""
+
+    def __init__(
+        self,
+        cfg: PrefillConfig,
+        producer: KVProducer,
+        link: DecodeLink,
+        allocator: BlockAllocator,
+    ) -> None:
+        self.cfg = cfg
+        self.producer = producer
+        self.link = link
+        self.allocator = allocator
+
+    async def link_up(self, deadline: float) -> None:
+        """LINK_LOST unless the link is up or comes up at the next connection attempt: no
+        prefill work for a request that cannot be handed off."""
+        try:
+            await self.link.wait_up(deadline - time.monotonic())
+        except ConnectionError as exc:
+            raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
+
+    async def offer(
+        self, req: PrefillRequest, first_token: int | None, deadline: float, *, spin: bool = False
+    ) -> None:
+        """HANDOFF on the live link; with `first_token` the blocks are leased to it first (their
+        KV is written). LINK_LOST if the link is down past `deadline` or the write fails: then
+        the decode cannot act on the frame and the blocks and slot are ours again."""
+        await self.link_up(deadline)
+        link = self.link
+        req.link_id = link.link_id
+        sent = req.marks.stamp("handoff_sent")
+        if first_token is None:
+            req.advance(Event.OFFER_EARLY)
+        else:
+            req.advance(Event.OFFER)
+            self._lease(req)
+            req.marks.stamp("kv_offered", sent)
+        handoff = Handoff(
+            request_id=req.request_id,
+            block_ids=req.blocks,
+            num_tokens=len(req.prompt_tokens),
+            prompt_tokens=req.prompt_tokens,
+            first_token=first_token,
+            sampling=req.sampling,
+            event_slot=req.event_slot,
+            sent_ns=sent,
+        )
+        try:
+            await link.send(handoff, spin=spin)
+        except ConnectionError as exc:
+            req.advance(Event.UNSENT)
+            raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
+
+    async def ready(self, req: PrefillRequest, first: int) -> None:
+        """After an early offer the decode has not answered yet: KV_READY with its first token,
+        on the link that has the HANDOFF. A failed write is the relay's to report (LINK_LOST,
+        from link_lost)."""
+        if req.phase is not Phase.OFFERED or not req.inbox.empty():
+            return
+        req.advance(Event.READY)
+        self._lease(req)
+        sent = req.marks.stamp("kv_offered")  # the decode's pull starts on this frame
+        msg = KvReady(request_id=req.request_id, first_token=first, sent_ns=sent)
+        with contextlib.suppress(ConnectionError):
+            await self.link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
+
+    async def hand_over(self, req: PrefillRequest) -> Message:
+        """Offer the request with its first token unless it was offered already, again while
+        the decode answers NO_CAPACITY; the decode's first other answer, which the relay must
+        take before anything queued after it."""
+        deadline = time.monotonic() + self.cfg.handoff_timeout_s
+        backoff = 0.005
+        if req.phase is Phase.QUEUED:
+            await self.offer(req, req.generated[0], deadline, spin=True)
+        while True:
+            answer = await req.inbox.get()
+            if not (isinstance(answer, Error) and answer.code == ErrorCode.NO_CAPACITY):
+                return answer
+            if time.monotonic() + backoff > deadline:
+                raise RequestFailed(
+                    ErrorCode.NO_CAPACITY, f"decode has no capacity: {answer.message}"
+                )
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.2)
+            await self.link_up(deadline)
+            if not req.inbox.empty() or req.request_id not in self.allocator:
+                # the link was lost or the lease expired meanwhile: the inbox holds the reason;
+                # never hand off blocks we no longer own
+                return await req.inbox.get()
+            if req.link_id != self.link.link_id:  # nor to a link that never heard of them
+                raise RequestFailed(ErrorCode.LINK_LOST, "link to decode lost during the retry")
+            await self.offer(req, req.generated[0], deadline, spin=True)
+
+    def end(self, req: PrefillRequest) -> None:
+        """The request ended (client gone, first token a stop, a failure, a timeout, its FINISH):
+        ABORT to a decode that may hold it, written now (before the id can come again); its
+        event slot quarantined (ABORTING) while the decode may wait on it, else freed (ENDED)."""
+        if req.phase in _DECODE_MAY_HOLD:
+            self.link.post(Abort(request_id=req.request_id))
+        if req.phase is Phase.LEASED and req.event_slot >= 0:
+            self.producer.quarantine(req.event_slot)  # until the decode answers the ABORT
+            req.advance(Event.ABORT)
+            return
+        self.producer.drop_slot(req.event_slot)
+        req.event_slot = -1
+        req.advance(Event.END)
+
+    def _lease(self, req: PrefillRequest) -> None:
+        """The blocks to the link, once: a refused late HANDOFF's stay leased for its retry."""
+        if self.allocator.lease_of(req.request_id) is None:
+            lease_end = time.monotonic() + self.cfg.lease_timeout_s
+            self.producer.lease(req.request_id, req.link_id, lease_end)
+
+
+__all__ = ["HandoffPath"]

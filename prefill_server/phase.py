@@ -1,0 +1,120 @@
+"""A prefill request's life as one phase, moved only by events, through the one table below.
+
+```
+ADMITTED ─QUEUE─▶ QUEUED ─OFFER_EARLY─▶ OFFERED ─READY─▶ LEASED ─RELEASE─▶ RELEASED ─FINISH─▶ DONE
+                    │                                   ▲    │
+                    └────────────────OFFER──────────────┘    └─FINISH─▶ ANSWERED ─RELEASE─▶ DONE
+
+OFFERED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED
+ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE
+OFFERED, LEASED ─UNSENT─▶ DONE          OFFERED … ANSWERED ─LINK_LOST─▶ DONE
+it ends:  LEASED, with an event slot ─ABORT─▶ ABORTING ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
+          any other phase ─END─▶ ENDED
+```
+
+What each phase means for the decode, our blocks and the event slot (the request's cleanup
+follows from it alone):
+
+- ADMITTED: waiting for the link, its blocks and an event slot. The decode knows nothing.
+- QUEUED: its forward queued at the batcher (or run); nothing offered to the decode yet.
+- OFFERED: an early HANDOFF went out: the decode may hold it (blocks reserved), but the KV is
+  not written, so the decode never waits on its slot and never reads its blocks.
+- LEASED: the KV is written and offered (HANDOFF with its first token, or KV_READY after an early
+  one): the blocks are leased to the link, the decode may wait on the slot.
+- RELEASED: RELEASE came: blocks and slot are free; the decode holds the sequence and decodes.
+- REFUSED: the decode answered NO_CAPACITY: it holds nothing; the HANDOFF goes again, with its
+  first token, after a backoff.
+- ANSWERED: the decode's last answer (FINISH or ERROR) came while the KV was leased: it holds
+  nothing, but its RELEASE may still follow (on CUDA it is sent when the copy's event completes,
+  which can be after the step that used the copy).
+- DONE: the decode holds nothing and owes nothing: its last answer came, the link was lost, or
+  the HANDOFF did not go out whole.
+- ABORTING: the request ended while the decode may wait on its event slot: ABORT went out and
+  the slot is quarantined until the decode answers (RELEASE or ERROR) or the link ends.
+- ENDED: nothing of it is left.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from common.errors import PdkvError
+
+
+class Phase(enum.Enum):
+    ADMITTED = "admitted"
+    QUEUED = "queued"
+    OFFERED = "offered"
+    LEASED = "leased"
+    RELEASED = "released"
+    REFUSED = "refused"
+    ANSWERED = "answered"
+    DONE = "done"
+    ABORTING = "aborting"
+    ENDED = "ended"
+
+
+class Event(enum.Enum):
+    QUEUE = "queue"  # the prompt queued for its forward
+    OFFER_EARLY = "offer_early"  # HANDOFF without its first token
+    OFFER = "offer"  # HANDOFF with its first token: the blocks leased
+    READY = "ready"  # KV_READY: the blocks leased
+    UNSENT = "unsent"  # the HANDOFF's write failed: the decode cannot act on it
+    RELEASE = "release"  # the decode's RELEASE
+    TOKENS = "tokens"  # the decode's TOKENS
+    FINISH = "finish"  # the decode's FINISH
+    ERROR = "error"  # the decode's ERROR, other than NO_CAPACITY
+    NO_CAPACITY = "no_capacity"  # the decode's ERROR NO_CAPACITY
+    LINK_LOST = "link_lost"  # the link the request was offered on ended
+    ABORT = "abort"  # ended: ABORT sent, its slot quarantined
+    ABORT_ANSWERED = "abort_answered"  # the decode's RELEASE or ERROR after that ABORT
+    END = "end"  # ended: nothing left to wait for
+
+
+P = Phase
+_MOVES: dict[Event, dict[Phase, Phase]] = {
+    Event.QUEUE: {P.ADMITTED: P.QUEUED},
+    Event.OFFER_EARLY: {P.QUEUED: P.OFFERED},
+    Event.OFFER: {P.QUEUED: P.LEASED, P.REFUSED: P.LEASED},
+    Event.READY: {P.OFFERED: P.LEASED},
+    # in DONE: the link was lost while the write was blocked
+    Event.UNSENT: {P.OFFERED: P.DONE, P.LEASED: P.DONE, P.DONE: P.DONE},
+    Event.RELEASE: {P.LEASED: P.RELEASED, P.ANSWERED: P.DONE},
+    Event.TOKENS: {P.LEASED: P.LEASED, P.RELEASED: P.RELEASED},
+    Event.FINISH: {P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},
+    Event.ERROR: {P.OFFERED: P.DONE, P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},
+    Event.NO_CAPACITY: {P.OFFERED: P.REFUSED, P.LEASED: P.REFUSED},
+    Event.LINK_LOST: {
+        **dict.fromkeys((P.OFFERED, P.LEASED, P.RELEASED, P.REFUSED, P.ANSWERED), P.DONE),
+        P.ABORTING: P.ENDED,
+    },
+    Event.ABORT: {P.LEASED: P.ABORTING},
+    Event.ABORT_ANSWERED: {P.ABORTING: P.ENDED},
+    Event.END: {p: P.ENDED for p in P if p not in (P.ABORTING, P.ENDED)},
+}
+
+
+class IllegalEvent(PdkvError):
+    """An event that cannot happen in the request's phase (a peer's mistake, or a bug here)."""
+
+    def __init__(self, request_id: str, phase: Phase, event: Event) -> None:
+        super().__init__(f"request {request_id}: {event.name} cannot happen in phase {phase.name}")
+        self.request_id = request_id
+        self.phase = phase
+        self.event = event
+
+
+def accepts(phase: Phase, event: Event) -> bool:
+    """True if `event` may happen in `phase`."""
+    return phase in _MOVES[event]
+
+
+def next_phase(request_id: str, phase: Phase, event: Event) -> Phase:
+    """The phase `event` moves a request in `phase` to; IllegalEvent if it cannot happen there."""
+    to = _MOVES[event].get(phase)
+    if to is None:
+        raise IllegalEvent(request_id, phase, event)
+    return to
+
+
+__all__ = ["Event", "IllegalEvent", "Phase", "accepts", "next_phase"]
