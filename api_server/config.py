@@ -1,12 +1,14 @@
-"""ApiConfig: everything `pdkv api start` takes, checked once at construction."""
+"""ApiConfig: everything `pdkv api start` takes, checked once at construction; each field a user
+sets declares its option (common.settings.opt), from which the command's options are generated."""
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.rundir import StartupError
+from common.settings import opt
 
 #: OpenAI's default for /v1/completions; chat requests without a limit get CHAT_DEFAULT_MAX_TOKENS.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -32,14 +34,79 @@ class ApiConfig:
     """
 
     runtime_dir: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    client_socket: Path | None = None
-    link_socket: Path | None = None
-    model: Path | None = None
-    served_model_name: str | None = None
-    request_timeout_s: float = 120.0
+    host: str = field(
+        default="127.0.0.1",
+        metadata=opt(
+            "--host",
+            env="PDKV_API_HOST",
+            help="Address to listen on; one other than loopback needs --api-key.",
+        ),
+    )
+    port: int = field(
+        default=8000,
+        metadata=opt(
+            "--port",
+            env="PDKV_API_PORT",
+            min=0,
+            max=65535,
+            help="TCP port to listen on (0: any free port).",
+        ),
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata=opt(
+            "--api-key",
+            secret=True,
+            help="Clients must send `Authorization: Bearer KEY` to /v1/*.",
+        ),
+    )
+    model: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--model",
+            metavar="DIR",
+            show_default="built-in tiny model",
+            help="The daemons' checkpoint dir, for its chat template and name.",
+        ),
+    )
+    served_model_name: str | None = field(
+        default=None,
+        metadata=opt(
+            "--served-model-name",
+            show_default="the checkpoint dir's name, or pdkv-tiny",
+            help="Model id in /v1/models and requests.",
+        ),
+    )
+    client_socket: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--client-socket",
+            show_default="RUNTIME_DIR/prefill.sock",
+            help="The prefill daemon's client socket.",
+        ),
+    )
+    link_socket: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--link-socket",
+            show_default="RUNTIME_DIR/decode.sock",
+            help="The decode daemon's socket (for health and metrics).",
+        ),
+    )
+    request_timeout_s: float = field(
+        default=120.0,
+        metadata=opt(
+            "--request-timeout",
+            env="PDKV_API_REQUEST_TIMEOUT",
+            min=0.0,
+            min_open=True,
+            help="Seconds to wait for each answer from the daemons before a 504.",
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=10.0,
+        metadata=opt("--drain-timeout", help="Seconds to finish open responses on SIGTERM."),
+    )
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import click
 
 from api_server.config import ApiConfig
-from common import logs
+from common import logs, settings
 from common.rundir import StartupError, ensure_runtime_dir, read_pid
 
 EXIT_OK, EXIT_STARTUP = 0, 3
@@ -26,10 +26,8 @@ READY_TIMEOUT_S = 60.0
 def start(
     runtime_dir: Path, *, log_format: str, log_level: str, background: bool = False, **opts: Any
 ) -> int:
-    """Serve the API (foreground) or start it detached; exit code 3 when it cannot start."""
-    drain_timeout = opts.pop("drain_timeout", 10.0)
-    if "request_timeout" in opts:  # the CLI's name; the config's field counts seconds
-        opts["request_timeout_s"] = opts.pop("request_timeout")
+    """Serve the API (foreground) or start it detached; exit code 3 when it cannot start.
+    `opts` are ApiConfig's fields (the parameters of `pdkv api start`)."""
     try:
         cfg = ApiConfig(runtime_dir=runtime_dir, **opts)
         ensure_runtime_dir(runtime_dir)
@@ -37,34 +35,25 @@ def start(
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
     if background:
-        return _detach(cfg, log_level=log_level, drain_timeout=drain_timeout)
+        return _detach(cfg, log_level=log_level)
     logs.configure(log_format, log_level)  # type: ignore[arg-type]
     from api_server.server import run
 
     try:
-        return run(cfg, drain_timeout_s=drain_timeout)
+        return run(cfg, drain_timeout_s=cfg.drain_timeout_s)
     except StartupError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
 
 
-def _detach(cfg: ApiConfig, *, log_level: str, drain_timeout: float) -> int:
+def _detach(cfg: ApiConfig, *, log_level: str) -> int:
     pid = read_pid(cfg.pidfile)
     if pid is not None:
         click.echo(f"error: api already running (pid {pid}); `pdkv stop api` first", err=True)
         return EXIT_STARTUP
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(cfg.runtime_dir)]
     argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
-    argv += ["--host", cfg.host, "--port", str(cfg.port), "--drain-timeout", str(drain_timeout)]
-    argv += ["--request-timeout", str(cfg.request_timeout_s)]
-    for flag, value in (
-        ("--client-socket", cfg.client_socket),
-        ("--link-socket", cfg.link_socket),
-        ("--model", cfg.model),
-        ("--served-model-name", cfg.served_model_name),
-    ):
-        if value is not None:
-            argv += [flag, str(value)]
+    argv += settings.argv(cfg)  # all but the key
     env = dict(os.environ)
     env.pop("PDKV_API_KEY", None)
     if cfg.api_key:

@@ -1,38 +1,158 @@
-"""Settings of the two daemons: one keyword-only dataclass each, shared by CLI, API and tests."""
+"""Settings of the two daemons: one keyword-only dataclass each, shared by CLI, API and tests.
+
+Each field a user sets declares its option here (common.settings.opt): `pdkv decode start` and
+`pdkv prefill start` are generated from these fields, and so is the table in docs/operations.md.
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from common.rundir import default_runtime_dir
+from common.settings import int_tuple, opt
 
 
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     """What both daemons share. Paths default to files in the runtime dir."""
 
+    role: ClassVar[str | None] = None
     runtime_dir: Path = field(default_factory=default_runtime_dir)
-    model: str | None = None  # None: the built-in tiny model
-    allow_byte_tokenizer: bool = False  # a checkpoint without tokenizer.json loads with bytes
-    device: str = "auto"  # auto | cpu | cuda:N
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
-    ipc_backend: str = "auto"  # auto | shm | cuda-raw | cuda-torch
-    block_size: int = 16
-    num_blocks: int = 1024
-    torch_threads: int = 0  # 0: 1 for the tiny model, torch's default otherwise
-    link_socket: Path | None = None
-    socket_group: str | None = None  # sockets 0660 with this group instead of 0600
-    allowed_uids: tuple[int, ...] = ()  # () : our own uid only
+    model: str | None = field(
+        default=None,
+        metadata=opt(
+            "--model",
+            metavar="DIR",
+            show_default="built-in tiny model",
+            help="Hugging Face checkpoint dir (config.json + *.safetensors).",
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=opt(
+            "--device", help="auto, cpu or cuda:N (auto: cuda:0 when CUDA works, else cpu)."
+        ),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=opt(
+            "--dtype",
+            show_default="float32 on CPU, bfloat16 on CUDA",
+            help="Model and KV dtype: float32, bfloat16 or float16 (fp32, bf16, fp16 too).",
+        ),
+    )
+    allow_byte_tokenizer: bool = field(
+        default=False,
+        metadata=opt(
+            "--allow-byte-tokenizer",
+            help="Load a --model without tokenizer.json with UTF-8 bytes as token ids (its text is "
+            "garbage unless the model was trained on bytes); without this flag such a model is "
+            "refused.",
+        ),
+    )
+    ipc_backend: str = field(
+        default="auto",
+        metadata=opt(
+            "--ipc-backend",
+            choices=("auto", "shm", "cuda-raw", "cuda-torch"),
+            help="How the KV pool is shared: shm (CPU memfd), cuda-raw (the extension), cuda-torch "
+            "(torch storage IPC); auto picks by device.",
+        ),
+    )
+    num_blocks: int = field(
+        default=1024, metadata=opt("--num-blocks", min=1, help="KV pool size in blocks.")
+    )
+    block_size: int = field(
+        default=16,
+        metadata=opt(
+            "--block-size", min=1, help="Tokens per KV block (must match on both daemons)."
+        ),
+    )
+    link_socket: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--link-socket",
+            show_default="RUNTIME_DIR/decode.sock",
+            help="The decode daemon's link socket.",
+        ),
+    )
+    socket_group: str | None = field(
+        default=None,
+        metadata=opt(
+            "--socket-group", help="Make sockets 0660 owned by this group (default 0600)."
+        ),
+    )
+    allowed_uids: tuple[int, ...] = field(
+        default=(),
+        metadata=opt(
+            "--allowed-uids",
+            parse=int_tuple,
+            help="Comma-separated uids allowed to connect besides our own.",
+        ),
+    )
+    torch_threads: int = field(
+        default=0,
+        metadata=opt(
+            "--torch-threads",
+            min=0,
+            help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
+        ),
+    )
+    spin_us: int = field(
+        default=0,
+        metadata=opt(
+            "--spin-us",
+            min=0,
+            max=100_000,
+            help="After a handoff, poll the link this many µs without sleeping: lower latency for "
+            "back-to-back handoffs on a host with idle cores, worse on a busy one (0: off).",
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=10.0,
+        metadata=opt("--drain-timeout", help="Seconds to finish in-flight work on SIGTERM."),
+    )
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 5.0
-    drain_timeout_s: float = 10.0
-    max_prompt_tokens: int = 8192
-    spin_us: int = 0  # poll a link without sleeping this long when an answer is due (0: never)
-    max_connections: int = 1024  # open connections on the listening socket; more are refused
-    frame_timeout_s: float = 30.0  # a frame must complete within this, however slowly it trickles
-    link_key_file: Path | None = None  # the shared secret of a TCP link (mode 0600)
+    heartbeat_timeout_s: float = field(
+        default=5.0, metadata=opt("--heartbeat-timeout", help="A link silent this long is dead.")
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=opt(
+            "--max-connections",
+            min=1,
+            help="Most open connections on the daemon's socket; more are refused with NO_CAPACITY.",
+        ),
+    )
+    frame_timeout_s: float = field(
+        default=30.0,
+        metadata=opt(
+            "--frame-timeout",
+            min=0.1,
+            help="Seconds a frame may take to arrive whole; a slower sender is disconnected.",
+        ),
+    )
+    link_key_file: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--link-key-file",
+            help="Shared secret (mode 0600, ≥ 16 bytes) both daemons prove in HELLO on a TCP link; "
+            "required with --listen / --decode tcp://.",
+        ),
+    )
+    max_prompt_tokens: int = field(
+        default=8192,
+        metadata=opt(
+            "--max-prompt-tokens",
+            only="prefill",
+            min=1,
+            max=262_144,
+            help="Longest prompt accepted; longer ones get BAD_REQUEST.",
+        ),
+    )
 
     @property
     def link_path(self) -> Path:
@@ -46,8 +166,20 @@ class DaemonConfig:
 class DecodeConfig(DaemonConfig):
     """The decode daemon: accepts links, pulls KV, runs the continuous-batching loop."""
 
-    max_batch: int = 64
-    listen: str | None = None  # tcp://ADDR:PORT: also accept links across hosts (NIXL)
+    role: ClassVar[str] = "decode"
+    max_batch: int = field(
+        default=64, metadata=opt("--max-batch", min=1, help="Most sequences decoded in one step.")
+    )
+    listen: str | None = field(
+        default=None,
+        metadata=opt(
+            "--listen",
+            metavar="tcp://ADDR:PORT",
+            help="Also accept links from prefill daemons on other hosts here (an explicit bind "
+            "address; the KV moves with NIXL; needs --link-key-file and pdkv[nixl]). The Unix "
+            "socket stays.",
+        ),
+    )
 
     @property
     def pidfile(self) -> Path:
@@ -58,13 +190,105 @@ class DecodeConfig(DaemonConfig):
 class PrefillConfig(DaemonConfig):
     """The prefill daemon: client front door, forward + scatter, handoff, leases."""
 
-    client_socket: Path | None = None
-    event_slots: int = 64
-    lease_timeout_s: float = 30.0
-    handoff_timeout_s: float = 30.0  # how long a request may wait for blocks / capacity / the link
-    max_pending: int = 1024  # requests in flight in this daemon; more get NO_CAPACITY
-    # prompt tokens in one prefill forward (a longer prompt runs alone); None: the device's default
-    max_prefill_tokens: int | None = None
+    role: ClassVar[str] = "prefill"
+    client_socket: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--client-socket",
+            show_default="RUNTIME_DIR/prefill.sock",
+            help="Where clients connect.",
+        ),
+    )
+    lease_timeout_s: float = field(
+        default=30.0,
+        metadata=opt(
+            "--lease-timeout", help="Seconds the decode may hold a request's blocks before RELEASE."
+        ),
+    )
+    handoff_timeout_s: float = field(
+        default=30.0,
+        metadata=opt(
+            "--handoff-timeout",
+            help="Seconds a request may wait for free blocks, decode capacity or a dropped link to "
+            "come back (a link that never came up or was refused fails it at the next failed "
+            "reconnect).",
+        ),
+    )
+    max_pending: int = field(
+        default=1024,
+        metadata=opt(
+            "--max-pending",
+            min=1,
+            help="Most requests in flight in the prefill daemon; more get NO_CAPACITY at once.",
+        ),
+    )
+    client_idle_timeout_s: float = field(
+        default=300.0,
+        metadata=opt(
+            "--client-idle-timeout",
+            min=0.1,
+            help="Seconds a client connection may stay open with no request in flight and no "
+            "frame sent.",
+        ),
+    )
+    client_write_timeout_s: float = field(
+        default=30.0,
+        metadata=opt(
+            "--client-write-timeout",
+            min=0.1,
+            help="Seconds a client may leave its stream unread; then its requests are aborted.",
+        ),
+    )
+    max_prefill_tokens: int | None = field(  # None: prefill_budget picks by device
+        default=None,
+        metadata=opt(
+            "--max-prefill-tokens",
+            min=1,
+            show_default="8192 on CUDA, 1 on CPU",
+            help="Most prompt tokens prefilled in one forward: prompts that arrive while a forward "
+            "runs share the next one up to this (a longer prompt runs alone). 1: one prompt per "
+            "forward, the CPU default (a forward there costs about its tokens).",
+        ),
+    )
+    event_slots: int = field(
+        default=64,
+        metadata=opt(
+            "--event-slots",
+            min=1,
+            max=1024,
+            help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
+        ),
+    )
+    early_handoff: bool = field(  # Unix-socket links only
+        default=True,
+        metadata=opt(
+            "--early-handoff",
+            negatable=True,
+            help="Send each HANDOFF when its prompt is queued for the forward, so the decode "
+            "checks it, reserves its blocks and prepares the pull while the prefill computes; the "
+            "first token follows in a KV_READY message that starts the pull. Off: HANDOFF after "
+            "the first token. TCP links never hand off early.",
+        ),
+    )
+    decode: str | None = field(
+        default=None,
+        metadata=opt(
+            "--decode",
+            metavar="tcp://HOST:PORT",
+            help="Link to a decode daemon on another host instead of the local socket (the KV "
+            "moves with NIXL; needs --link-key-file and pdkv[nixl]).",
+        ),
+    )
+    transfer: str = field(
+        default="push",
+        metadata=opt(
+            "--transfer",
+            choices=("push", "pull"),
+            help="How a TCP link moves the KV: push (the prefill WRITEs into the decode's blocks) "
+            "or pull (the decode READs the prefill's); see docs/operations.md for which is faster "
+            "where.",
+        ),
+    )
 
     def prefill_budget(self, device_type: str) -> int:
         """--max-prefill-tokens, or 8192 on CUDA and 1 (one prompt a forward) on CPU, where a
@@ -72,13 +296,6 @@ class PrefillConfig(DaemonConfig):
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 8192 if device_type == "cuda" else 1
-
-    client_idle_timeout_s: float = 300.0  # a client connection with no request and no frame
-    client_write_timeout_s: float = 30.0  # a client that reads none of its stream this long
-    decode: str | None = None  # tcp://HOST:PORT: link to a decode on another host (NIXL)
-    transfer: str = "push"  # a TCP link's KV transfer: push (prefill WRITEs) or pull (decode READs)
-    # Unix-socket links: HANDOFF when a prompt is queued, its first token (the KV written) after it
-    early_handoff: bool = True
 
     @property
     def client_path(self) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import signal
 import subprocess
@@ -18,20 +17,15 @@ from typing import Any
 
 import click
 
-from common import client, logs
+from common import client, logs, settings
 from common.config import DecodeConfig, PrefillConfig
 from common.errors import PdkvError
 from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
 
 EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
-_RENAMED = {
-    "drain_timeout": "drain_timeout_s",
-    "heartbeat_timeout": "heartbeat_timeout_s",
-    "lease_timeout": "lease_timeout_s",
-    "handoff_timeout": "handoff_timeout_s",
-    "frame_timeout": "frame_timeout_s",
-    "client_idle_timeout": "client_idle_timeout_s",
-    "client_write_timeout": "client_write_timeout_s",
+CONFIGS: dict[str, type[DecodeConfig | PrefillConfig]] = {
+    "decode": DecodeConfig,
+    "prefill": PrefillConfig,
 }
 
 
@@ -43,18 +37,9 @@ class Globals:
 
 
 def make_config(g: Globals, *, role: str, **opts: Any) -> DecodeConfig | PrefillConfig:
-    """The daemon config of `role` from CLI-style options (names as the click parameters)."""
-    kw = {_RENAMED.get(k, k): v for k, v in opts.items()}
-    uids = kw.pop("allowed_uids", "") or ""
-    if isinstance(uids, str):
-        try:
-            uids = tuple(int(u) for u in uids.split(",") if u.strip())
-        except ValueError:
-            raise click.BadParameter(
-                f"--allowed-uids wants comma-separated integers, got {uids!r}"
-            ) from None
-    cls = DecodeConfig if role == "decode" else PrefillConfig
-    return cls(runtime_dir=g.runtime_dir, allowed_uids=tuple(uids), **kw)
+    """The config of the `role` daemon from its settings, named as the config's fields (the
+    parameters of `pdkv <role> start`)."""
+    return CONFIGS[role](runtime_dir=g.runtime_dir, **opts)
 
 
 def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any) -> int:
@@ -66,7 +51,7 @@ def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
     if background:
-        return _start_background(g, cfg, role, opts)
+        return _start_background(g, cfg)
     logs.configure(g.log_format, g.log_level)  # type: ignore[arg-type]
     from common import daemon
 
@@ -88,8 +73,8 @@ def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
     return cfg.client_path if isinstance(cfg, PrefillConfig) else cfg.link_path
 
 
-def background_argv(g: Globals, role: str, opts: dict[str, Any]) -> list[str]:
-    """The command line of a detached `pdkv <role> start` with the same options."""
+def background_argv(g: Globals, cfg: DecodeConfig | PrefillConfig) -> list[str]:
+    """The command line of a detached `pdkv <role> start` with `cfg`'s settings."""
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(g.runtime_dir)]
     argv += [
         "--log-format",
@@ -97,29 +82,18 @@ def background_argv(g: Globals, role: str, opts: dict[str, Any]) -> list[str]:
         "--log-level",
         g.log_level,
     ]
-    argv += [role, "start"]
-    cls = DecodeConfig if role == "decode" else PrefillConfig
-    on_by_default = {f.name for f in dataclasses.fields(cls) if f.default is True}
-    for key, value in opts.items():
-        if value is False and _RENAMED.get(key, key) in on_by_default:  # a --x/--no-x pair
-            argv.append("--no-" + key.replace("_", "-"))
-            continue
-        if value is None or value is False or value == "":
-            continue
-        argv.append("--" + key.replace("_", "-"))
-        if value is not True:
-            argv.append(str(value))
-    return argv
+    return [*argv, cfg.role, "start", *settings.argv(cfg)]
 
 
-def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig, role: str, opts: dict) -> int:
+def _start_background(g: Globals, cfg: DecodeConfig | PrefillConfig) -> int:
+    role = cfg.role
     pid = read_pid(cfg.pidfile)
     if pid is not None:
         click.echo(
             f"error: {role} daemon already running (pid {pid}); `pdkv stop {role}` first", err=True
         )
         return EXIT_STARTUP
-    argv = background_argv(g, role, opts)
+    argv = background_argv(g, cfg)
     log_path = cfg.runtime_dir / f"{role}.log"
     with open(log_path, "ab") as log_file:
         start_offset = log_file.tell()  # the log is appended to: show only this start's lines

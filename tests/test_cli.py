@@ -60,6 +60,11 @@ def test_global_options_after_a_nested_subcommand(tmp_path: Path, group: str) ->
     assert str(blocker) in result.output
 
 
+def _flag_name(param: click.Option) -> str:
+    """--drain-timeout as DRAIN_TIMEOUT: what users type, not the parameter (drain_timeout_s)."""
+    return param.opts[0].removeprefix("--").replace("-", "_").upper()
+
+
 def test_environment_variables_are_named_after_their_options() -> None:
     wrong = [
         f"{path} {param.opts[0]}: {param.envvar}"
@@ -69,9 +74,9 @@ def test_environment_variables_are_named_after_their_options() -> None:
         and param.envvar
         and param.envvar
         not in (
-            f"PDKV_{(param.name or '').upper()}",
+            f"PDKV_{_flag_name(param)}",
             # a subcommand group's own settings: `pdkv api start --host` is PDKV_API_HOST
-            f"PDKV_{[*path.split(), ''][1].upper()}_{(param.name or '').upper()}",
+            f"PDKV_{[*path.split(), ''][1].upper()}_{_flag_name(param)}",
         )
     ]
     assert not wrong, wrong
@@ -82,7 +87,7 @@ def test_a_background_start_keeps_an_option_turned_off(tmp_path: Path) -> None:
     dropping a False flag would start it with the default (on)."""
     import subprocess
 
-    from pdkv.commands import Globals, background_argv
+    from pdkv.commands import Globals, background_argv, make_config
 
     g = Globals(runtime_dir=tmp_path)
     seen = {}
@@ -102,9 +107,10 @@ def test_a_background_start_keeps_an_option_turned_off(tmp_path: Path) -> None:
         cli.commands["prefill"].commands["start"].callback = original
     assert result.exit_code == 0, result.output
     assert seen["early_handoff"] is False
-    argv = background_argv(g, "prefill", {k: v for k, v in seen.items() if k != "background"})
+    seen.pop("background")
+    argv = background_argv(g, make_config(g, role="prefill", **seen))
     assert "--no-early-handoff" in argv and "--early-handoff" not in argv
-    assert "--no-early-handoff" not in background_argv(g, "prefill", {"early_handoff": True})
+    assert "--no-early-handoff" not in background_argv(g, make_config(g, role="prefill"))
     out = subprocess.run(  # the detached daemon's click knows every option it is given
         [*argv, "--help"], capture_output=True, text=True, check=False
     )
