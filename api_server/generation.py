@@ -1,5 +1,7 @@
-"""One request's run through the daemons, as the HTTP layer needs it: text deltas with `stop`
-strings cut out, then a Done with the finish reason and usage. Failures become ApiErrors.
+"""A request's runs through the daemons, as the HTTP layer needs them: text deltas with `stop`
+strings cut out, then a Done with the finish reason and usage, for each of its prompts (`run_all`
+runs them at once and merges their events, tagged with each prompt's index). Failures become
+ApiErrors.
 
 A request that meets one of its stop strings ends there: the generator closes the daemon stream,
 which sends ABORT, so the daemons free its blocks at once instead of generating to max_tokens.
@@ -8,15 +10,16 @@ Closing this generator early (a client that went away) does the same.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from api_server.errors import ApiError, from_daemon, timed_out, unavailable
 from api_server.metrics import Metrics
 from api_server.tokens import PromptCounter
-from api_server.upstream import Upstream
 from common import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
@@ -32,6 +35,7 @@ class Job:
     prompt_tokens: list[int] | None = None
     stops: list[str] = field(default_factory=list)
     stream: bool = False
+    max_tokens_param: str = "max_tokens"  # the request's name for sampling.max_tokens
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ class StopCutter:
 async def run(
     job: Job,
     *,
-    upstream: Upstream,
+    conn: client.Connection,
     timeout: float,
     retry_after: int,
     metrics: Metrics,
@@ -92,7 +96,7 @@ async def run(
     cutter = StopCutter(job.stops)
     started = last = time.perf_counter()
     completion = 0
-    stream = upstream.stream(
+    stream = conn.stream(
         prompt=job.prompt,
         prompt_tokens=job.prompt_tokens,
         sampling=job.sampling,
@@ -128,16 +132,56 @@ async def run(
                     yield Done(reason, msg.usage.prompt_tokens, msg.usage.completion_tokens)
                     return
     except client.RequestFailed as exc:
-        raise from_daemon(exc.code, str(exc).split(": ", 1)[-1], retry_after=retry_after) from None
+        raise from_daemon(
+            exc.code, exc.reason, retry_after=retry_after, max_tokens_param=job.max_tokens_param
+        ) from None
     except TimeoutError:
         raise timed_out(timeout) from None
     except (OSError, PdkvError) as exc:
         raise unavailable(
-            f"the prefill daemon at {upstream.path} is not answering ({type(exc).__name__}: {exc})",
+            f"the prefill daemon at {conn.path} is not answering ({type(exc).__name__}: {exc})",
             retry_after=retry_after,
         ) from None
     finally:
         metrics.inflight.dec()
     raise ApiError(
-        503, "the prefill daemon ended the request without FINISH", type="service_unavailable"
+        503,
+        "the prefill daemon ended the request without FINISH",
+        type="service_unavailable",
+        code="unavailable",
     )
+
+
+async def run_all(jobs: list[Job], **kw: Any) -> AsyncIterator[tuple[int, str | Done]]:
+    """Run `jobs` (the arguments of `run` in `kw`) at once; yield (index, event) as each
+    comes, until every job's Done. The first failure cancels the rest (their requests are
+    aborted) and is raised; so is closing this generator early."""
+    if len(jobs) == 1:
+        async with contextlib.aclosing(run(jobs[0], **kw)) as events:
+            async for item in events:
+                yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, str | Done | Exception]] = asyncio.Queue()
+
+    async def pump(index: int, job: Job) -> None:
+        try:
+            async with contextlib.aclosing(run(job, **kw)) as events:
+                async for item in events:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+    left = len(jobs)
+    try:
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, Done):
+                left -= 1
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

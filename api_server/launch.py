@@ -15,7 +15,8 @@ from typing import Any
 
 import click
 
-from api_server.config import ApiConfig
+from api_server.config import ApiConfig, base_url
+from api_server.daemons import check_at_start
 from common import logs, settings
 from common.rundir import StartupError, ensure_runtime_dir, read_pid
 
@@ -31,6 +32,7 @@ def start(
     try:
         cfg = ApiConfig(runtime_dir=runtime_dir, **opts)
         ensure_runtime_dir(runtime_dir)
+        check_at_start(cfg)
     except (StartupError, OSError) as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
@@ -68,7 +70,7 @@ def _detach(cfg: ApiConfig, *, log_level: str) -> int:
             env=env,
             start_new_session=True,
         )
-    url = f"http://{'[' + cfg.host + ']' if ':' in cfg.host else cfg.host}:{cfg.port}"
+    url = base_url(cfg.host, cfg.port)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -1,5 +1,8 @@
 """OpenAI's response shapes for /v1/completions and /v1/chat/completions, whole or streamed.
 
+A request has one choice per prompt, each with its `index`; `usage` sums its prompts. Streamed,
+the choices' chunks interleave as their text comes, each chunk carrying one choice.
+
 A streamed response starts only after the request's first event, so a request the daemons refuse
 at once (bad prompt, NO_CAPACITY, no link) still gets its proper status code. A failure after
 that is sent as one `data: {"error": ...}` event before `data: [DONE]`. Every request's outcome
@@ -22,6 +25,8 @@ from api_server.generation import Done
 from api_server.metrics import Metrics
 from api_server.sse import DONE, event, json_response
 
+Events = AsyncIterator[tuple[int, str | Done]]
+
 
 @dataclass(frozen=True, kw_only=True)
 class Shape:
@@ -30,21 +35,26 @@ class Shape:
     endpoint: str
     chat: bool
 
-    def delta(self, text: str) -> dict[str, Any]:
+    def delta(self, index: int, text: str) -> dict[str, Any]:
         if self.chat:
-            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            return {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
 
-    def final_delta(self, reason: str) -> dict[str, Any]:
+    def final_delta(self, index: int, reason: str) -> dict[str, Any]:
         if self.chat:
-            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": "", "logprobs": None, "finish_reason": reason}
+            return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
 
-    def whole(self, text: str, reason: str) -> dict[str, Any]:
+    def whole(self, index: int, text: str, reason: str) -> dict[str, Any]:
         if self.chat:
             message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
 
     @property
     def object(self) -> str:
@@ -57,13 +67,14 @@ class Shape:
 
 @dataclass(frozen=True, kw_only=True)
 class Reply:
-    """One request's identity in its response bodies."""
+    """One request's identity in its response bodies, and its number of choices."""
 
     id: str
     model: str
     shape: Shape
     started: float
     created: int
+    choices: int = 1
     include_usage: bool = False
 
     def body(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -77,30 +88,37 @@ class Reply:
         }
 
 
-def usage(done: Done) -> dict[str, int]:
+def usage(dones: list[Done]) -> dict[str, int]:
+    """OpenAI's usage of a request: its prompts' counts summed."""
+    prompt = sum(d.prompt_tokens for d in dones)
+    completion = sum(d.completion_tokens for d in dones)
     return {
-        "prompt_tokens": done.prompt_tokens,
-        "completion_tokens": done.completion_tokens,
-        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
     }
 
 
-async def whole(reply: Reply, events: AsyncIterator[str | Done], metrics: Metrics) -> Response:
-    """The non-streamed response: all the text, finish_reason and usage in one body."""
-    parts: list[str] = []
+async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
+    """The non-streamed response: each choice's text and finish_reason, and usage, in one body."""
+    parts: list[list[str]] = [[] for _ in range(reply.choices)]
+    dones: dict[int, Done] = {}
     async with contextlib.aclosing(events):
-        async for item in events:
+        async for index, item in events:
             if isinstance(item, Done):
-                done = item
+                dones[index] = item
             else:
-                parts.append(item)
-    _count_tokens(metrics, done)
+                parts[index].append(item)
+    ended = [dones[i] for i in range(reply.choices)]
+    _count_tokens(metrics, ended)
     metrics.finished(reply.shape.endpoint, "ok", time.perf_counter() - reply.started)
-    choice = reply.shape.whole("".join(parts), done.finish_reason)
-    return json_response(reply.body(reply.shape.object, [choice], usage=usage(done)))
+    choices = [
+        reply.shape.whole(i, "".join(parts[i]), done.finish_reason) for i, done in enumerate(ended)
+    ]
+    return json_response(reply.body(reply.shape.object, choices, usage=usage(ended)))
 
 
-async def streamed(reply: Reply, events: AsyncIterator[str | Done], metrics: Metrics) -> Response:
+async def streamed(reply: Reply, events: Events, metrics: Metrics) -> Response:
     """The streamed response; raises ApiError when the request fails before its first event."""
     try:
         first = await anext(events)
@@ -115,11 +133,12 @@ async def streamed(reply: Reply, events: AsyncIterator[str | Done], metrics: Met
 
 
 async def _sse(
-    reply: Reply, item: str | Done, events: AsyncIterator[str | Done], metrics: Metrics
+    reply: Reply, first: tuple[int, str | Done], events: Events, metrics: Metrics
 ) -> AsyncIterator[bytes]:
     shape, obj = reply.shape, reply.shape.chunk_object
     extra = {"usage": None} if reply.include_usage else {}
     outcome = "client_disconnect"
+    dones: list[Done] = []
     try:
         async with contextlib.aclosing(events):
             if shape.chat:
@@ -130,13 +149,20 @@ async def _sse(
                     "finish_reason": None,
                 }
                 yield event(reply.body(obj, [role], **extra))
-            while not isinstance(item, Done):
-                yield event(reply.body(obj, [shape.delta(item)], **extra))
-                item = await anext(events)
-            yield event(reply.body(obj, [shape.final_delta(item.finish_reason)], **extra))
+            index, item = first
+            while True:
+                if isinstance(item, Done):
+                    dones.append(item)
+                    choice = shape.final_delta(index, item.finish_reason)
+                else:
+                    choice = shape.delta(index, item)
+                yield event(reply.body(obj, [choice], **extra))
+                if len(dones) == reply.choices:
+                    break
+                index, item = await anext(events)
             if reply.include_usage:
-                yield event(reply.body(obj, [], usage=usage(item)))
-            _count_tokens(metrics, item)
+                yield event(reply.body(obj, [], usage=usage(dones)))
+            _count_tokens(metrics, dones)
             outcome = "ok"
             yield DONE
     except ApiError as exc:
@@ -151,6 +177,6 @@ async def _sse(
         metrics.finished(shape.endpoint, outcome, seconds)
 
 
-def _count_tokens(metrics: Metrics, done: Done) -> None:
-    metrics.tokens.labels("prompt").inc(done.prompt_tokens)
-    metrics.tokens.labels("completion").inc(done.completion_tokens)
+def _count_tokens(metrics: Metrics, dones: list[Done]) -> None:
+    metrics.tokens.labels("prompt").inc(sum(d.prompt_tokens for d in dones))
+    metrics.tokens.labels("completion").inc(sum(d.completion_tokens for d in dones))

@@ -1,9 +1,12 @@
 """OpenAI request bodies, decoded and checked: every refusal is a 400 that names the field.
 
-Fields the API does not implement but a client may send with their neutral value (`user`,
-penalties of 0, ...) are ignored; those whose meaning it cannot honour (`n` > 1, `logprobs`,
-`echo`, `best_of` > 1, `suffix`, `tools`) are refused. `top_k` and `ignore_eos` are extra fields
-(the openai client passes them with `extra_body`).
+Fields that do not change the output (`user`, `store`, `metadata`, ...) are accepted and
+ignored. Fields that would change it in a way pdkv does not implement are refused unless they
+hold their neutral value: `n` > 1, `best_of` > 1, `logprobs`, `top_logprobs`, `echo`, `suffix`,
+non-zero `presence_penalty` / `frequency_penalty`, a `logit_bias`, a `response_format` other than
+text, `tools` and tool messages. `top_k` and `ignore_eos` are extra fields (the openai client
+passes them with `extra_body`). Chat roles are system, user and assistant, and developer (OpenAI's
+newer name for system, rendered as system).
 """
 
 from __future__ import annotations
@@ -13,12 +16,13 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from api_server.errors import ApiError, bad_field
+from api_server.errors import ApiError, bad_field, unsupported
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_STOP_STRINGS = 4
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -37,10 +41,13 @@ class _Request(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
@@ -59,6 +66,7 @@ class ChatRequest(_Request, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
 
 
 RequestT = TypeVar("RequestT", CompletionRequest, ChatRequest)
@@ -79,18 +87,23 @@ def decode(cls: type[RequestT], body: bytes) -> RequestT:
     return req
 
 
-def _param_of(message: str) -> str:
-    """The field a msgspec error names: `$.a.b` in its path, plus a missing field's name."""
+def _param_of(message: str) -> str | None:
+    """The field a msgspec error names: `$.a.b` in its path, plus a missing field's name; None
+    when the body as a whole is at fault."""
     path = _PATH.search(message)
     missing = _MISSING.search(message)
     parts = [m.group(1) for m in (path, missing) if m is not None and m.group(1)]
-    return ".".join(parts)
+    return ".".join(parts) or None
 
 
 def _refuse_unsupported(req: _Request) -> None:
     if req.n is not None and req.n != 1:
-        raise bad_field("n", f"n must be 1 (one choice per request), got {req.n}")
-    unsupported = {
+        raise unsupported("n", f"n must be 1 (one choice per prompt), got {req.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise unsupported(name, f"{name} is not implemented by pdkv: leave it out or send 0")
+    unsupported_fields = {
+        "logit_bias": req.logit_bias,
         "echo": getattr(req, "echo", False),
         "logprobs": getattr(req, "logprobs", None),
         "top_logprobs": getattr(req, "top_logprobs", None),
@@ -98,9 +111,15 @@ def _refuse_unsupported(req: _Request) -> None:
         "tools": getattr(req, "tools", None),
         "best_of": getattr(req, "best_of", None) not in (None, 1),
     }
-    for name, value in unsupported.items():
-        if value not in (None, False, []):
-            raise bad_field(name, f"{name} is not supported by pdkv")
+    for name, value in unsupported_fields.items():
+        if value not in (None, False, [], {}):
+            raise unsupported(name, f"{name} is not supported by pdkv")
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None and fmt.get("type") != "text":
+        raise unsupported(
+            "response_format",
+            f"response_format {fmt.get('type')!r} is not supported by pdkv (only 'text')",
+        )
 
 
 def sampling(req: _Request, *, max_tokens: int | None, default_max: int) -> SamplingParams:
@@ -129,20 +148,15 @@ def stop_strings(req: _Request) -> list[str]:
     return [s for s in stops if s]
 
 
-def prompt_of(req: CompletionRequest) -> tuple[str | None, list[int] | None]:
-    """(text, None) or (None, token ids): `prompt` is a string, a list of one string, or ids."""
-    p = req.prompt
-    if isinstance(p, str):
-        return p, None
-    if len(p) == 1 and isinstance(p[0], str):
-        return p[0], None
-    if p and all(isinstance(t, int) and 0 <= t < 2**31 for t in p):
-        return None, p  # type: ignore[return-value]
-    raise bad_field(
-        "prompt",
-        "prompt must be a string, a list of one string, or a non-empty list of token ids "
-        "(one prompt per request)",
-    )
+def message_role(msg: ChatMessage, index: int) -> str:
+    """The role a template sees: system, user or assistant (developer is system)."""
+    if msg.role in _ROLES:
+        return _ROLES[msg.role]
+    if msg.role in ("tool", "function"):
+        why = f"{msg.role} messages need tools, which pdkv does not support"
+    else:
+        why = f"role {msg.role!r} is not one pdkv knows: use system, user, assistant or developer"
+    raise unsupported(f"messages[{index}].role", why)
 
 
 def message_text(msg: ChatMessage, index: int) -> str:

@@ -15,8 +15,7 @@ import structlog
 import uvicorn
 
 from api_server.app import Api
-from api_server.chat import TemplateError
-from api_server.config import ApiConfig
+from api_server.config import ApiConfig, base_url
 from common.rundir import StartupError, remove_file, write_pidfile
 
 log = structlog.get_logger(__name__)
@@ -40,12 +39,12 @@ def bind(host: str, port: int) -> socket.socket:
 def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
     """Serve until stopped; 0 after a clean stop. StartupError when it cannot start."""
     prometheus_client.disable_created_metrics()  # no `_created` series beside every counter
-    try:
-        api = Api(cfg)
-    except TemplateError as exc:
-        raise StartupError(str(exc)) from None
+    api = Api(cfg)
     sock = bind(cfg.host, cfg.port)
     write_pidfile(cfg.pidfile)
+    host, port = sock.getsockname()[:2]
+    url = base_url(host, port)
+    cfg.urlfile.write_text(url + "\n")
     config = uvicorn.Config(
         api.app(),
         lifespan="off",
@@ -55,11 +54,10 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
     )
     server = uvicorn.Server(config)
-    host, port = sock.getsockname()[:2]
     log.info(
         "api_listening",
-        address=f"http://{host}:{port}",
-        model=cfg.model_id,
+        address=url,
+        model=str(cfg.model) if cfg.model else "the daemons'",
         prefill=str(cfg.prefill_path),
         decode=str(cfg.decode_path),
         api_key=cfg.api_key is not None,
@@ -72,6 +70,8 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
+        api.daemons.close()
+        remove_file(cfg.urlfile)
         remove_file(cfg.pidfile)
     log.info("api_stopped")
     return 0

@@ -1,7 +1,14 @@
-"""Client side of the daemons' sockets: generate, status. Used by the CLI, the demo and tests.
+"""Client side of the daemons' sockets: the one GENERATE/ABORT request loop, and STATUS.
 
 The client socket speaks the same frames as the link: GENERATE, then TOKENS… and FINISH (or ERROR)
-for that request id; STATUS as the first frame of a connection is answered by STATUS_REPLY.
+for that request id; ABORT ends a request early; STATUS is answered by one STATUS_REPLY.
+
+`Connection` is one connection to a prefill daemon that any number of requests share: every reply
+names its request id, and frames are routed from the channel's read callback to each request's
+queue (no task per frame). Opening and closing a Unix socket costs ~12 ms of CPU per request on
+the sandboxed CI VM, so a long-lived client (the HTTP API) keeps one; `stream`, `generate` and
+`status` below are its one-shot uses (the CLI, the demo, tests). An ERROR is `RequestFailed`; the
+connection ending is ConnectionError for every request on it, and the next use reconnects.
 """
 
 from __future__ import annotations
@@ -9,23 +16,48 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.channel import connect
+from common.channel import FrameChannel, connect
 from common.errors import PdkvError, ProtocolError
-from common.protocol import Abort, Error, ErrorCode, Finish, Generate, Status, StatusReply, Tokens
+from common.protocol import (
+    Abort,
+    ConnectionClosed,
+    Error,
+    ErrorCode,
+    Finish,
+    Generate,
+    Message,
+    Status,
+    StatusReply,
+    Tokens,
+    encode,
+)
 from common.sampling_params import SamplingParams
 
-__all__ = ["Finish", "RequestFailed", "Result", "Tokens", "generate", "status", "stream"]
+__all__ = [
+    "Connection",
+    "Finish",
+    "RequestFailed",
+    "Result",
+    "Tokens",
+    "generate",
+    "status",
+    "stream",
+]
+
+_Inbox = asyncio.Queue[Message | BaseException]
 
 
 class RequestFailed(PdkvError):
-    """The daemon answered a request with ERROR; `code` is its ErrorCode."""
+    """The daemon answered a request with ERROR; `code` is its ErrorCode, `reason` its message."""
 
     def __init__(self, code: ErrorCode, message: str, request_id: str | None) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
+        self.reason = message
         self.request_id = request_id
 
 
@@ -39,6 +71,157 @@ class Result:
     finish: Finish | None = None
 
 
+class Connection:
+    """One connection to a prefill daemon's client socket, shared by concurrent requests.
+
+    Contract: `stream()` yields one request's TOKENS then its FINISH, and RequestFailed on ERROR;
+    closing it before FINISH sends ABORT (without awaiting, so a cancelled caller still sends
+    it). `status()` asks STATUS on the same connection. The connection is opened by the first use
+    and again by the first use after it ended.
+    """
+
+    def __init__(self, socket_path: str) -> None:
+        self.path = socket_path
+        self.connects = 0  # connections opened so far: a change means a new daemon may answer
+        self._channel: FrameChannel | None = None
+        self._lock = asyncio.Lock()
+        self._inboxes: dict[str, tuple[FrameChannel, _Inbox]] = {}
+        self._status_waiters: deque[tuple[FrameChannel, asyncio.Future[StatusReply]]] = deque()
+        self._readers: set[asyncio.Task[None]] = set()
+
+    async def _connected(self) -> FrameChannel:
+        async with self._lock:
+            if self._channel is None or self._channel.closed:
+                channel = await connect(self.path)
+                self._channel = channel
+                self.connects += 1
+                reader = asyncio.create_task(self._read(channel), name="prefill-connection")
+                self._readers.add(reader)
+                reader.add_done_callback(self._readers.discard)
+            return self._channel
+
+    async def _read(self, channel: FrameChannel) -> None:
+        why: BaseException = ConnectionError("the prefill daemon closed the connection")
+        try:
+            await channel.dispatch(lambda msg: self._route(channel, msg))
+        except (RequestFailed, ConnectionClosed, OSError) as exc:  # RequestFailed: an ERROR
+            why = exc  # about the connection itself; ConnectionClosed: EOF between frames
+        except Exception as exc:
+            why = ConnectionError(f"connection to the prefill daemon ended: {exc!r}")
+        finally:
+            channel.close()
+            if self._channel is channel:
+                self._channel = None
+            for ch, inbox in list(self._inboxes.values()):
+                if ch is channel:
+                    inbox.put_nowait(why)
+            for ch, fut in self._status_waiters:
+                if ch is channel and not fut.done():
+                    fut.set_exception(why)
+
+    def _route(self, channel: FrameChannel, msg: Message) -> None:
+        if isinstance(msg, StatusReply):
+            while self._status_waiters:
+                ch, fut = self._status_waiters.popleft()
+                if ch is channel and not fut.done():
+                    fut.set_result(msg)
+                    return
+            return
+        rid = getattr(msg, "request_id", None)
+        if isinstance(msg, Error) and rid is None:  # the daemon refuses the connection; it ends
+            raise RequestFailed(msg.code, msg.message, None)
+        if not isinstance(msg, Tokens | Finish | Error):
+            raise ProtocolError(f"unexpected {msg.TYPE.name} on the client socket")
+        entry = self._inboxes.get(rid)  # type: ignore[arg-type]
+        if entry is not None:  # else: a request that ended here already (late frames)
+            entry[1].put_nowait(msg)
+
+    async def status(self, timeout: float = 2.0) -> StatusReply:
+        """The daemon's STATUS_REPLY; a stale connection (the daemon restarted) is re-opened
+        once, since STATUS has no effect to repeat."""
+        for attempt in (0, 1):
+            before = self.connects
+            async with asyncio.timeout(timeout):
+                channel = await self._connected()
+                reused = self.connects == before
+                fut: asyncio.Future[StatusReply] = asyncio.get_running_loop().create_future()
+                self._status_waiters.append((channel, fut))
+                try:
+                    channel.write_nowait(encode(Status()))
+                    return await fut
+                except (ConnectionError, ConnectionClosed):
+                    if attempt or not reused:
+                        raise
+                finally:
+                    with contextlib.suppress(ValueError):
+                        self._status_waiters.remove((channel, fut))
+        raise AssertionError("unreachable")
+
+    async def stream(
+        self,
+        *,
+        sampling: SamplingParams | None = None,
+        prompt: str | None = None,
+        prompt_tokens: list[int] | None = None,
+        request_id: str | None = None,
+        timeout: float = 120.0,
+        text_deltas: bool = True,
+    ) -> AsyncIterator[Tokens | Finish]:
+        """Run one GENERATE; TimeoutError when no frame comes for `timeout` seconds.
+
+        With `text_deltas` (GENERATE's `stream`), each TOKENS carries its new text; without,
+        TOKENS carry ids only and FINISH the whole text.
+        """
+        rid = request_id or uuid.uuid4().hex[:16]
+        async with asyncio.timeout(timeout):
+            channel = await self._connected()
+        if rid in self._inboxes:
+            raise RequestFailed(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
+        inbox: _Inbox = asyncio.Queue()
+        self._inboxes[rid] = (channel, inbox)
+        done = False
+        try:
+            channel.write_nowait(
+                encode(
+                    Generate(
+                        sampling=sampling or SamplingParams(),
+                        prompt=prompt,
+                        prompt_tokens=prompt_tokens,
+                        request_id=rid,
+                        stream=text_deltas,
+                    )
+                )
+            )
+            while not done:
+                async with asyncio.timeout(timeout):
+                    msg = await inbox.get()
+                if isinstance(msg, BaseException):
+                    done = True
+                    raise msg
+                if isinstance(msg, Error):
+                    done = True
+                    raise RequestFailed(msg.code, msg.message, msg.request_id)
+                done = isinstance(msg, Finish)
+                yield msg  # type: ignore[misc]
+        finally:
+            del self._inboxes[rid]
+            if not done:
+                with contextlib.suppress(OSError):
+                    channel.write_nowait(encode(Abort(request_id=rid)))
+
+    def close(self) -> None:
+        """Close the connection; its requests end with ConnectionError (the daemon aborts them)."""
+        if self._channel is not None:
+            self._channel.close()
+
+    async def __aenter__(self) -> Connection:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+
+
 async def stream(
     socket_path: str,
     *,
@@ -49,43 +232,24 @@ async def stream(
     timeout: float = 120.0,
     text_deltas: bool = True,
 ) -> AsyncIterator[Tokens | Finish]:
-    """Send one GENERATE and yield its TOKENS then FINISH; RequestFailed on ERROR.
-
-    With `text_deltas` (GENERATE's `stream`), each TOKENS carries its new text; without, TOKENS
-    carry ids only and FINISH the whole text. Closing the generator early sends ABORT.
-    """
-    rid = request_id or uuid.uuid4().hex[:16]
-    channel = await asyncio.wait_for(connect(socket_path), timeout)
-    done = False
-    try:
-        await channel.send(
-            Generate(
-                sampling=sampling or SamplingParams(),
+    """Send one GENERATE on a connection of its own and yield its TOKENS then FINISH;
+    RequestFailed on ERROR. Closing the generator early aborts the request (ABORT, and the
+    connection closes)."""
+    async with (
+        Connection(socket_path) as conn,
+        contextlib.aclosing(
+            conn.stream(
                 prompt=prompt,
                 prompt_tokens=prompt_tokens,
-                request_id=rid,
-                stream=text_deltas,
+                sampling=sampling,
+                request_id=request_id,
+                timeout=timeout,
+                text_deltas=text_deltas,
             )
-        )
-        while True:
-            msg = await asyncio.wait_for(channel.recv(), timeout)
-            if isinstance(msg, Error):
-                done = True
-                raise RequestFailed(msg.code, msg.message, msg.request_id)
-            if not isinstance(msg, Tokens | Finish):
-                raise ProtocolError(f"unexpected {msg.TYPE.name} on the client socket")
-            if isinstance(msg, Finish):
-                done = True
+        ) as msgs,
+    ):
+        async for msg in msgs:
             yield msg
-            if done:
-                return
-    finally:
-        try:
-            if not done and not channel.closed:
-                with contextlib.suppress(OSError):
-                    await channel.send(Abort(request_id=rid))
-        finally:
-            channel.close()  # also when the ABORT's send is cancelled: closing aborts too
 
 
 async def generate(socket_path: str, **kwargs) -> Result:  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
@@ -24,7 +25,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
-from common.protocol import compat_fields, fingerprint
+from common.protocol import ModelCard, compat_fields, fingerprint
 from common.throughput import Throughput
 from common.transfer.regions import default_backend
 
@@ -103,6 +104,17 @@ def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, block_size: int) ->
     return time.perf_counter() - start
 
 
+TINY_NAME = "pdkv-tiny"
+
+
+def model_card(model_dir: str | None, max_positions: int) -> ModelCard:
+    """The card of the checkpoint in `model_dir` (None: the built-in tiny model)."""
+    if model_dir is None:
+        return ModelCard(name=TINY_NAME, max_positions=max_positions)
+    path = Path(model_dir).resolve()
+    return ModelCard(name=path.name, path=str(path), max_positions=max_positions)
+
+
 @dataclass
 class ModelRuntime:
     model: Any
@@ -116,6 +128,7 @@ class ModelRuntime:
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
     runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
+    card: ModelCard | None = None  # the model as clients see it (STATUS_REPLY)
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -184,6 +197,7 @@ class ModelRuntime:
             executor,
             stream,
             runner,
+            model_card(cfg.model, model.config.max_position_embeddings),
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
@@ -208,6 +222,7 @@ class ModelRuntime:
             "dtype": self.layout.dtype,
             "served": throughput.served,
             "tokens_per_s": throughput.tokens_per_s(),
+            "model_card": self.card,
         }
 
     def close(self) -> None:

@@ -88,7 +88,10 @@ cli.add_command(api)
 @global_options
 @click.pass_obj
 def stop(g: commands.Globals, which: str, timeout: float) -> None:
-    """Stop daemons (and the API) started with --background (SIGTERM, graceful drain)."""
+    """Stop WHICH (no WHICH: all, both daemons and the API), started with --background.
+
+    Each gets SIGTERM: a graceful drain, then exit.
+    """
     raise SystemExit(commands.stop(g, which=which, timeout=timeout))
 
 
@@ -168,7 +171,7 @@ def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: 
     the generated text are shown escaped (e.g. \\x1b) unless --json is given.
     """
     if (prompt is None) == (prompt_file is None):
-        raise click.UsageError("give a PROMPT, '-' for standard input, or --prompt-file")
+        raise click.UsageError("give a PROMPT ('-': standard input) or --prompt-file, not both")
     if prompt == "-":
         prompt = click.get_text_stream("stdin").read()
     elif prompt_file is not None:

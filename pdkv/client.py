@@ -4,6 +4,24 @@ The request loop itself lives in `common.client`, below both of its users: this 
 API (`api_server`), which must not import the application above it.
 """
 
-from common.client import Finish, RequestFailed, Result, Tokens, generate, status, stream
+from common.client import (
+    Connection,
+    Finish,
+    RequestFailed,
+    Result,
+    Tokens,
+    generate,
+    status,
+    stream,
+)
 
-__all__ = ["Finish", "RequestFailed", "Result", "Tokens", "generate", "status", "stream"]
+__all__ = [
+    "Connection",
+    "Finish",
+    "RequestFailed",
+    "Result",
+    "Tokens",
+    "generate",
+    "status",
+    "stream",
+]

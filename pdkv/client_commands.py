@@ -37,16 +37,41 @@ def status(
         try:
             out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
         except (OSError, TimeoutError, PdkvError) as exc:
-            out[role] = {"role": role, "down": f"{type(exc).__name__}: {exc}", "socket": str(path)}
-    api_pid = read_pid(g.runtime_dir / "api.pid")  # optional: not part of the exit code
+            out[role] = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+    api = _api(g.runtime_dir)  # optional: not part of the exit code
     if as_json:
-        click.echo(json.dumps({**out, **({"api": {"pid": api_pid}} if api_pid else {})}, indent=2))
+        click.echo(json.dumps({**out, **({"api": api} if api else {})}, indent=2))
     else:
         for role, st in out.items():
             click.echo(_status_line(role, st))
-        if api_pid:
-            click.echo(f"{'api':8} up    pid {api_pid}  (pdkv stop api)")
+        if api:
+            click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1")
     return EXIT_OK if healthy(out) else EXIT_FAIL
+
+
+def why_down(role: str, exc: BaseException) -> str:
+    """Why a daemon's socket did not answer, in words (no exception class for the usual ones)."""
+    if isinstance(exc, FileNotFoundError):
+        return f"not running: no socket (pdkv {role} start)"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"not running: nothing listens on the socket (pdkv {role} start)"
+    if isinstance(exc, PermissionError):
+        return "not allowed: the socket refuses this user (--socket-group, --allowed-uids)"
+    if isinstance(exc, TimeoutError):
+        return "not answering: connected, but no STATUS reply in time"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _api(runtime_dir: Path) -> dict[str, Any] | None:
+    """The API started in `runtime_dir`: its pid and, once it listens, its URL."""
+    pid = read_pid(runtime_dir / "api.pid")
+    if pid is None:
+        return None
+    try:
+        url = (runtime_dir / "api.url").read_text().strip()
+    except OSError:
+        return {"pid": pid}
+    return {"pid": pid, "url": url}
 
 
 def healthy(out: dict[str, Any]) -> bool:
@@ -59,11 +84,11 @@ def healthy(out: dict[str, Any]) -> bool:
 
 def _status_line(role: str, st: dict[str, Any]) -> str:
     if "down" in st:
-        return f"{role:8} down  ({st['socket']}: {st['down']})"
+        return f"{role:8} down  {st['down']}  socket {st['socket']}"
     pool = st["pool"]
     line = (
         f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  "
-        f"model {st['model'] or '?'} {st['dtype']}  uptime {st['uptime_s']:.0f}s  "
+        f"model {_model_name(st)} {st['dtype']}  uptime {st['uptime_s']:.0f}s  "
         f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
         f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"
     )
@@ -75,6 +100,12 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
     elif role == "decode":
         line += f"  links {len(st['links'])}"
     return line
+
+
+def _model_name(st: dict[str, Any]) -> str:
+    """The model's name as the API serves it (the fingerprint only in --json)."""
+    card = st.get("model_card") or {}
+    return card.get("name") or st.get("model") or "?"
 
 
 def generate(

@@ -217,8 +217,13 @@ class RequestPipeline:
                 f"{len(self.requests)} requests in flight, the limit is {self.cfg.max_pending} "
                 "(retry later, or raise --max-pending)",
             )
+        config = self.rt.model.config
         prompt = prompt_tokens(
-            msg, self.rt.tokenizer, self.rt.model.config.vocab_size, self.cfg.max_prompt_tokens
+            msg,
+            self.rt.tokenizer,
+            config.vocab_size,
+            self.cfg.max_prompt_tokens,
+            max_positions=config.max_position_embeddings,
         )
         sampling = msg.sampling.validate().with_seed()
         return PrefillRequest(rid, prompt, sampling, stream=msg.stream)

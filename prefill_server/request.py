@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from common.context_length import context_error
 from common.errors import PdkvError
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode, Generate, Message
@@ -57,9 +58,12 @@ class PrefillRequest:
         return accepts(self.phase, event)
 
 
-def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) -> list[int]:
+def prompt_tokens(
+    msg: Generate, tokenizer: Any, vocab_size: int, limit: int, *, max_positions: int
+) -> list[int]:
     """The prompt of a GENERATE as token ids: exactly one of prompt or prompt_tokens, not empty,
-    1..limit tokens, every id < vocab_size; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
+    1..limit tokens, every id < vocab_size, and with max_tokens within the model's
+    `max_positions`; RequestFailed(BAD_REQUEST) naming what is wrong otherwise."""
     if (msg.prompt is None) == (msg.prompt_tokens is None):
         raise RequestFailed(ErrorCode.BAD_REQUEST, "give exactly one of prompt or prompt_tokens")
     if not (msg.prompt or msg.prompt_tokens):  # "" would still encode to BOS alone
@@ -75,4 +79,6 @@ def prompt_tokens(msg: Generate, tokenizer: Any, vocab_size: int, limit: int) ->
         )
     if max(tokens) >= vocab_size:
         raise RequestFailed(ErrorCode.BAD_REQUEST, f"token id {max(tokens)} >= vocab {vocab_size}")
+    if why := context_error(len(tokens), msg.sampling.max_tokens, max_positions):
+        raise RequestFailed(ErrorCode.BAD_REQUEST, why)
     return list(tokens)

@@ -91,7 +91,7 @@ def test_the_graph_sees_imports():
     graph = _graph()
     assert "common.transfer.producer" in graph["prefill_server.server"] | graph["common.transfer"]
     assert "decode_server.server" in graph["pdkv.commands"]  # a lazy import counts
-    assert "common.client" in graph["api_server.upstream"]
+    assert "common.client" in graph["api_server.daemons"]
 
 
 def test_no_module_imports_itself_through_others():

@@ -264,7 +264,14 @@ def _checkpoint_fingerprint(model_dir: Path, config: LlamaConfig, files: list[Pa
 def _checkpoint_tokenizer(model_dir: Path, config: LlamaConfig, *, allow_bytes: bool) -> Tokenizer:
     path = model_dir / "tokenizer.json"
     if path.is_file():
-        return HFTokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+        tok = HFTokenizer(path, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id)
+        if tok.vocab_size > config.vocab_size:
+            raise ModelError(
+                f"{path} has {tok.vocab_size} tokens, more than the model's vocabulary of "
+                f"{config.vocab_size} (vocab_size in config.json): its ids past the embedding "
+                "would fail requests; use the checkpoint's own tokenizer.json"
+            )
+        return tok
     if not allow_bytes:
         raise ModelError(
             f"{model_dir} has no tokenizer.json: add the checkpoint's tokenizer.json, or pass "

@@ -73,6 +73,11 @@ class HFTokenizer:
         """Text of `ids`, special tokens skipped."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer can produce: its vocabulary and added tokens."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

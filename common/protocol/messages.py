@@ -165,6 +165,17 @@ class Status(Message, frozen=True):
     TYPE = MsgType.STATUS
 
 
+class ModelCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The daemon's model as its clients need it (STATUS_REPLY's `model_card`): `name`, what the
+    HTTP API serves it as (the checkpoint directory's name, or `pdkv-tiny`); `path`, the
+    checkpoint directory, absolute (`""`: the built-in tiny model); `max_positions`, its context
+    length (max_position_embeddings): a prompt and the tokens asked for must fit in it."""
+
+    name: str
+    path: str = ""
+    max_positions: NonNeg = 0
+
+
 class StatusReply(Message, frozen=True):
     TYPE = MsgType.STATUS_REPLY
     role: str
@@ -179,6 +190,7 @@ class StatusReply(Message, frozen=True):
     dtype: str = ""
     served: NonNeg = 0  # requests finished since start
     tokens_per_s: float = 0.0  # generated tokens per second over the last minute
+    model_card: ModelCard | None = None
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

@@ -7,6 +7,7 @@ import pytest
 from api_server import schemas
 from api_server.errors import ApiError
 from api_server.generation import StopCutter
+from api_server.prompts import Prompt, check_context, prompts_of
 
 
 def run_cutter(stops: list[str], deltas: list[str]) -> tuple[list[str], bool]:
@@ -47,13 +48,20 @@ def decode(body: str) -> schemas.CompletionRequest:
         ('{"prompt": "x"}', "model"),
         ('{"model": "m", "messages": [{"content": "x"}]}', "messages[0].role"),
         ('{"model": "m", "prompt": "x", "max_tokens": "3"}', "max_tokens"),
-        ('{"model": "m", "prompt": [[1, 2]]}', "prompt[0]"),
+        ('{"model": "m", "prompt": [[1, "a"]]}', "prompt[0][1]"),
         (
             '{"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}',
             "stream_options.include_usage",
         ),
         ('{"model": "m", "prompt": "x", "echo": true}', "echo"),
         ('{"model": "m", "prompt": "x", "best_of": 2}', "best_of"),
+        ('{"model": "m", "prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
+        ('{"model": "m", "prompt": "x", "frequency_penalty": -1}', "frequency_penalty"),
+        ('{"model": "m", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),
+        (
+            '{"model": "m", "messages": [], "response_format": {"type": "json_object"}}',
+            "response_format",
+        ),
     ],
 )
 def test_bad_fields_are_named(body: str, param: str) -> None:
@@ -62,11 +70,32 @@ def test_bad_fields_are_named(body: str, param: str) -> None:
     assert info.value.status == 400 and info.value.body()["error"]["param"] == param
 
 
+def test_neutral_values_of_refused_fields_and_a_body_of_the_wrong_shape() -> None:
+    body = (
+        '{"model": "m", "messages": [], "presence_penalty": 0, "frequency_penalty": 0.0, '
+        '"logit_bias": {}, "response_format": {"type": "text"}, "user": "u", "store": false}'
+    )
+    assert decode(body).presence_penalty == 0
+    with pytest.raises(ApiError) as info:
+        schemas.decode(schemas.CompletionRequest, b"[1, 2]")
+    assert "param" not in info.value.body()["error"]  # the body, not a field: no param
+
+
 def test_prompt_forms_and_sampling_defaults() -> None:
-    assert schemas.prompt_of(decode('{"model": "m", "prompt": ["hi"]}')) == ("hi", None)
-    assert schemas.prompt_of(decode('{"model": "m", "prompt": [5, 6]}')) == (None, [5, 6])
-    with pytest.raises(ApiError, match="one prompt per request"):
-        schemas.prompt_of(decode('{"model": "m", "prompt": ["a", "b"]}'))
+    def forms(body: str) -> list[Prompt]:
+        return prompts_of(decode(body).prompt)
+
+    assert forms('{"model": "m", "prompt": "hi"}') == [Prompt(text="hi")]
+    assert forms('{"model": "m", "prompt": ["a", "b"]}') == [Prompt(text="a"), Prompt(text="b")]
+    assert forms('{"model": "m", "prompt": [5, 6]}') == [Prompt(tokens=[5, 6])]
+    assert forms('{"model": "m", "prompt": [[5], [6, 7]]}') == [
+        Prompt(tokens=[5]),
+        Prompt(tokens=[6, 7]),
+    ]
+    for bad, param in (("[]", "prompt"), ('["a", 5]', "prompt"), ("[[5], []]", "prompt[1]")):
+        with pytest.raises(ApiError) as info:
+            forms(f'{{"model": "m", "prompt": {bad}}}')
+        assert info.value.body()["error"]["param"] == param, bad
     req = decode('{"model": "m", "prompt": "x", "top_k": 5, "seed": 3, "stop": "\\n"}')
     params = schemas.sampling(req, max_tokens=None, default_max=16)
     assert (params.max_tokens, params.temperature, params.top_k, params.seed) == (16, 1.0, 5, 3)
@@ -77,3 +106,18 @@ def test_prompt_forms_and_sampling_defaults() -> None:
     with pytest.raises(ApiError) as info:
         schemas.sampling(chat, max_tokens=chat.max_completion_tokens, default_max=16)
     assert info.value.body()["error"]["param"] == "max_completion_tokens"
+
+
+def test_context_length_blames_the_field_at_fault() -> None:
+    check_context([Prompt(tokens=[1] * 10)], 22, 32, "max_tokens")  # fits exactly
+    cases = [  # prompts, max_tokens, the request's name for it, the param blamed
+        ([Prompt(tokens=[1] * 10)], 23, "max_tokens", "max_tokens"),
+        ([Prompt(tokens=[1] * 32)], 1, "max_tokens", "prompt"),
+        ([Prompt(text="x")], 32, "max_completion_tokens", "max_completion_tokens"),
+    ]
+    for prompts, max_tokens, name, param in cases:
+        with pytest.raises(ApiError) as info:
+            check_context(prompts, max_tokens, 32, name)
+        error = info.value.body()["error"]
+        assert error["code"] == "context_length_exceeded" and error["param"] == param
+        assert "32 tokens" in error["message"], error

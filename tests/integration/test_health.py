@@ -60,12 +60,14 @@ def test_healthy_pair_status_exit_0_shows_model_and_throughput(pair: Pair) -> No
     proc = _status(pair)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in proc.stdout.splitlines():
-        assert "model tiny-seed0-" in line and " float32 " in line, line
+        assert "model pdkv-tiny " in line and " float32 " in line, line  # as /v1/models
         assert "served 3" in line and "tokens/s" in line, line
     out = json.loads(_status(pair, "--json").stdout)
     for role in ("prefill", "decode"):
         assert out[role]["served"] == 3 and out[role]["tokens_per_s"] > 0, out[role]
         assert out[role]["dtype"] == "float32"
+        assert out[role]["model"].startswith("tiny-seed0-")  # the fingerprint, in --json
+        assert out[role]["model_card"]["name"] == "pdkv-tiny"
 
 
 def test_status_probes_do_not_log_on_the_decode(pair: Pair) -> None:

@@ -128,6 +128,33 @@ def test_rope_and_store_match_torch(dtype, hq: int, hkv: int, d: int) -> None:
     assert torch.equal(kv.isnan(), ref_kv.isnan())  # slot -1 and unused slots untouched
 
 
+def test_rope_never_reads_past_its_tables() -> None:
+    """The tables are the first rows of larger ones whose next rows are NaN: a position at or
+    past the end (or negative) would read them. It reads nothing and leaves its token as it
+    was; the positions inside are rotated as before."""
+    from common.model.fastpath import rope_tables
+    from common.model.kernels.fused import rope_and_store
+
+    model = tiny_model(config=LlamaConfig.tiny(max_position_embeddings=64), device=DEVICE)
+    cos_t, sin_t = rope_tables(model)
+    max_pos, half = cos_t.shape
+    poison = torch.full((max_pos + 4096, half), float("nan"), device=DEVICE)
+    cos_big, sin_big = poison.clone(), poison.clone()
+    cos_big[:max_pos], sin_big[:max_pos] = cos_t, sin_t
+    cos, sin = cos_big[:max_pos], sin_big[:max_pos]  # views: the NaN rows follow in memory
+    c = model.config
+    width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    positions = torch.tensor([0, 63, 64, 65, 4000, -1], device=DEVICE)
+    qkv = torch.randn((6, width), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    got = qkv.clone()
+    rope_and_store(got, positions, cos, sin, c.num_heads, c.num_kv_heads)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got[2:], qkv[2:])  # outside the tables: not rotated
+    inside = qkv[:2].clone()
+    rope_and_store(inside, positions[:2], cos_t, sin_t, c.num_heads, c.num_kv_heads)
+    assert torch.equal(got[:2], inside) and not torch.equal(got[1], qkv[1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_silu_mul_match_torch(dtype) -> None:
     from common.model.kernels.fused import rms_norm as k_rms_norm

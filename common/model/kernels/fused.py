@@ -33,6 +33,7 @@ def _rope_store(
     slots_ptr,
     kv_ptr,
     layer,
+    max_pos,
     stride_qkv,
     stride_kb,
     stride_kl,
@@ -48,10 +49,12 @@ def _rope_store(
     STORE: tl.constexpr,
 ):
     tok = tl.program_id(0)  # one token: all its q heads, then its k heads (+ the store)
-    pos = tl.load(pos_ptr + tok)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
     offs = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * HALF + offs)[None, :]
-    sin = tl.load(sin_ptr + pos * HALF + offs)[None, :]
+    # a position outside the tables reads nothing (cos 1, sin 0: q and k pass unrotated)
+    inside = offs < tl.where((pos >= 0) & (pos < max_pos), HALF, 0)
+    cos = tl.load(cos_ptr + pos * HALF + offs, mask=inside, other=1.0)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + offs, mask=inside, other=0.0)[None, :]
     base = qkv_ptr + tok.to(tl.int64) * stride_qkv
     qh = tl.arange(0, HEADS_PAD)
     _rotate_heads(base, qh, offs, cos, sin, (qh < NUM_HEADS)[:, None], HALF)
@@ -94,8 +97,9 @@ def rope_and_store(
     """Rotate q and k of `qkv` [N, (Hq + 2*Hkv) * D] in place at `positions` [N], and when `kv` is
     given write each token's rotated k and its v into `kv` at `slot_mapping[t]` of `layer`.
 
-    `cos`/`sin` [max_pos, D/2] fp32 are the tables of `LlamaModel._rope`; a negative slot writes
-    nothing (a padded graph row).
+    `cos`/`sin` [max_pos, D/2] fp32 are the tables of `LlamaModel._rope`; a position outside
+    [0, max_pos) reads nothing from them and leaves its token unrotated (the daemons refuse
+    requests that would reach one); a negative slot writes nothing (a padded graph row).
     """
     n = qkv.shape[0]
     half = cos.shape[1]
@@ -110,6 +114,7 @@ def rope_and_store(
         slot_mapping if store else positions,
         kvt,
         layer,
+        cos.shape[0],
         qkv.stride(0),
         *strides,
         NUM_HEADS=num_heads,
