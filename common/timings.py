@@ -3,7 +3,8 @@
 Control flow only stamps marks (`marks.stamp("pulled")`); what FINISH reports is declared once per
 daemon as spans between two marks (`Span("pull_us", "pull_read", "pulled")`) and rendered in one
 place (`Marks.render`). A span whose marks are not both set is left out, so a path that skips a
-stage (a late handoff has no `kv_ready_sent`) needs no branch of its own.
+stage (a late handoff has no `kv_ready_sent`) needs no branch of its own; a span declared
+`always` reads 0.0 then instead (a key FINISH's readers rely on).
 
 Marks are CLOCK_MONOTONIC nanoseconds. A mark may come from the peer's clock (a frame's
 `sent_ns`): that is only comparable on one host, so a link across hosts never stamps it.
@@ -24,11 +25,12 @@ class Span:
     start: str
     end: str
     unit_ns: int = 1000  # µs; 1_000_000 for a key in ms
+    always: bool = False  # reported as 0.0 when a mark is unset, instead of left out
 
     def of(self, marks: Marks) -> float | None:
         start, end = marks.get(self.start), marks.get(self.end)
         if start is None or end is None:
-            return None
+            return 0.0 if self.always else None
         return round((end - start) / self.unit_ns, 3 if self.unit_ns >= 1_000_000 else 1)
 
 
@@ -64,7 +66,8 @@ class Marks:
         return ((time.monotonic_ns() if now is None else now) - start) / 1000
 
     def render(self, spans: Iterable[Span]) -> dict[str, float]:
-        """The FINISH timings of these spans, in their order, those with both marks set."""
+        """The FINISH timings of these spans, in their order: those with both marks set, and
+        the `always` ones."""
         out: dict[str, float] = {}
         for span in spans:
             value = span.of(self)

@@ -27,10 +27,12 @@ from decode_server.sequence import Sequence
 
 #: FINISH's timings from the decode, in the order they are reported.
 SPANS = (
-    Span("decode_handoff_us", "kv_sent", "pulled"),
-    Span("pull_us", "kv_read", "pulled"),
-    Span("usable_us", "kv_sent", "usable"),
-    Span("first_step_us", "pull_started", "first_posted"),
+    # `always`: 0.0 when a mark is missing (no clock from P, FINISH before the copy was seen
+    # complete, never in the batch): readers of FINISH rely on these keys
+    Span("decode_handoff_us", "kv_sent", "pulled", always=True),
+    Span("pull_us", "kv_read", "pulled", always=True),
+    Span("usable_us", "kv_sent", "usable", always=True),
+    Span("first_step_us", "pull_started", "first_posted", always=True),
     Span("admit_us", "handoff_read", "admitted"),
     Span("read_us", "handoff_sent", "handoff_read"),
     Span("wire_us", "handoff_sent", "handoff_rx"),
@@ -42,19 +44,15 @@ SPANS = (
     Span("first_sync_us", "first_step_launched", "first_step_synced"),
 )
 DECODE_MS = Span("decode_ms", "pull_started", "finished", 1_000_000)
-#: Reported as 0.0 when a mark is missing (no clock from P, FINISH before the copy was seen
-#: complete, never in the batch): readers of FINISH rely on these keys.
-ALWAYS = ("decode_handoff_us", "pull_us", "usable_us", "first_step_us")
 
 
 def finish_timings(seq: Sequence) -> dict[str, float]:
     """The timings of `seq`'s FINISH (stamp `finished` first)."""
-    out: dict[str, float] = dict.fromkeys(ALWAYS, 0.0)
-    out.update(seq.marks.render(SPANS))
+    out = seq.marks.render(SPANS)
     if seq.steps >= 2:  # the mean of its steps after the first, start to token
         out["later_step_us"] = round(seq.later_step_ns / (seq.steps - 1) / 1000, 1)
     out.update(seq.marks.render((DECODE_MS,)))
     return out
 
 
-__all__ = ["ALWAYS", "DECODE_MS", "SPANS", "finish_timings"]
+__all__ = ["DECODE_MS", "SPANS", "finish_timings"]

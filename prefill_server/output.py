@@ -20,15 +20,15 @@ log = structlog.get_logger(__name__)
 _TEXT_CONTEXT = 4  # emitted tokens decoded again as context for the next text delta
 _MS = 1_000_000
 
-TIMINGS = (
-    Span("ttft_ms", "arrived", "first_token", _MS),
-    Span("handoff_us", "kv_offered", "released"),  # the KV ready to move -> RELEASE received
+TIMINGS = (  # `always`: a stage the request skipped (no handoff, no RELEASE before FINISH) reads 0.0
+    Span("ttft_ms", "arrived", "first_token", _MS, always=True),
+    # the KV ready to move -> RELEASE received
+    Span("handoff_us", "kv_offered", "released", always=True),
     # the first token on the loop -> the (last) HANDOFF sent: negative for an early handoff
-    Span("handoff_after_first_us", "first_token", "handoff_sent"),
-    Span("total_ms", "arrived", "finished", _MS),
+    Span("handoff_after_first_us", "first_token", "handoff_sent", always=True),
+    Span("total_ms", "arrived", "finished", _MS, always=True),
 )
 """The timings the prefill adds to the decode's in FINISH (docs/protocol.md, "FINISH")."""
-_UNSET = dict.fromkeys((span.key for span in TIMINGS), 0.0)
 
 
 class RequestOutput:
@@ -56,8 +56,7 @@ class RequestOutput:
 
     def finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
         """FINISH for the client, and the request's `request_finished` log line."""
-        # a stage the request skipped (no handoff, no RELEASE before FINISH) reads 0.0
-        timings = {**decode_timings, **_UNSET, **req.marks.render(TIMINGS)}
+        timings = {**decode_timings, **req.marks.render(TIMINGS)}
         log.info(
             "request_finished",
             request_id=req.request_id,

@@ -27,3 +27,10 @@ def test_a_zero_clock_sets_no_mark_and_a_restamp_moves_it() -> None:
     m.stamp("x", 10)
     m.stamp("x", 30)
     assert m.get("x") == 30 and m.since("x", now=1030) == 1.0 and m.since("nope") == 0.0
+
+
+def test_an_always_span_reads_zero_without_its_marks() -> None:
+    m = Marks()
+    m.stamp("a", 1_000)
+    spans = (Span("kept_us", "a", "b", always=True), Span("gone_us", "a", "b"))
+    assert m.render(spans) == {"kept_us": 0.0}
