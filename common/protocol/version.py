@@ -23,7 +23,8 @@ HISTORY: dict[int, str] = {
     "prompt is queued for its forward, before its KV is written), and TOKENS P → D then carries "
     "that first token, which also says the KV may be read; TOKENS has `sent_ns`",
     5: "KV_READY P → D: the first token of an early HANDOFF, which says its KV is written, gets "
-    "its own message instead of TOKENS P → D (TOKENS is D → P → C only again; its `sent_ns` goes)",
+    "its own message instead of TOKENS P → D (TOKENS is D → P → C only again; its `sent_ns` goes); "
+    "STATUS_REPLY has `model_card` (the model's name, checkpoint path and context length)",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
