@@ -11,7 +11,7 @@ from common.model.sampling import SamplingParams, finish_reason
 from common.timings import Marks
 
 if TYPE_CHECKING:
-    from common.transfer.consumer import PullPlan
+    from common.transfer.interface import PullPlan
     from decode_server.peer import Peer
 
 

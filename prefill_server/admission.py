@@ -14,7 +14,7 @@ import time
 from common.allocator import BlockAllocator
 from common.model.paged import blocks_for
 from common.protocol import ErrorCode
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.request import RequestFailed
 
 
@@ -22,7 +22,7 @@ class Capacity:
     """Blocks and event slots: allocated here, freed elsewhere, each freeing announced by
     `changed()`."""
 
-    def __init__(self, allocator: BlockAllocator, producer: KVProducer, block_size: int) -> None:
+    def __init__(self, allocator: BlockAllocator, producer: Producer, block_size: int) -> None:
         self.allocator = allocator
         self.producer = producer
         self.block_size = block_size

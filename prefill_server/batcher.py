@@ -27,7 +27,7 @@ import structlog
 from common.model.sampling import SamplingError, SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.forward import run_prefill_batch
 from prefill_server.request import RequestFailed
 
@@ -48,7 +48,7 @@ class _Job:
 class PrefillBatcher:
     """Created by the pipeline; the server runs `run()` as a task for the daemon's life."""
 
-    def __init__(self, rt: ModelRuntime, producer: KVProducer, max_tokens: int) -> None:
+    def __init__(self, rt: ModelRuntime, producer: Producer, max_tokens: int) -> None:
         self.rt = rt
         self.producer = producer
         self.max_tokens = max_tokens

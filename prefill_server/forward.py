@@ -16,7 +16,7 @@ from common.model.sampling import (
     sample_batch_isolated,
 )
 from common.modelrt import ModelRuntime
-from common.transfer import KVProducer
+from common.transfer import Producer
 
 
 def run_prefill_batch(
@@ -24,7 +24,7 @@ def run_prefill_batch(
     prompts: Sequence[list[int]],
     blocks: Sequence[list[int]],
     sampling: Sequence[SamplingParams],
-    producer: KVProducer | None = None,
+    producer: Producer | None = None,
     slots: Sequence[int] = (),
     *,
     token_budget: int,

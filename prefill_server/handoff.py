@@ -23,7 +23,7 @@ import time
 from common.allocator import BlockAllocator
 from common.config import PrefillConfig
 from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Message
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.link import DecodeLink
 from prefill_server.phase import Event, Phase
 from prefill_server.request import PrefillRequest, RequestFailed
@@ -37,7 +37,7 @@ class HandoffPath:
     def __init__(
         self,
         cfg: PrefillConfig,
-        producer: KVProducer,
+        producer: Producer,
         link: DecodeLink,
         allocator: BlockAllocator,
     ) -> None:

@@ -1,16 +1,15 @@
 """The prefill daemon's link to its decode daemon: connect with backoff, handshake, route answers.
 
-Once per connection: HELLO (fingerprint) and REGISTER (the KVProducer's payload: the pool's
-descriptor, its fd for shm, the event ring's handles for CUDA; exported once per process).
-While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
+Once per connection the handshake (prefill_server/handshake.py: HELLO with the fingerprint,
+REGISTER with the producer's payload). While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
 timeout ends the link. The frames about requests go to the listener given to `start` (the
 request pipeline, `LinkListener`); on loss it is told `link_lost` (every request handed to this
 link gets LINK_LOST) and the link reconnects with capped exponential backoff.
 
-With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink): HELLO carries our
-nonce, the decode's HELLO_OK its nonce and key proof (checked here: a wrong one is answered with
-ERROR AUTH_FAILED and refused), REGISTER our proof and the pool's NIXL region. The producer is
-then a NixlProducer (`make_producer`), and on a push link PUSH frames start its WRITEs.
+With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink; the handshake proves
+the shared key both ways). The producer is the link kind's transport's (common.transfer.registry);
+the link never names one: frames of the transport's own (NIXL's PUSH) go to
+`producer.handle_frame`.
 """
 
 from __future__ import annotations
@@ -21,53 +20,26 @@ import os
 import time
 from typing import Protocol
 
-import msgspec
 import structlog
 
 from common.channel import FrameChannel, connect
 from common.config import PrefillConfig
-from common.errors import PdkvError, ProtocolError
-from common.modelrt import ModelRuntime
+from common.errors import ProtocolError
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     Error,
-    ErrorCode,
     Hello,
-    HelloOk,
     Message,
     Ping,
     Pong,
-    Push,
-    Registered,
     encode,
-    make_error,
 )
-from common.tcplink import TcpSettings, connect_tcp, new_nonce, proof, proof_ok, tcp_settings
-from common.transfer import KVProducer
-from common.transfer.nixl_sides import NixlProducer
+from common.tcplink import connect_tcp
+from common.transfer import Producer
+from prefill_server.handshake import LinkRefused, check_decode_option, handshake
 
 log = structlog.get_logger(__name__)
-
-
-class LinkRefused(PdkvError):
-    """The decode daemon refused our HELLO or REGISTER (e.g. INCOMPATIBLE)."""
-
-
-def check_decode_option(cfg: PrefillConfig) -> TcpSettings | None:
-    """--decode's address, key and NIXL, checked (PdkvError saying what to do); None without."""
-    if cfg.decode is None:
-        return None
-    return tcp_settings(cfg.decode, cfg.link_key_file, "--decode")
-
-
-def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> KVProducer:
-    """The IPC producer for the local socket, a NixlProducer for a link across hosts."""
-    if cfg.decode is None:
-        return KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
-    return NixlProducer(
-        rt.pool, rt.allocator, transfer=cfg.transfer, loop=asyncio.get_running_loop()
-    )
 
 
 class LinkListener(Protocol):
@@ -88,7 +60,7 @@ class DecodeLink:
         fingerprint: str,
         compat: dict,
         backend: str,
-        producer: KVProducer,
+        producer: Producer,
     ) -> None:
         self.cfg = cfg
         self.fingerprint = fingerprint
@@ -207,60 +179,20 @@ class DecodeLink:
     async def _connect_once(self) -> None:
         timeout = self.cfg.heartbeat_timeout_s
         channel = self.channel = await self._open(timeout)
-        nonce = new_nonce() if self.tcp is not None else ""
-        await channel.send(
-            Hello(
-                protocol_version=PROTOCOL_VERSION,
-                fingerprint=self.fingerprint,
-                backend=self.backend,
-                pid=os.getpid(),
-                name="prefill",
-                compat=self.compat,
-                nonce=nonce,
-            )
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            fingerprint=self.fingerprint,
+            backend=self.backend,
+            pid=os.getpid(),
+            name="prefill",
+            compat=self.compat,
         )
-        async with asyncio.timeout(timeout):
-            ok = await channel.recv()
-        if isinstance(ok, Error):
-            if ok.code == ErrorCode.AUTH_FAILED:
-                log.error("link_auth_failed", error=ok.message, by="decode")
-            raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
-        if not isinstance(ok, HelloOk):
-            raise ProtocolError(f"expected HELLO_OK, got {ok.TYPE.name}")
-        reg, fds = self.producer.register()
-        if self.tcp is not None:
-            await self._check_decode_proof(channel, nonce, ok)
-            reg = msgspec.structs.replace(
-                reg, proof=proof(self.tcp.key, "prefill", nonce, ok.nonce)
-            )
-        await channel.send(reg, fds)
-        async with asyncio.timeout(timeout):
-            done = await channel.recv()
-        if isinstance(done, Error):
-            raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
-        if not isinstance(done, Registered):
-            raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
-        if isinstance(self.producer, NixlProducer):
-            try:
-                self.producer.connected(done)
-            except PdkvError as exc:
-                raise LinkRefused(str(exc)) from exc
+        ok = await handshake(channel, hello, self.producer, self.tcp, timeout)
         self.link_id = ok.link_id
         self.connects += 1
         self.refused = False
         self.ready.set()
         log.info("decode_link_up", link=self.link_id, decode_pid=ok.pid, connects=self.connects)
-
-    async def _check_decode_proof(self, channel: FrameChannel, nonce: str, ok: HelloOk) -> None:
-        """The decode must prove the key before it learns anything of our pool; if it cannot,
-        tell it (ERROR AUTH_FAILED, so its log says why too) and refuse the link."""
-        assert self.tcp is not None
-        if proof_ok(self.tcp.key, "decode", nonce, ok.nonce, ok.proof):
-            return
-        why = "the decode's key proof is wrong: the two daemons' --link-key-file differ"
-        log.error("link_auth_failed", error=why, by="prefill")
-        await channel.send(make_error(ErrorCode.AUTH_FAILED, why))
-        raise LinkRefused(why)
 
     async def _serve(self) -> None:
         assert self.channel is not None
@@ -278,8 +210,8 @@ class DecodeLink:
             self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
         elif isinstance(msg, Error) and msg.request_id is None:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
-        elif isinstance(msg, Push) and isinstance(self.producer, NixlProducer):
-            self.producer.push(msg, self._post)
+        elif msg.TYPE in self.producer.caps.frames:
+            self.producer.handle_frame(msg, self._post)
         elif self.listener is not None:
             self.listener.deliver(msg)
 
@@ -313,4 +245,4 @@ class DecodeLink:
             self.listener.link_lost(self.link_id, reason)
 
 
-__all__ = ["DecodeLink", "LinkListener", "LinkRefused"]
+__all__ = ["DecodeLink", "LinkListener"]

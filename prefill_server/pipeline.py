@@ -15,7 +15,7 @@ token then waits for one small frame, the pull's enqueue and one decode step, no
 HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_CAPACITY gets it
 again later, the first token in it.
 
-One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
+One way down: the server hands the pipeline its collaborators (config, runtime, the Producer,
 the link) and starts the link with the pipeline as its receiver (`deliver`, `link_lost`); the
 pipeline owns the request table and never reaches back up.
 """
@@ -33,7 +33,7 @@ from common.model.sampling import finish_reason
 from common.modelrt import ModelRuntime
 from common.protocol import Error, ErrorCode, Finish, Generate, Message, Release, Tokens
 from common.throughput import Throughput
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
 from prefill_server.handoff import HandoffPath
@@ -49,7 +49,7 @@ class RequestPipeline:
     """The request table and each request's life; the DecodeLink's listener."""
 
     def __init__(
-        self, cfg: PrefillConfig, rt: ModelRuntime, producer: KVProducer, link: DecodeLink
+        self, cfg: PrefillConfig, rt: ModelRuntime, producer: Producer, link: DecodeLink
     ) -> None:
         self.cfg = cfg
         self.rt = rt
@@ -236,7 +236,8 @@ class RequestPipeline:
         )
         req.advance(Event.QUEUE)
         try:
-            if self.cfg.early_handoff and self.link.tcp is None and req.sampling.max_tokens > 1:
+            early = self.cfg.early_handoff and self.producer.caps.early_handoff
+            if early and req.sampling.max_tokens > 1:
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
             return await future

@@ -3,7 +3,7 @@ KV producer.
 
 Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
 frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the KVProducer (the pool exported once), the DecodeLink and the RequestPipeline over them,
+builds the Producer (the pool exported once), the DecodeLink and the RequestPipeline over them,
 and starts the link with the pipeline as its listener; nothing below holds the server. Life cycle
 and STATUS are common.server.DaemonServer's.
 """
@@ -38,7 +38,8 @@ from common.protocol import (
 from common.rundir import check_free
 from common.server import DaemonServer
 from common.throughput import Throughput
-from prefill_server.link import DecodeLink, check_decode_option, make_producer
+from prefill_server.handshake import check_decode_option, make_producer
+from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
 
