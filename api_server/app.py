@@ -222,14 +222,16 @@ class Api:
             choices=len(jobs),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
         )
+        prefill = self.daemons.route(jobs[0].prompt_tokens, jobs[0].prompt)
         events = generation.run_all(
             jobs,
-            conn=self.daemons.prefill,
+            conn=prefill.conn,
             timeout=self.cfg.request_timeout_s,
             retry_after=self.cfg.retry_after_s,
             metrics=self.metrics,
             counter=model.counter,
         )
+        events = self.daemons.counted(prefill, events)
         if req.stream:
             return await responses.streamed(reply, events, self.metrics)
         return await responses.whole(reply, events, self.metrics)
@@ -243,20 +245,29 @@ class Api:
         return statuses
 
     async def health(self, request: Request) -> Response:
+        """200 while a prefill can serve (with the reasons of those that cannot, "degraded"
+        with several prefills), 503 with every reason otherwise."""
         statuses = await self.daemon_statuses()
         reasons = [s for s in statuses.values() if isinstance(s, str)]
-        prefill = statuses["prefill"]
-        if isinstance(prefill, StatusReply):
-            if why := link_problem(prefill):
+        serving = 0
+        for role, st in statuses.items():
+            if not role.startswith("prefill") or not isinstance(st, StatusReply):
+                continue
+            if why := link_problem(st):
                 reasons.append(why)
-            if why := self.daemons.model_problem():
-                reasons.append(why)
-        if reasons:
+            else:
+                serving += 1
+        if why := self.daemons.model_problem():
+            reasons.append(why)
+            serving = 0
+        if serving == 0 or (reasons and len(self.daemons.prefills) == 1):
             return json_response(
                 {"status": "unhealthy", "reasons": reasons},
                 status=503,
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
+        if reasons:
+            return json_response({"status": "degraded", "reasons": reasons})
         return json_response({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:

@@ -270,13 +270,17 @@ class PrefillConfig(DaemonConfig):
             "the first token. TCP links never hand off early.",
         ),
     )
-    decode: str | None = field(
-        default=None,
+    decode: tuple[str, ...] = field(
+        default=(),
         metadata=opt(
             "--decode",
-            metavar="tcp://HOST:PORT",
-            help="Link to a decode daemon on another host instead of the local socket (the KV "
-            "moves with NIXL; needs --link-key-file and pdkv[nixl]).",
+            multiple=True,
+            metavar="PATH|tcp://HOST:PORT",
+            show_default="RUNTIME_DIR/decode.sock",
+            help="A decode daemon to hand requests to: its link socket, or tcp://HOST:PORT on "
+            "another host (the KV moves with NIXL; needs --link-key-file and pdkv[nixl]). Give "
+            "it once per decode daemon: each request goes to the least loaded one that is up "
+            "(all of one kind: Unix sockets or TCP).",
         ),
     )
     transfer: str = field(
@@ -296,6 +300,11 @@ class PrefillConfig(DaemonConfig):
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 8192 if device_type == "cuda" else 1
+
+    @property
+    def decode_addresses(self) -> tuple[str, ...]:
+        """Every --decode, or this host's decode socket (--link-socket) when none is given."""
+        return self.decode or (str(self.link_path),)
 
     @property
     def client_path(self) -> Path:

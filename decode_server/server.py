@@ -223,8 +223,9 @@ class DecodeServer(DaemonServer):
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
         elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token
             self.requests.kv_ready(peer, msg)
-        elif isinstance(msg, Ping):
-            peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
+        elif isinstance(msg, Ping):  # with our load: a prefill with several decodes picks by it
+            free, live = self.rt.allocator.num_free, len(self.requests.sequences())
+            peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns, free_blocks=free, sequences=live))
         elif isinstance(msg, Abort):
             self.requests.abort(peer, msg.request_id)
         elif isinstance(msg, Status):

@@ -10,6 +10,7 @@ producer's payload; on a TCP link our proof) → REGISTERED, which the producer 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import msgspec
 import structlog
@@ -30,22 +31,42 @@ class LinkRefused(PdkvError):
     """The decode daemon refused our HELLO or REGISTER (e.g. INCOMPATIBLE)."""
 
 
-def check_decode_option(cfg: PrefillConfig) -> TcpSettings | None:
-    """--decode's address, key and transport, checked (PdkvError saying what to do); None for
-    the local socket."""
-    if cfg.decode is None:
-        return None
-    settings = tcp_settings(cfg.decode, cfg.link_key_file, "--decode")
-    transport(TCP).check()
-    return settings
+def check_decode_option(cfg: PrefillConfig) -> dict[str, TcpSettings | None]:
+    """Every --decode checked (PdkvError saying what to do): its address → its TCP settings
+    (None for a Unix socket). One kind for all of them (one producer per process), none twice."""
+    addresses = cfg.decode_addresses
+    seen: set[str] = set()
+    for address in addresses:
+        key = address if link_kind(address) == TCP else os.path.abspath(address)
+        if key in seen:
+            raise PdkvError(f"--decode {address} is given twice: name each decode daemon once")
+        seen.add(key)
+    kinds = {link_kind(a) for a in addresses}
+    if len(kinds) > 1:
+        raise PdkvError(
+            "--decode mixes Unix sockets and tcp:// addresses: one prefill daemon's decodes are "
+            "all on this host or all across hosts (run a second prefill daemon for the others)"
+        )
+    for kind in kinds:
+        transport(kind)  # PdkvError naming the kinds there are
+    if kinds == {TCP} and len(addresses) > 1:
+        raise PdkvError(
+            "--decode: one prefill daemon links to one decode daemon over TCP for now (its NIXL "
+            "producer has one peer); several decodes work over Unix sockets on one host"
+        )
+    if kinds == {TCP}:
+        targets = {a: tcp_settings(a, cfg.link_key_file, "--decode") for a in addresses}
+        transport(TCP).check()
+        return targets
+    return dict.fromkeys(addresses)
 
 
 def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> Producer:
-    """The producer of the transport `--decode`'s link kind uses."""
+    """The producer of the transport the --decode links use (one kind: check_decode_option)."""
     settings = ProducerSettings(
         backend=rt.backend, event_slots=cfg.event_slots, transfer=cfg.transfer
     )
-    kind = transport(link_kind(cfg.decode))
+    kind = transport(link_kind(cfg.decode_addresses[0]))
     return kind.producer(rt.pool, rt.allocator, settings, asyncio.get_running_loop())
 
 
@@ -55,9 +76,10 @@ async def handshake(
     producer: Producer,
     tcp: TcpSettings | None,
     timeout: float,
-) -> HelloOk:
-    """Run the handshake on a new connection; the decode's HELLO_OK once the link is usable.
-    LinkRefused when the decode (or our check of it) refuses, ProtocolError on a wrong frame."""
+) -> tuple[HelloOk, Registered]:
+    """Run the handshake on a new connection: the decode's HELLO_OK and REGISTERED, for the
+    producer's `connected` under the link's id (the caller names it). LinkRefused when the
+    decode (or our check of it) refuses, ProtocolError on a wrong frame."""
     nonce = new_nonce() if tcp is not None else ""
     await channel.send(msgspec.structs.replace(hello, nonce=nonce))
     async with asyncio.timeout(timeout):
@@ -79,11 +101,7 @@ async def handshake(
         raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
     if not isinstance(done, Registered):
         raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
-    try:
-        producer.connected(done, ok.link_id)
-    except PdkvError as exc:
-        raise LinkRefused(str(exc)) from exc
-    return ok
+    return ok, done
 
 
 async def _check_decode_proof(
@@ -99,4 +117,9 @@ async def _check_decode_proof(
     raise LinkRefused(why)
 
 
-__all__ = ["LinkRefused", "check_decode_option", "handshake", "make_producer"]
+__all__ = [
+    "LinkRefused",
+    "check_decode_option",
+    "handshake",
+    "make_producer",
+]

@@ -18,13 +18,14 @@ import asyncio
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
 
 from common.channel import FrameChannel, connect
 from common.config import PrefillConfig
-from common.errors import ProtocolError
+from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,
@@ -42,6 +43,31 @@ from prefill_server.handshake import LinkRefused, check_decode_option, handshake
 log = structlog.get_logger(__name__)
 
 
+@dataclass
+class DecodeLoad:
+    """One decode's load as this prefill sees it (module docstring)."""
+
+    mine: int = 0  # requests this prefill handed to it that have not ended
+    sequences: int = 0  # the decode's sequences in flight at its last PONG
+    free_blocks: int = -1  # its free blocks at its last PONG (-1: none reported yet)
+    mine_at_report: int = 0  # `mine` when that PONG came
+
+    def reported(self, pong: Pong) -> None:
+        if pong.free_blocks >= 0:
+            self.free_blocks = pong.free_blocks
+            self.sequences = pong.sequences
+            self.mine_at_report = self.mine
+
+    @property
+    def others(self) -> int:
+        """The decode's sequences from other prefills, as of its last PONG."""
+        return max(0, self.sequences - self.mine_at_report)
+
+    @property
+    def total(self) -> int:
+        return self.mine + self.others
+
+
 class LinkListener(Protocol):
     """What the link tells its receiver (the request pipeline), given to `DecodeLink.start`."""
 
@@ -56,6 +82,7 @@ class DecodeLink:
     def __init__(
         self,
         cfg: PrefillConfig,
+        address: str | None = None,
         *,
         fingerprint: str,
         compat: dict,
@@ -79,7 +106,9 @@ class DecodeLink:
         self._ping = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.tcp = check_decode_option(cfg)
+        self.address = address or cfg.decode_addresses[0]  # a socket path or tcp://HOST:PORT
+        self.tcp = check_decode_option(cfg).get(self.address)
+        self.load = DecodeLoad()  # what the decode last reported (PONG) and what we sent since
 
     @property
     def state(self) -> str:
@@ -100,15 +129,16 @@ class DecodeLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop("prefill daemon is shutting down")
 
-    async def wait_up(self, timeout: float) -> None:
+    async def wait_up(self, timeout: float, *, patient: bool = True) -> None:
         """Return once the link is up, else ConnectionError naming the last error: after
-        `timeout` if the link was up before and dropped (a decode restart: worth waiting for),
-        but as soon as the next connection attempt fails (at most the 2 s backoff away) if it
-        never came up or the decode refused it (INCOMPATIBLE): a prefill started without its
-        decode, or a mismatched pair, answers in seconds instead of after the whole timeout."""
+        `timeout` if the link was up before and dropped (a decode restart: worth waiting for,
+        unless not `patient`: a prefill with other decodes), but as soon as the next connection
+        attempt fails (at most the 2 s backoff away) if it never came up or the decode refused
+        it (INCOMPATIBLE): a prefill started without its decode, or a mismatched pair, answers
+        in seconds instead of after the whole timeout."""
         if self.ready.is_set():
             return
-        transient = self.connects > 0 and not self.refused
+        transient = patient and self.connects > 0 and not self.refused
         awaited = self.ready if transient else self._attempted
         try:
             async with asyncio.timeout(max(timeout, 0)):
@@ -172,7 +202,7 @@ class DecodeLink:
     async def _open(self, timeout: float) -> FrameChannel:
         async with asyncio.timeout(timeout):
             if self.tcp is None:
-                return await connect(str(self.cfg.link_path))
+                return await connect(self.address)
             sock = await connect_tcp(self.tcp.host, self.tcp.port, timeout)
             return FrameChannel(sock, max_fds=0)
 
@@ -187,8 +217,15 @@ class DecodeLink:
             name="prefill",
             compat=self.compat,
         )
-        ok = await handshake(channel, hello, self.producer, self.tcp, timeout)
-        self.link_id = ok.link_id
+        ok, registered = await handshake(channel, hello, self.producer, self.tcp, timeout)
+        # the decode's id for the connection, made unique among this prefill's decodes: leases
+        # and requests are held by it
+        link_id = f"{ok.link_id}@{self.address}"
+        try:
+            self.producer.connected(registered, link_id)
+        except PdkvError as exc:
+            raise LinkRefused(str(exc)) from exc
+        self.link_id = link_id
         self.connects += 1
         self.refused = False
         self.ready.set()
@@ -208,6 +245,7 @@ class DecodeLink:
         """Each frame from the decode, in the socket's read callback."""
         if isinstance(msg, Pong):
             self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
+            self.load.reported(msg)
         elif isinstance(msg, Error) and msg.request_id is None:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
         elif msg.TYPE in self.producer.caps.frames:
@@ -245,4 +283,4 @@ class DecodeLink:
             self.listener.link_lost(self.link_id, reason)
 
 
-__all__ = ["DecodeLink", "LinkListener"]
+__all__ = ["DecodeLink", "DecodeLoad", "LinkListener"]

@@ -16,8 +16,8 @@ HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_C
 again later, the first token in it.
 
 One way down: the server hands the pipeline its collaborators (config, runtime, the Producer,
-the link) and starts the link with the pipeline as its receiver (`deliver`, `link_lost`); the
-pipeline owns the request table and never reaches back up.
+the decode links) and starts each link with the pipeline as its receiver (`deliver`,
+`link_lost`); the pipeline owns the request table and never reaches back up.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from common.throughput import Throughput
 from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
+from prefill_server.decode_links import DecodeLinks
 from prefill_server.handoff import HandoffPath
-from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
 from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
@@ -46,18 +46,18 @@ log = structlog.get_logger(__name__)
 
 
 class RequestPipeline:
-    """The request table and each request's life; the DecodeLink's listener."""
+    """The request table and each request's life; every DecodeLink's listener."""
 
     def __init__(
-        self, cfg: PrefillConfig, rt: ModelRuntime, producer: Producer, link: DecodeLink
+        self, cfg: PrefillConfig, rt: ModelRuntime, producer: Producer, links: DecodeLinks
     ) -> None:
         self.cfg = cfg
         self.rt = rt
         self.producer = producer
-        self.link = link
+        self.links = links
         self.batcher = PrefillBatcher(rt, producer, cfg.prefill_budget(rt.device.type))
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size)
-        self.handoff = HandoffPath(cfg, producer, link, rt.allocator)
+        self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}  # in flight
         self.aborting: dict[str, PrefillRequest] = {}  # ended, their slot waiting for the decode

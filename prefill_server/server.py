@@ -3,8 +3,8 @@ KV producer.
 
 Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
 frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the Producer (the pool exported once), the DecodeLink and the RequestPipeline over them,
-and starts the link with the pipeline as its listener; nothing below holds the server. Life cycle
+builds the Producer (the pool exported once), a DecodeLink per decode daemon (DecodeLinks) and
+the RequestPipeline over them, and starts each link with the pipeline as its listener; nothing below holds the server. Life cycle
 and STATUS are common.server.DaemonServer's.
 """
 
@@ -38,6 +38,7 @@ from common.protocol import (
 from common.rundir import check_free
 from common.server import DaemonServer
 from common.throughput import Throughput
+from prefill_server.decode_links import DecodeLinks
 from prefill_server.handshake import check_decode_option, make_producer
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestPipeline
@@ -54,18 +55,25 @@ class PrefillServer(DaemonServer):
         super().__init__(cfg, rt, cfg.client_path, stop)
         self.cfg: PrefillConfig = cfg
         self.producer = make_producer(cfg, rt)
-        self.link = DecodeLink(
-            cfg,
-            fingerprint=rt.fingerprint,
-            compat=rt.compat,
-            backend=rt.backend,
-            producer=self.producer,
+        self.decodes = DecodeLinks(
+            [
+                DecodeLink(
+                    cfg,
+                    address,
+                    fingerprint=rt.fingerprint,
+                    compat=rt.compat,
+                    backend=rt.backend,
+                    producer=self.producer,
+                )
+                for address in check_decode_option(cfg)
+            ]
         )
-        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)
+        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.decodes)
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
-        self.link.start(self.pipeline)  # its frames and losses go to the pipeline
+        for link in self.decodes:
+            link.start(self.pipeline)  # its frames and losses go to the pipeline
         self.spawn(self.pipeline.reap_leases(), "lease-reaper")
         batcher = self.spawn(self.pipeline.batcher.run(), "prefill-batcher")
         batcher.add_done_callback(self._batcher_ended)
@@ -88,7 +96,7 @@ class PrefillServer(DaemonServer):
         await asyncio.sleep(0.05)
         try:
             async with asyncio.timeout(5):
-                await self.link.stop()
+                await self.decodes.stop()
         except TimeoutError:
             log.warning("link_stop_timeout")
 
@@ -96,8 +104,14 @@ class PrefillServer(DaemonServer):
         self.producer.close()
 
     async def until_ready(self) -> None:
-        """Ready once the client socket listens (start) and the link to the decode is up."""
-        await self.link.ready.wait()
+        """Ready once the client socket listens (start) and a link to a decode is up."""
+        while not self.decodes.up():
+            waits = [asyncio.ensure_future(link.ready.wait()) for link in self.decodes]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     @property
     def throughput(self) -> Throughput:
@@ -107,15 +121,19 @@ class PrefillServer(DaemonServer):
         return {"served": self.pipeline.throughput.served}
 
     def links(self) -> list[dict[str, Any]]:
-        link = self.link
         return [
             {
                 "link": link.link_id,
+                "decode": link.address,
                 "state": link.state,
                 "connects": link.connects,
                 "rtt_us": round(link.rtt_us, 1),
                 "last_error": link.last_error,
+                "requests": link.load.mine,
+                "decode_sequences": link.load.sequences,
+                "decode_free_blocks": link.load.free_blocks,
             }
+            for link in self.decodes
         ]
 
     # ---- client connections ----------------------------------------------------------------------

@@ -143,9 +143,14 @@ class Ping(Message, frozen=True):
 
 
 class Pong(Message, frozen=True):
+    """D → P: the answer to PING, with the decode's load when it sent it (v6): its free KV
+    blocks (-1: not reported) and its sequences in flight, from every prefill linked to it."""
+
     TYPE = MsgType.PONG
     seq: NonNeg
     sent_ns: NonNeg = 0
+    free_blocks: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)] = -1
+    sequences: NonNeg = 0
 
 
 class Generate(Message, frozen=True):
