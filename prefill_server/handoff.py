@@ -128,7 +128,7 @@ class HandoffPath:
             await self.offer(req, req.generated[0], deadline, spin=True)
         while True:
             answer = await req.inbox.get()
-            if not (isinstance(answer, Error) and answer.code == ErrorCode.NO_CAPACITY):
+            if not (isinstance(answer, Error) and self._again(req, answer.code)):
                 return answer
             refused.add(req.link_id)
             if self.links.pick(frozenset(refused)) is None:  # every decode up refused it
@@ -140,11 +140,19 @@ class HandoffPath:
                 backoff = min(backoff * 2, 0.2)
                 refused.clear()
             await self.link_up(deadline)
-            if not req.inbox.empty() or req.request_id not in self.allocator:
-                # the link was lost or the lease expired meanwhile: the inbox holds the reason;
-                # never hand off blocks we no longer own
+            if req.request_id not in self.allocator:
+                # the lease expired meanwhile: the inbox holds the reason; never hand off
+                # blocks we no longer own
                 return await req.inbox.get()
+            if not req.inbox.empty():  # an answer came meanwhile (the refusing link lost)
+                continue
             await self.offer(req, req.generated[0], deadline, spin=True, refused=frozenset(refused))
+
+    @staticmethod
+    def _again(req: PrefillRequest, code: ErrorCode) -> bool:
+        """Whether the decode's ERROR `code` sends the request to a decode again: NO_CAPACITY,
+        or the link of its early offer lost before its KV was written (REFUSED either way)."""
+        return req.phase is Phase.REFUSED and code in (ErrorCode.NO_CAPACITY, ErrorCode.LINK_LOST)
 
     def end(self, req: PrefillRequest) -> None:
         """The request ended (client gone, first token a stop, a failure, a timeout, its FINISH):

@@ -140,16 +140,17 @@ class RequestPipeline:
             self.capacity.changed()
 
     def link_lost(self, link_id: str, reason: str) -> None:
-        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST
-        (the blocks of one whose forward has not run yet are not leased: they stay its own
-        until its forward is done, and are freed then)."""
+        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST;
+        one offered early whose KV is not written yet (no token of it left the daemons) goes
+        to another decode after its forward instead (REFUSED; the blocks of a forward not run
+        yet are not leased: they stay its own)."""
         freed = self.producer.link_lost(link_id)  # its quarantined slots too
         for req in self.aborting.values():
             req.advance(Event.LINK_LOST)
         self.aborting.clear()
         for req in self.requests.values():
             if req.link_id == link_id and req.accepts(Event.LINK_LOST):
-                req.advance(Event.LINK_LOST)
+                req.advance(Event.LINK_LOST)  # an early offer: REFUSED, offered again
                 req.inbox.put_nowait(
                     Error(code=ErrorCode.LINK_LOST, message=f"link to decode lost: {reason}")
                 )

@@ -38,7 +38,7 @@ class FakeLink:
         self.ready.set()
         self.sent: list[Message] = []
 
-    async def wait_up(self, timeout: float) -> None:
+    async def wait_up(self, timeout: float, *, patient: bool = True) -> None:
         if not self.ready.is_set():
             raise ConnectionError("no link to the decode daemon")
 

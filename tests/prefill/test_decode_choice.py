@@ -76,3 +76,28 @@ async def test_no_capacity_moves_the_request_to_another_decode_at_once(cfg_rt) -
     assert isinstance(frames[-1], Finish)
     assert s.clean()
     await s.close()
+
+
+async def test_a_decode_lost_before_the_kv_was_written_hands_the_request_to_another(cfg_rt) -> None:  # type: ignore[no-untyped-def]
+    """No token of it has left the daemons when the link of its early HANDOFF is lost during
+    the forward: it goes to another decode (with its first token) instead of failing."""
+    s = Setup(*cfg_rt, decodes=2)
+    task = s.start("r1")
+    await s.until(lambda: s.sent(Handoff, "r1"))
+    ((lost_id, early),) = s.sent(Handoff, "r1")
+    assert early.first_token is None
+    lost = next(link for link in s.links if link.link_id == lost_id)
+    lost.ready.clear()
+    s.pipeline.link_lost(lost_id, "test: decode killed")
+    assert s.pipeline.requests["r1"].phase is Phase.REFUSED
+    s.run_forwards()
+    await s.until(lambda: len(s.sent(Handoff, "r1")) == 2)
+    other, again = s.sent(Handoff, "r1")[-1] if lost_id == "link-1" else s.sent(Handoff, "r1")[0]
+    assert other != lost_id and again.first_token is not None
+    assert s.rt.allocator.lease_of("r1").holder == other
+    await _answer(s, "r1", again)
+    frames = await asyncio.wait_for(task, 10)
+    assert isinstance(frames[-1], Finish)
+    assert [t for f in frames if isinstance(f, Tokens) for t in f.tokens][1:] == [5, 6, 7]
+    assert s.clean()
+    await s.close()
