@@ -57,6 +57,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         stop_ids=stop_ids,
         block_size=block_size,
         event_slot=h.event_slot,
+        prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
     )
 
 
