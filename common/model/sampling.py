@@ -112,15 +112,17 @@ def sample_batch_isolated(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     argmax: torch.Tensor | None = None,
+    raw: torch.Tensor | None = None,
 ) -> list[int | SamplingError]:
     """As `sample_batch`, but a row whose logits are not all finite, or whose draw fails, gets a
     SamplingError in its place instead of failing the whole batch (the decode loop fails that
     one request and goes on with the others). `argmax` [B], when the caller has it already (a
     CUDA graph computed it), is used as is; argmax and the finiteness flags reach the host in one
-    copy."""
+    copy. `raw`, the model's logits when `logits` are processed ones (penalties, masks set
+    -inf on purpose), is what the finiteness check reads."""
     if argmax is None:
         argmax = torch.argmax(logits, dim=-1)
-    finite = torch.isfinite(logits).all(dim=-1).to(argmax.dtype)
+    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1).to(argmax.dtype)
     ids, flags = torch.stack((argmax, finite)).tolist()
     out: list[int | SamplingError] = list(ids)
     for row, (p, g, ok) in enumerate(zip(params, generators, flags, strict=True)):
@@ -151,7 +153,7 @@ def draw(
     processed = logits_mod.process(logits, params, histories, steps, eos_ids)
     if processed is not logits:
         argmax = None
-    out = sample_batch_isolated(processed, params, generators, argmax=argmax)
+    out = sample_batch_isolated(processed, params, generators, argmax=argmax, raw=logits)
     if all(p.logprobs is None for p in params):
         return out, [None] * len(out)
     picked = [t if isinstance(t, int) else None for t in out]
