@@ -91,6 +91,20 @@ def test_chat_logprobs_and_top_logprobs_equal_log_softmax(stack: Stack, tiny) ->
         assert shown == [t if t < 256 else None for t in top_ids.tolist()]
         assert [t.logprob for t in c.top_logprobs] == pytest.approx(top_lp.tolist(), abs=TOL)
         assert len(c.top_logprobs) == 4
+    streamed = []
+    for chunk in stack.api.sync_client().chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=4,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        for c in chunk.choices:
+            streamed += c.logprobs.content if c.logprobs else []
+    assert [(c.bytes, c.logprob) for c in streamed] == [(c.bytes, c.logprob) for c in content]
     with pytest.raises(openai.BadRequestError, match="top_logprobs must be") as info:
         stack.api.sync_client().chat.completions.create(
             model=MODEL, messages=messages, max_tokens=2, logprobs=True, top_logprobs=21
