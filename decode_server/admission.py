@@ -22,6 +22,8 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         if consumer is None:
             raise ValueError("HANDOFF before REGISTER")
         consumer.validate(h, rt.model.config.vocab_size)
+        if h.sampling.max_tokens < 1:  # max_tokens 0 (prompt logprobs only) never leaves P
+            raise ValueError("a HANDOFF with max_tokens 0 has nothing to decode")
     except (ValueError, PdkvError) as exc:
         refuse(peer, h.request_id, str(exc))
         return None

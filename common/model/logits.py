@@ -91,7 +91,8 @@ def process(
             rows.extend([b] * len(banned))
             cols.extend(banned)
         if rows:
-            out[torch.tensor(rows), torch.tensor(cols)] = -math.inf
+            dev = out.device
+            out[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = -math.inf
     return out
 
 
