@@ -116,6 +116,20 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached(models) -> None: 
     assert tokens[0] != 42 and tokens[1] == 42 and tokens[2] == 42
 
 
+def test_min_tokens_equals_transformers_min_new_tokens_processor(models) -> None:  # type: ignore[no-untyped-def]
+    """EOS and stop_token_ids masked while fewer than min_tokens are generated, as transformers'
+    MinNewTokensLengthLogitsProcessor masks its eos ids (over every step on both sides)."""
+    logits = real_rows(models[0])[:1]
+    prompt = PROMPTS[0]
+    for step in range(5):
+        params = [SamplingParams(min_tokens=3, stop_token_ids=(42, 17))]
+        ours = process(logits, params, [None], [step], {2})
+        proc = transformers.MinNewTokensLengthLogitsProcessor(len(prompt), 3, [2, 42, 17])
+        ids = torch.tensor([prompt + [5] * step])
+        theirs = proc(ids, logits.clone())
+        assert torch.equal(ours, theirs), step
+
+
 def test_draw_logprobs_are_log_softmax_of_the_raw_logits(models) -> None:  # type: ignore[no-untyped-def]
     logits = real_rows(models[0])
     params = [
