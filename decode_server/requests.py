@@ -202,7 +202,8 @@ class DecodeRequests:
                 out.add(seq.link, make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
                 self._end(seq)
                 continue
-            out.add(seq.link, Tokens(request_id=seq.request_id, tokens=[tok]))
+            lps = None if seq.last_logprob is None else [seq.last_logprob]
+            out.add(seq.link, Tokens(request_id=seq.request_id, tokens=[tok], logprobs=lps))
             if seq.steps == 1:
                 seq.marks.stamp("first_posted")
             if seq.finish_reason:

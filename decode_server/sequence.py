@@ -6,8 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.model.logits import TokenHistory
 from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
+from common.sampling_params import TokenLogprob
 from common.timings import Marks
 
 if TYPE_CHECKING:
@@ -45,7 +47,8 @@ class Sequence:
 
     `generated` holds every generated token (the prefill's first one included); the KV cache
     holds positions 0..position-1, and the next step writes the K/V of the last token at
-    `position`. The prompt itself is not kept: after the pull only its length matters.
+    `position`. The prompt itself is kept only when a repetition_penalty reads it: otherwise
+    after the pull only its length matters.
     """
 
     request_id: str
@@ -68,6 +71,10 @@ class Sequence:
     # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that
     # reads its blocks makes the compute stream wait on it, then clears it. None: nothing to wait.
     ready: Any = None
+    # the prompt, kept only when its repetition_penalty reads it (else empty)
+    prompt: list[int] = field(default_factory=list)
+    history: TokenHistory | None = None  # penalized: built by its first step (torch thread)
+    last_logprob: TokenLogprob | None = None  # its last step's token's, when it asks for them
 
     @property
     def key(self) -> str:

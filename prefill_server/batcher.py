@@ -28,7 +28,7 @@ from common.model.sampling import SamplingError, SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
 from common.transfer import Producer
-from prefill_server.forward import run_prefill_batch
+from prefill_server.forward import FirstToken, run_prefill_batch
 from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
@@ -42,7 +42,7 @@ class _Job:
     blocks: list[int]
     sampling: SamplingParams
     event_slot: int
-    future: asyncio.Future[tuple[int, int]]  # (first token, requests in its forward)
+    future: asyncio.Future[tuple[FirstToken, int]]  # (first token, requests in its forward)
 
 
 class PrefillBatcher:
@@ -64,11 +64,11 @@ class PrefillBatcher:
         blocks: list[int],
         sampling: SamplingParams,
         event_slot: int,
-    ) -> asyncio.Future[tuple[int, int]]:
+    ) -> asyncio.Future[tuple[FirstToken, int]]:
         """Queue the prompt for the next batch: a future of (its first token, the number of
         requests that shared its forward) once that batch has run, or of RequestFailed for this
         request. Cancel it if the request goes away: a prompt not yet run is then skipped."""
-        future: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[tuple[FirstToken, int]] = asyncio.get_running_loop().create_future()
         self._queue.append(_Job(request_id, prompt, blocks, sampling, event_slot, future))
         self._wake.set()
         return future
@@ -146,7 +146,7 @@ class PrefillBatcher:
         )
 
 
-def _answer(job: _Job, result: tuple[int, int] | BaseException) -> None:
+def _answer(job: _Job, result: tuple[FirstToken, int] | BaseException) -> None:
     if job.future.done():  # cancelled while its batch ran
         return
     if isinstance(result, BaseException):

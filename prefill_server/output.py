@@ -12,7 +12,8 @@ from typing import Any
 
 import structlog
 
-from common.protocol import Finish, Tokens, Usage
+from common.protocol import MAX_LOGPROBS_PER_FRAME, Finish, Tokens, Usage
+from common.sampling_params import TokenLogprob
 from common.timings import Span
 from prefill_server.request import PrefillRequest
 
@@ -35,11 +36,26 @@ class RequestOutput:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
+    def tokens(
+        self, req: PrefillRequest, new: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> Tokens:
         """TOKENS for the client: with the new text when it streams, else ids only (the whole
-        text comes once, in FINISH, so the tokenizer runs once per request)."""
+        text comes once, in FINISH, so the tokenizer runs once per request); with the tokens'
+        logprobs when the request asked for them."""
         text = self.text_delta(req, final=False) if req.stream else ""
-        return Tokens(request_id=req.request_id, tokens=new, text=text)
+        return Tokens(request_id=req.request_id, tokens=new, text=text, logprobs=logprobs)
+
+    def prompt_logprobs(
+        self, req: PrefillRequest, entries: list[TokenLogprob] | None
+    ) -> list[Tokens]:
+        """The prompt's logprobs as TOKENS frames without tokens, MAX_LOGPROBS_PER_FRAME each."""
+        if not entries:
+            return []
+        step = MAX_LOGPROBS_PER_FRAME
+        return [
+            Tokens(request_id=req.request_id, tokens=[], prompt_logprobs=entries[i : i + step])
+            for i in range(0, len(entries), step)
+        ]
 
     def text_delta(self, req: PrefillRequest, *, final: bool) -> str:
         """Text of the tokens not yet turned into text, decoded with a few already-emitted tokens

@@ -37,6 +37,7 @@ from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
 from prefill_server.decode_links import DecodeLinks
+from prefill_server.forward import FirstToken
 from prefill_server.handoff import HandoffPath
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
@@ -187,14 +188,21 @@ class RequestPipeline:
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.blocks = await self.capacity.blocks(rid, len(req.prompt_tokens), timeout_s)
             req.event_slot = await self.capacity.slot(timeout_s)
-            first, shared = await self._prefill(req)
-            req.generated.append(first)
+            answer, shared = await self._prefill(req)
             req.marks.stamp("first_token")
+            for frame in self.output.prompt_logprobs(req, answer.prompt_logprobs):
+                yield frame
+            if (first := answer.token) is None:  # max_tokens 0: the prompt scored, no token
+                yield self._finish(req, "length", {})
+                return
+            req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
             reason = finish_reason(req.generated, req.sampling, stops)
             if not reason:
                 await self.handoff.ready(req, first)  # after an early HANDOFF: KV_READY
-            yield self.output.tokens(req, [first])
+            yield self.output.tokens(
+                req, [first], None if answer.logprob is None else [answer.logprob]
+            )
             if reason:  # nothing left to decode (an early HANDOFF is aborted as it ends)
                 yield self._finish(req, reason, {})
                 return
@@ -229,7 +237,7 @@ class RequestPipeline:
         sampling = msg.sampling.validate().with_seed()
         return PrefillRequest(rid, prompt, sampling, stream=msg.stream)
 
-    async def _prefill(self, req: PrefillRequest) -> tuple[int, int]:
+    async def _prefill(self, req: PrefillRequest) -> tuple[FirstToken, int]:
         """Its forward (queued to the batcher; the early HANDOFF goes out meanwhile): its first
         token and the number of requests in that forward."""
         future = self.batcher.submit(
@@ -250,7 +258,7 @@ class RequestPipeline:
         while True:
             if isinstance(msg, Tokens):
                 req.generated.extend(msg.tokens)
-                yield self.output.tokens(req, msg.tokens)
+                yield self.output.tokens(req, msg.tokens, msg.logprobs)
             elif isinstance(msg, Finish):
                 yield self._finish(req, msg.reason, msg.timings)
                 return

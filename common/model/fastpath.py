@@ -98,8 +98,10 @@ def prefill_forward(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     kv: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`LlamaModel.prefill_batch` by kernels -> logits [S, vocab] of each sequence's last token."""
+    """`LlamaModel.prefill_batch` by kernels -> logits [R, vocab] of the token rows `rows`
+    (default: each sequence's last token)."""
     single = cu_seqlens.numel() == 2 and tokens.device.type == "cuda"
 
     def attend(q, k, v, layer):
@@ -108,4 +110,4 @@ def prefill_forward(
         return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
-    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1)
+    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)

@@ -133,20 +133,36 @@ class LlamaModel:
         prompts: Sequence[torch.Tensor],
         slot_mappings: Sequence[torch.Tensor],
         kv: torch.Tensor,
+        every_position: Sequence[bool] = (),
     ) -> torch.Tensor:
-        """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [S, vocab].
+        """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [R, vocab].
 
-        Row s holds the logits of prompt s's last token. Each prompt attends only to itself, so
-        its logits and K/V are those of `prefill` alone, up to the kernels' blocking.
+        Prompt s gives the logits of its last token, or of each of its positions when
+        `every_position[s]` (prompt logprobs: only then, it costs vocab x length), in order.
+        Each prompt attends only to itself, so its logits and K/V are those of `prefill` alone,
+        up to the kernels' blocking.
         """
         lengths = [int(p.numel()) for p in prompts]
         tokens, slots = self._on_device(torch.cat(list(prompts)), torch.cat(list(slot_mappings)))
         positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device)
+        rows = cu[1:] - 1
+        if any(every_position):
+            bounds = [0, *itertools.accumulate(lengths)]
+            rows = torch.tensor(
+                [
+                    r
+                    for s, (a, b) in enumerate(itertools.pairwise(bounds))
+                    for r in (
+                        range(a, b) if s < len(every_position) and every_position[s] else [b - 1]
+                    )
+                ],
+                device=self.device,
+            )
         if self.use_kernels:
             from common.model.fastpath import prefill_forward
 
-            return prefill_forward(self, tokens, positions, slots, cu, max(lengths), kv)
+            return prefill_forward(self, tokens, positions, slots, cu, max(lengths), kv, rows)
         bounds = cu.tolist()
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -158,7 +174,7 @@ class LlamaModel:
             return torch.cat(parts)
 
         h = self._run_layers(tokens, positions, attend)
-        return self._logits(h[cu[1:] - 1])
+        return self._logits(h[rows])
 
     @torch.inference_mode()
     def decode_step(

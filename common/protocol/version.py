@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -27,6 +27,10 @@ HISTORY: dict[int, str] = {
     "STATUS_REPLY has `model_card` (the model's name, checkpoint path and context length)",
     6: "PONG carries the decode's load (`free_blocks`, `sequences`), by which a prefill linked to "
     "several decodes picks one per request",
+    7: "sampling features: SamplingParams (GENERATE, HANDOFF) has `logprobs`, `prompt_logprobs`, "
+    "`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`, "
+    "`stop_token_ids`, and max_tokens may be 0 with prompt_logprobs; TOKENS has `logprobs` (one "
+    "[token, logprob, top] entry per token) and `prompt_logprobs` (P → C, up to 512 per frame)",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -62,7 +62,7 @@ def test_queued_prompts_share_forwards_within_the_budget(rt) -> None:  # type: i
     sizes = [shared for _, shared in results]
     assert sizes == [2, 2, 1, 1, 1]
     for (first, _), p in zip(results, texts, strict=True):
-        assert first == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
 
 
 def test_a_request_cancelled_while_queued_never_runs(rt) -> None:  # type: ignore[no-untyped-def]
