@@ -60,10 +60,14 @@ class DaemonCollector(Collector):
         yield state
         if links:
             each = GaugeMetricFamily(
-                "pdkv_decode_link_up", "1 when the prefill's link to this decode is up", ["decode"]
+                "pdkv_decode_link_up",
+                "1 when the prefill's link to this decode is up",
+                labels=["decode"],
             )
             handed = GaugeMetricFamily(
-                "pdkv_decode_requests", "requests the prefill has handed to this decode", ["decode"]
+                "pdkv_decode_requests",
+                "requests the prefill has handed to this decode",
+                labels=["decode"],
             )
             for lk in links:
                 name = str(lk.get("decode", lk.get("link", "")))

@@ -72,6 +72,10 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
     assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 6]
     status, _, body = api.get("/health")
     assert status == 200 and b'"ok"' in body
+    status, _, body = api.get("/metrics")
+    for d in decodes:
+        assert f'pdkv_decode_link_up{{decode="{d.socket}"}} 1.0'.encode() in body
+    assert f'pdkv_daemon_up{{role="prefill@{prefills[1].socket}"}} 1.0'.encode() in body
 
 
 def test_a_killed_prefill_leaves_the_other_serving(fleet) -> None:  # type: ignore[no-untyped-def]
