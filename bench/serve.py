@@ -111,6 +111,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("PDKV_API_KEY"),
         help="bearer key for --api-url's API (default: $PDKV_API_KEY)",
     )
+    ap.add_argument(
+        "--text",
+        action="store_true",
+        help="daemons target: ask for each TOKENS frame's text (GENERATE's stream, as the API "
+        "does), so the prefill detokenizes every token; default ids only",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="uncounted requests per target first")
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
@@ -246,7 +252,9 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
             print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         if "daemons" in names:
             runs += run_target(
-                "daemons", lambda s: daemon_stream(sock, s.prompt, s.output_len), args
+                "daemons",
+                lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
+                args,
             )
         if "api" in names:
             url = args.api_url or stack.enter_context(api_for(sock, args))
