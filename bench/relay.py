@@ -8,13 +8,20 @@ through a real socket pair: `--requests` streams of frames of one token each wri
 prefill's client-side writer (`prefill_server.client_writer`) and read by a client. Median of
 `--repeat` runs.
 
+`--daemons N`: instead, a real pair (tiny model, CPU) serves N requests at once, 64 tokens each,
+text streamed (as the API asks), `--repeat` times; the figure is the prefill daemon's own CPU time
+(utime + stime from /proc) per output token, which other jobs on a shared machine do not inflate
+the way they inflate wall-clock throughput.
+
     .venv/bin/python bench/relay.py [--tokens 512] [--requests 64] [--repeat 5]
+    .venv/bin/python bench/relay.py --daemons 64 --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import socket
 import statistics
@@ -130,16 +137,52 @@ def _writer(channel: FrameChannel):  # type: ignore[no-untyped-def]
     return ClientWriter(channel, write_timeout_s=30.0).send
 
 
+def prefill_cpu_us_per_token(requests: int, repeat: int) -> list[float]:
+    """The prefill daemon's CPU µs per output token over `repeat` bursts of `requests`."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import serve_load as load
+    from serve_daemons import daemon_stream, own_pair
+
+    def cpu_s(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    out = []
+    opts = ["--device", "cpu", "--num-blocks", "2048"]
+    with own_pair(opts, ["--max-batch", str(requests)]) as sock:
+        pid = int((Path(sock).parent / "prefill.pid").read_text().split()[0])
+        specs = load.make_workload(requests, float("inf"), (16, 64), (64, 64), 256, 0)
+
+        def stream(s: load.RequestSpec):  # type: ignore[no-untyped-def]
+            return daemon_stream(sock, s.prompt, s.output_len, text=True)
+
+        asyncio.run(load.run_load(specs[:4], stream, label="warm-up", progress_s=1e9))
+        for _ in range(repeat):
+            before = cpu_s(pid)
+            records, _ = asyncio.run(load.run_load(specs, stream, label="burst", progress_s=1e9))
+            tokens = sum(r.output_tokens for r in records)
+            out.append((cpu_s(pid) - before) / tokens * 1e6)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tokenizer", metavar="DIR", help="a checkpoint dir with tokenizer.json")
+    ap.add_argument("--daemons", type=int, metavar="N", help="a real pair, N requests at once")
     args = ap.parse_args()
     logs.configure("console", "WARNING")
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"relay bench: {platform.node()}, {platform.machine()}, {date}")
+    if args.daemons:
+        runs = prefill_cpu_us_per_token(args.daemons, args.repeat)
+        print(
+            f"  prefill daemon CPU per output token, {args.daemons} at once, text streamed: "
+            f"median {statistics.median(runs):.1f} µs ({', '.join(f'{r:.1f}' for r in runs)})"
+        )
+        return 0
     for name, tok in tokenizers(args.tokenizer).items():
         ids = ids_of(tok, args.tokens)
         runs = [per_token_us(tok, ids) for _ in range(args.repeat)]
