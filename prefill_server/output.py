@@ -1,9 +1,9 @@
 """The client frames of one prefill request: TOKENS (with streamed text) and FINISH.
 
 Text is decoded incrementally (`text_delta`, a common.model.detokenizer stream per request), so
-the tokenizer runs over the new tokens only, and held back while it ends inside a UTF-8 sequence; FINISH carries the prefill's timings (`TIMINGS`,
-spans between the request's marks) on top of the decode's and is where the request's one
-`request_finished` log line is written.
+the tokenizer runs over the new tokens only, and held back while it ends inside a UTF-8 sequence;
+FINISH carries the prefill's timings (`TIMINGS`, spans between the request's marks) on top of the
+decode's and is where the request's one `request_finished` log line is written.
 """
 
 from __future__ import annotations
