@@ -6,7 +6,10 @@ new ids complete; text is held back while it ends inside a character (a UTF-8 se
 across tokens) or a tokenizer could still merge it with the next token; `flush()` returns what
 is held at the end. Contract, for every tokenizer and every sequence of ids: the pieces of
 `add` then `flush` concatenate to exactly `tokenizer.decode(all ids)`, and no piece is ever taken
-back (each concatenation so far is a prefix of that text).
+back (each concatenation so far is a prefix of that text). One exception no stream can avoid:
+byte-fallback tokens (SentencePiece) decode a run of bytes as a whole, so a later byte can turn a
+character already sent into U+FFFDs (C3 A9 is "é", C3 A9 A9 three U+FFFD); the stream then goes
+on after the text the two decodes share, and only that character differs from the whole decode.
 
 By tokenizer:
 - the byte tokenizer: Python's incremental UTF-8 decoder (invalid bytes become U+FFFD at once,
@@ -60,8 +63,8 @@ class Utf8Stream:
 
 class WindowStream:
     """vLLM's incremental detokenizer over any `decode(ids)`: decode ids[prefix:] and
-    ids[prefix:read], emit the difference once it neither ends in U+FFFD nor rewrites the
-    prefix's text; then the window moves up to the ids just emitted."""
+    ids[prefix:read], emit the difference once it does not end in U+FFFD; then the window moves
+    up to the ids just emitted."""
 
     def __init__(self, tokenizer: Any, ids: Sequence[int] = (), read: int = 0) -> None:
         self._decode = tokenizer.decode
@@ -81,11 +84,20 @@ class WindowStream:
             return ""
         before = self._decode(self._ids[self._prefix : self._read])
         text = self._decode(self._ids[self._prefix :])
-        fits = text.startswith(before)
-        if not final and (text.endswith("\ufffd") or not fits or len(text) == len(before)):
+        if not final and (text.endswith("\ufffd") or text == before):
             return ""
+        # the new text follows the prefix's, unless a later id rewrote it (byte fallback):
+        # what was sent stays sent, the rest goes out after the part the two share
+        kept = len(before) if text.startswith(before) else _shared(before, text)
         self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before) :] if fits else text
+        return text[kept:]
+
+
+def _shared(a: str, b: str) -> int:
+    """Length of the longest common prefix of a and b."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
 
 
 class RustStream:

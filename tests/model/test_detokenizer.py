@@ -161,3 +161,52 @@ def test_smollm2_random_ids(smollm2: HFTokenizer, make_stream: Callable[[], Text
 def test_smollm2_stream_is_picked(smollm2: HFTokenizer) -> None:
     assert isinstance(text_stream(smollm2), RustStream)
     assert Path(smollm2.name.removeprefix("tokenizers:")).name == models.DEFAULT_MODEL
+
+
+# ---- a SentencePiece-style tokenizer.json (Llama's decoders: ▁ spaces, byte fallback, strip) ----
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_like(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "▁": 1, "a": 2, "▁a": 3, "b": 4, "▁b": 5, "<0xC3>": 6, "<0xA9>": 7}
+    vocab |= {"<0x20>": 8, "▁▁": 9, "<0xF0>": 10, "<0x9F>": 11, "<0x9A>": 12, "<0x80>": 13}
+    tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
+    tok.save(str(path))
+    return HFTokenizer(path, bos_token_id=None, eos_token_id=None)
+
+
+def test_sentencepiece_style_decoders_stream_exactly(sentencepiece_like: HFTokenizer) -> None:
+    """Leading-space strip, ▁ merges, and characters made of byte-fallback ids (é: 2 bytes,
+    🚀: 4) in any order: both stream kinds give the whole decode."""
+    rng = random.Random(7)
+    pieces = [[1], [2], [3], [4], [5], [8], [9], [6, 7], [10, 11, 12, 13]]
+    for _ in range(1500):
+        ids = [i for _ in range(rng.randrange(1, 8)) for i in rng.choice(pieces)]
+        check(lambda: RustStream(sentencepiece_like), sentencepiece_like.decode, ids)
+        check(lambda: WindowStream(sentencepiece_like), sentencepiece_like.decode, ids)
+
+
+def test_a_stream_goes_on_where_a_later_byte_rewrites_a_sent_character(
+    sentencepiece_like: HFTokenizer,
+) -> None:
+    """Byte fallback is not local: C3 A9 is "é", but C3 A9 A9 decodes as three U+FFFD, so no
+    stream can take back the "é" it sent; DecodeStream refuses such a step, and the stream goes
+    on by windows instead of failing the request, and only that character differs."""
+    tok = sentencepiece_like
+    ids = [3, 6, 7, 7, 5, 3]
+    stream = RustStream(tok)
+    text = "".join(stream.add([i]) for i in ids) + stream.flush()
+    full = tok.decode(ids)
+    assert full == "a\ufffd\ufffd\ufffd b a" and text == "aé\ufffd\ufffd\ufffd b a"
+    assert text.replace("é", "", 1) == full  # only the character sent before differs
