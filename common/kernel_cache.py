@@ -2,7 +2,8 @@
 
 Triton reads `TRITON_CACHE_DIR` (default `~/.triton/cache`, which a systemd unit with
 ProtectHome, a container or a pod often cannot keep). `configure` sets it for this process before
-anything imports triton (the daemons call it first thing in `ModelRuntime.load`): the
+anything imports triton (the daemons call it first thing in `ModelRuntime.load`, and log the
+`kernel_cache` line once the model is loaded): the
 `--kernel-cache-dir` setting when given, else the TRITON_CACHE_DIR the user set, else
 `$XDG_CACHE_HOME/pdkv/triton` (`~/.cache/pdkv/triton`). The deploy files keep it on a
 persistent path (docs/operations.md, "Cold start").
@@ -35,25 +36,23 @@ def resolve(configured: Path | None) -> tuple[Path, str]:
     return default_dir(), "default"
 
 
-def configure(configured: Path | None) -> Path:
+def configure(configured: Path | None) -> dict[str, object]:
     """Point TRITON_CACHE_DIR at the kernel cache (made 0700 if missing) for this process and
-    its children; returns the directory. Logs `kernel_cache` once. If triton was imported
-    before (it then may have read another directory), says so in that line instead of
-    pretending."""
+    its children. Returns what the daemon logs once started (`kernel_cache`): the directory,
+    where it came from, the kernels already in it, and whether triton was imported before
+    (then it may have read another directory)."""
     path, source = resolve(configured)
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         log.warning("kernel_cache_unusable", dir=str(path), error=str(exc))
     os.environ[ENV] = str(path)
-    log.info(
-        "kernel_cache",
-        dir=str(path),
-        source=source,
-        entries=_entries(path),
-        triton_imported_before="triton" in sys.modules,
-    )
-    return path
+    return {
+        "dir": str(path),
+        "source": source,
+        "entries": _entries(path),
+        "triton_imported_before": "triton" in sys.modules,
+    }
 
 
 def _entries(path: Path) -> int:

@@ -149,7 +149,7 @@ class ModelRuntime:
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
-        kernel_cache.configure(cfg.kernel_cache_dir)  # before anything imports triton
+        kernels = kernel_cache.configure(cfg.kernel_cache_dir)  # before anything imports triton
         device = resolve_device(cfg.device)
         backend = resolve_backend(cfg.ipc_backend, device)
         default = "float32" if device.type == "cpu" else "bfloat16"
@@ -186,6 +186,7 @@ class ModelRuntime:
             max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
             args = (model, pool.tensor, stream, cfg.max_batch, min(max_blocks, cfg.num_blocks))
             runner = executor.submit(_capture_runner, *args).result()
+        log.info("kernel_cache", **kernels)
         log.info(
             "model_loaded",
             role=role,

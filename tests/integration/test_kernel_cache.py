@@ -43,8 +43,9 @@ def test_configure_makes_the_directory_and_sets_the_variable(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setenv(kernel_cache.ENV, str(tmp_path / "users"))
-    path = kernel_cache.configure(tmp_path / "a" / "b")
-    assert path == tmp_path / "a" / "b" and path.is_dir()
+    told = kernel_cache.configure(tmp_path / "a" / "b")
+    path = tmp_path / "a" / "b"
+    assert told["dir"] == str(path) and told["source"] == "setting" and path.is_dir()
     assert (path.stat().st_mode & 0o777) == 0o700
     assert os.environ[kernel_cache.ENV] == str(path)
 
@@ -58,8 +59,9 @@ def test_the_setting_is_declared_once_with_its_option() -> None:
 
 @pytest.mark.parametrize("given", ["setting", "env", "default"])
 def test_the_daemon_sets_the_cache_dir_before_triton_is_imported(
-    pair_factory: Pair, tmp_path: Path, given: str
+    pair_factory: Pair, tmp_path: Path, given: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv(kernel_cache.ENV, raising=False)  # an in-process runtime may have set it
     stand_in = tmp_path / "site" / "triton"
     stand_in.mkdir(parents=True)
     record = tmp_path / "imports.txt"
