@@ -101,6 +101,16 @@ class DaemonConfig:
             help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
         ),
     )
+    kernel_cache_dir: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--kernel-cache-dir",
+            metavar="DIR",
+            show_default="$TRITON_CACHE_DIR, else $XDG_CACHE_HOME/pdkv/triton",
+            help="Where Triton keeps the kernels it compiles (CUDA): keep it on a persistent path "
+            "so that a restarted daemon loads them instead of compiling again.",
+        ),
+    )
     spin_us: int = field(
         default=0,
         metadata=opt(

@@ -38,6 +38,7 @@ from common.protocol import (
 from common.rundir import check_free
 from common.server import DaemonServer
 from common.throughput import Throughput
+from prefill_server.client_writer import ClientWriter
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.handshake import check_decode_option, make_producer
 from prefill_server.link import DecodeLink
@@ -139,8 +140,10 @@ class PrefillServer(DaemonServer):
     # ---- client connections ----------------------------------------------------------------------
     async def serve_connection(self, conn: socket.socket) -> None:
         channel = FrameChannel(conn, max_fds=0)
-        client = _Client(channel)
-        mine = client.mine
+        client = _Client(
+            channel, ClientWriter(channel, write_timeout_s=self.cfg.client_write_timeout_s)
+        )
+        writer, mine = client.writer, client.mine
         # neither a client that trickles a frame nor one that sits idle holds its fd forever
         watchdog = asyncio.create_task(self._watch_client(client))
         try:
@@ -149,28 +152,28 @@ class PrefillServer(DaemonServer):
                 if isinstance(msg, Generate):
                     rid = msg.request_id or uuid.uuid4().hex[:16]
                     if rid in mine:
-                        await channel.send(
+                        await writer.send(
                             make_error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
                         )
                         continue
-                    mine[rid] = self.spawn(self._run_request(channel, rid, msg), f"req-{rid}")
+                    mine[rid] = self.spawn(self._run_request(writer, rid, msg), f"req-{rid}")
                     mine[rid].add_done_callback(lambda _t, r=rid: client.done(r))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
                     if task is None:
-                        await channel.send(
+                        await writer.send(
                             make_error(ErrorCode.CACHE_NOT_EXIST, "no such request", msg.request_id)
                         )
                     else:
                         task.cancel()
                 elif isinstance(msg, Status):
-                    await channel.send(self.status())
+                    await writer.send(self.status())
                 else:
                     raise ProtocolError(f"unexpected {msg.TYPE.name} on the client socket")
         except ProtocolError as exc:
             log.warning("client_protocol_error", error=str(exc))
             with contextlib.suppress(OSError):
-                await channel.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
+                await writer.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
         except TimeoutError as exc:  # an OSError: before the clause below
             log.info("client_connection_timed_out", error=str(exc))
         except (ConnectionClosed, OSError):
@@ -179,6 +182,7 @@ class PrefillServer(DaemonServer):
             watchdog.cancel()
             for task in mine.values():
                 task.cancel()  # the client went away: abort what it still waits for
+            writer.flush()  # what is queued still goes out, ahead of the close
             channel.close()
 
     async def _watch_client(self, client: _Client) -> None:
@@ -196,40 +200,41 @@ class PrefillServer(DaemonServer):
                 channel.fail(TimeoutError(f"idle for {idle_s} s with no request in flight"))
                 return
 
-    async def _run_request(self, channel: FrameChannel, rid: str, msg: Generate) -> None:
+    async def _run_request(self, writer: ClientWriter, rid: str, msg: Generate) -> None:
         """Every request ends with FINISH or ERROR to its client, unless the client is gone.
         Only a failed write to the client counts as gone: an OSError from the pipeline (the
-        link, the model) is the request's failure and is answered like any other."""
+        link, the model) is the request's failure and is answered like any other. Frames go
+        through the connection's ClientWriter: no wait and no timer per token unless the client
+        has fallen behind."""
         rlog = log.bind(request_id=rid)
         try:
             async with contextlib.aclosing(self.pipeline.run(rid, msg)) as outputs:
                 async for out in outputs:
                     try:
-                        async with asyncio.timeout(self.cfg.client_write_timeout_s):
-                            await channel.send(out)
+                        await writer.send(out)
                     except TimeoutError:  # (an OSError: before the clause below)
                         # its blocks are freed and the decode told to abort as the pipeline
                         # closes; the connection ends too (a frame may be half written)
                         rlog.warning(
                             "client_not_reading", timeout_s=self.cfg.client_write_timeout_s
                         )
-                        channel.close()
+                        writer.channel.close()
                         return
                     except OSError:
                         rlog.info("client_gone")
                         return
         except RequestFailed as exc:
             rlog.warning("request_failed", code=exc.code, error=str(exc))
-            await _send_quietly(channel, make_error(exc.code, str(exc), rid))
+            await _send_quietly(writer, make_error(exc.code, str(exc), rid))
         except (SamplingParamsError, PdkvError) as exc:
             rlog.warning("request_rejected", error=str(exc))
-            await _send_quietly(channel, make_error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            await _send_quietly(writer, make_error(ErrorCode.BAD_REQUEST, str(exc), rid))
         except asyncio.CancelledError:
             rlog.info("request_cancelled")
         except Exception as exc:  # a bug must not leave the client waiting
             rlog.exception("request_internal_error")
             await _send_quietly(
-                channel, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
+                writer, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
             )
 
 
@@ -239,6 +244,7 @@ class _Client:
     clock runs from the later of that and the last frame received)."""
 
     channel: FrameChannel
+    writer: ClientWriter  # every frame to this client goes through it, in order
     mine: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     last_done: float = 0.0
 
@@ -247,9 +253,9 @@ class _Client:
         self.last_done = time.monotonic()
 
 
-async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
+async def _send_quietly(writer: ClientWriter, msg: Message) -> None:
     with contextlib.suppress(OSError):
-        await channel.send(msg)
+        await writer.send(msg)
 
 
 async def serve(cfg: PrefillConfig) -> int:
