@@ -21,7 +21,8 @@ def test_kernel_prefill_gives_every_position_only_where_asked() -> None:
     model = tiny_model(device="cuda", dtype=torch.float32)
     assert model.use_kernels
     kv = model.new_kv_cache(64, 16)
-    mappings = [slots_for([2 * i, 2 * i + 1], 0, len(p), 16) for i, p in enumerate(PROMPTS)]
+    blocks = [list(range(5 * i, 5 * i + 5)) for i in range(len(PROMPTS))]  # 5 x 16 >= 70 tokens
+    mappings = [slots_for(b, 0, len(p), 16) for b, p in zip(blocks, PROMPTS, strict=True)]
     tokens = [torch.tensor(p) for p in PROMPTS]
     every = [False, True, False, True, True]
     plain = prefill_many(model, tokens, mappings, kv)

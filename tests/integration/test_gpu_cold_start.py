@@ -51,9 +51,9 @@ async def _burst(sock: str, rng: random.Random, n: int, longest: int) -> list[cl
 
 def test_serving_compiles_no_kernel_after_the_start(pair_factory, tmp_path: Path) -> None:
     cache = tmp_path / "kernels"
-    args = ("--device", "cuda:0", "--kernel-cache-dir", str(cache), "--max-batch", "24")
+    args = ("--device", "cuda:0", "--kernel-cache-dir", str(cache))
     args += ("--num-blocks", "8192")  # 40 prompts of up to 3,000 tokens at once: no waiting
-    pair_factory.start("decode", *args)
+    pair_factory.start("decode", *args, "--max-batch", "24")  # a decode setting
     prefill = pair_factory.start("prefill", *args, "--max-prompt-tokens", "3000")
     compiled = _kernels(cache)
     assert compiled, "the start compiled the kernels into --kernel-cache-dir"
