@@ -87,14 +87,22 @@ cli.add_command(model)
 @click.option(
     "--timeout", default=30.0, show_default=True, help="Seconds to wait for each daemon to exit."
 )
+@click.option(
+    "--port",
+    default=None,
+    type=click.IntRange(1, 65535),
+    help="With WHICH api: only the API on this port [default: every API in the runtime dir].",
+)
 @global_options
 @click.pass_obj
-def stop(g: commands.Globals, which: str, timeout: float) -> None:
-    """Stop WHICH (no WHICH: all, both daemons and the API), started with --background.
+def stop(g: commands.Globals, which: str, timeout: float, port: int | None) -> None:
+    """Stop WHICH (no WHICH: all, both daemons and every API), started with --background.
 
     Each gets SIGTERM: a graceful drain, then exit.
     """
-    raise SystemExit(commands.stop(g, which=which, timeout=timeout))
+    if port is not None and which != "api":
+        raise click.UsageError("--port goes with WHICH api")
+    raise SystemExit(commands.stop(g, which=which, timeout=timeout, port=port))
 
 
 @cli.command()

@@ -15,7 +15,6 @@ import msgspec
 from common import client
 from common.errors import PdkvError
 from common.protocol import ConnectionClosed
-from common.rundir import read_pid
 from common.sampling_params import SamplingParams
 from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
 
@@ -38,13 +37,13 @@ def status(
             out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
         except (OSError, TimeoutError, PdkvError) as exc:
             out[role] = {"role": role, "down": why_down(role, exc), "socket": str(path)}
-    api = _api(g.runtime_dir)  # optional: not part of the exit code
+    apis = _apis(g.runtime_dir)  # optional: not part of the exit code
     if as_json:
-        click.echo(json.dumps({**out, **({"api": api} if api else {})}, indent=2))
+        click.echo(json.dumps({**out, **({"apis": apis} if apis else {})}, indent=2))
     else:
         for role, st in out.items():
             click.echo(_status_line(role, st))
-        if api:
+        for api in apis:
             click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1")
     return EXIT_OK if healthy(out) else EXIT_FAIL
 
@@ -62,16 +61,14 @@ def why_down(role: str, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _api(runtime_dir: Path) -> dict[str, Any] | None:
-    """The API started in `runtime_dir`: its pid and, once it listens, its URL."""
-    pid = read_pid(runtime_dir / "api.pid")
-    if pid is None:
-        return None
-    try:
-        url = (runtime_dir / "api.url").read_text().strip()
-    except OSError:
-        return {"pid": pid}
-    return {"pid": pid, "url": url}
+def _apis(runtime_dir: Path) -> list[dict[str, Any]]:
+    """The APIs running in `runtime_dir` (one per port): port, pid and, once it listens, URL."""
+    from api_server.config import running_apis
+
+    return [
+        {"port": a.port, "pid": a.pid, **({"url": a.url} if a.url else {})}
+        for a in running_apis(runtime_dir)
+    ]
 
 
 def healthy(out: dict[str, Any]) -> bool:
