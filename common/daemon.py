@@ -60,8 +60,9 @@ def exit_now(code: int) -> NoReturn:
     That finalization does nothing a daemon needs (the kernel frees its memory, memfds and
     mappings) and takes long: repeated full GC passes over the heap torch and the model built
     (~1,300 modules), then torch's static destructors (its operator registry). An idle daemon
-    took 0.8-1.3 s on a 2-core machine, ~3 s elsewhere, to exit after its log said it stopped:
-    time during which `pdkv stop`, systemd or a container runtime waits for nothing.
+    took 0.8-1.3 s on a 2-core VM, 0.6-0.8 s on an H200 host (tiny model, cuda:0), to exit after
+    its log said it stopped (issue 25 saw ~3 s): time during which `pdkv stop`, systemd or a
+    container runtime waits for nothing.
     Call only at the process's entry point, never from a library or a test process.
     """
     try:
