@@ -7,7 +7,6 @@ from __future__ import annotations
 import click
 
 from common.config import DecodeConfig, PrefillConfig
-from common.daemon import exit_now
 from pdkv import commands
 from pdkv.cli_options import daemon_options
 
@@ -22,7 +21,7 @@ def decode() -> None:
 @click.pass_obj
 def decode_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the decode daemon (foreground unless --background)."""
-    _exit(commands.start_daemon(g, role="decode", **opts), background=opts["background"])
+    raise SystemExit(commands.start_daemon(g, role="decode", exit_when_done=True, **opts))
 
 
 @click.group()
@@ -35,12 +34,4 @@ def prefill() -> None:
 @click.pass_obj
 def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the prefill daemon (foreground unless --background)."""
-    _exit(commands.start_daemon(g, role="prefill", **opts), background=opts["background"])
-
-
-def _exit(code: int, *, background: bool) -> None:
-    """A foreground daemon has shut down: exit at once (common.daemon.exit_now); the command
-    that only detached one exits as any command does."""
-    if background:
-        raise SystemExit(code)
-    exit_now(code)
+    raise SystemExit(commands.start_daemon(g, role="prefill", exit_when_done=True, **opts))

@@ -42,8 +42,14 @@ def make_config(g: Globals, *, role: str, **opts: Any) -> DecodeConfig | Prefill
     return CONFIGS[role](runtime_dir=g.runtime_dir, **opts)
 
 
-def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any) -> int:
-    """Run a daemon in the foreground, or detach it and return once it answers STATUS."""
+def start_daemon(
+    g: Globals, *, role: str, background: bool = False, exit_when_done: bool = False, **opts: Any
+) -> int:
+    """Run a daemon in the foreground, or detach it and return once it answers STATUS.
+
+    `exit_when_done` (the CLI's foreground start, never a test process): once the daemon has
+    run and shut down, end the process at once with its exit code (common.daemon.exit_now); a
+    start that fails before it runs returns its code as usual."""
     try:
         cfg = make_config(g, role=role, **opts)
         ensure_runtime_dir(cfg.runtime_dir)
@@ -60,13 +66,16 @@ def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any
             from decode_server.server import serve
         else:
             from prefill_server.server import serve
-        return daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
+        code = daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
     except StartupError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
     except PdkvError as exc:
         click.echo(f"error: {role} daemon failed: {exc}", err=True)
         return EXIT_STARTUP
+    if exit_when_done:
+        daemon.exit_now(code)
+    return code
 
 
 def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
