@@ -7,7 +7,7 @@ import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.rundir import StartupError
+from common.rundir import StartupError, read_pid
 from common.settings import opt
 
 #: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat
@@ -142,16 +142,53 @@ class ApiConfig:
     def decode_path(self) -> Path:
         return self.link_socket or self.runtime_dir / "decode.sock"
 
-    @property
-    def pidfile(self) -> Path:
-        return self.runtime_dir / "api.pid"
-
-    @property
-    def urlfile(self) -> Path:
-        """Where the running API writes its base URL (for `pdkv status`)."""
-        return self.runtime_dir / "api.url"
+    def file(self, suffix: str, port: int | None = None) -> Path:
+        """This API's file `suffix` (see api_file) for `port`, by default the configured one
+        (0 before binding: the pidfile and URL file use the bound port)."""
+        return api_file(self.runtime_dir, self.port if port is None else port, suffix)
 
 
 def base_url(host: str, port: int) -> str:
     """http://HOST:PORT, an IPv6 address in brackets."""
     return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+
+def api_file(runtime_dir: Path, port: int, suffix: str) -> Path:
+    """RUNTIME_DIR/api-PORT.SUFFIX: the API on `port` keeps its pidfile (`pid`), base URL (`url`,
+    for `pdkv status`) and, when detached, its log (`log`; `api-0.log` for --port 0) there. One
+    set per port, so APIs on several ports share a runtime dir."""
+    return runtime_dir / f"api-{port}.{suffix}"
+
+
+@dataclass(frozen=True)
+class RunningApi:
+    """An API that runs in a runtime dir: its port, pid and base URL (None until it listens)."""
+
+    port: int
+    pid: int
+    url: str | None
+
+
+def api_pidfiles(runtime_dir: Path) -> dict[int, Path]:
+    """Every API pidfile in `runtime_dir`, live or stale, by port."""
+    found = {}
+    for path in runtime_dir.glob("api-*.pid"):
+        port = path.stem.removeprefix("api-")
+        if port.isdigit():
+            found[int(port)] = path
+    return dict(sorted(found.items()))
+
+
+def running_apis(runtime_dir: Path) -> list[RunningApi]:
+    """The APIs whose pidfile in `runtime_dir` names a live process, by port."""
+    apis = []
+    for port, pidfile in api_pidfiles(runtime_dir).items():
+        pid = read_pid(pidfile)
+        if pid is None:
+            continue
+        try:
+            url: str | None = api_file(runtime_dir, port, "url").read_text().strip() or None
+        except OSError:
+            url = None
+        apis.append(RunningApi(port, pid, url))
+    return apis

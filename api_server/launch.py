@@ -49,9 +49,13 @@ def start(
 
 
 def _detach(cfg: ApiConfig, *, log_level: str) -> int:
-    pid = read_pid(cfg.pidfile)
+    pid = read_pid(cfg.file("pid")) if cfg.port else None  # port 0: a new port each time
     if pid is not None:
-        click.echo(f"error: api already running (pid {pid}); `pdkv stop api` first", err=True)
+        click.echo(
+            f"error: api already running on port {cfg.port} (pid {pid}); "
+            f"`pdkv stop api --port {cfg.port}` first",
+            err=True,
+        )
         return EXIT_STARTUP
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(cfg.runtime_dir)]
     argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
@@ -60,7 +64,7 @@ def _detach(cfg: ApiConfig, *, log_level: str) -> int:
     env.pop("PDKV_API_KEY", None)
     if cfg.api_key:
         env["PDKV_API_KEY"] = cfg.api_key
-    log_path = cfg.runtime_dir / "api.log"
+    log_path = cfg.file("log")
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(
             argv,

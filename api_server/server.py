@@ -1,5 +1,8 @@
 """Run the API server: bind (fail fast), write the pidfile, serve with uvicorn until SIGTERM/SIGINT.
 
+The pidfile and URL file are named by the bound port (RUNTIME_DIR/api-PORT.pid, .url), so APIs on
+several ports share a runtime dir; `pdkv status` and `pdkv stop` find each.
+
 uvicorn owns the signals and the graceful shutdown (stop accepting, finish open responses within
 `drain_timeout_s`, then cancel them: a cancelled stream closes its daemon connection, which aborts
 its request). The pidfile is removed on the way out.
@@ -41,10 +44,15 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
     prometheus_client.disable_created_metrics()  # no `_created` series beside every counter
     api = Api(cfg)
     sock = bind(cfg.host, cfg.port)
-    write_pidfile(cfg.pidfile)
     host, port = sock.getsockname()[:2]
+    pidfile, urlfile = cfg.file("pid", port), cfg.file("url", port)
+    try:
+        write_pidfile(pidfile)
+    except StartupError:
+        sock.close()
+        raise
     url = base_url(host, port)
-    cfg.urlfile.write_text(url + "\n")
+    urlfile.write_text(url + "\n")
     config = uvicorn.Config(
         api.app(),
         lifespan="off",
@@ -71,7 +79,7 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
     finally:
         sock.close()
         api.daemons.close()
-        remove_file(cfg.urlfile)
-        remove_file(cfg.pidfile)
+        remove_file(urlfile)
+        remove_file(pidfile)
     log.info("api_stopped")
     return 0

@@ -22,6 +22,7 @@ from common.rundir import default_runtime_dir
 from pdkv import client_commands, commands
 from pdkv.cli_api import api
 from pdkv.cli_daemons import decode, prefill
+from pdkv.cli_model import model
 from pdkv.cli_options import (
     CLIENT_SOCKET,
     LOG_FORMATS,
@@ -78,6 +79,7 @@ def cli(ctx: click.Context, runtime_dir: Path, log_format: str, log_level: str) 
 cli.add_command(decode)
 cli.add_command(prefill)
 cli.add_command(api)
+cli.add_command(model)
 
 
 @cli.command()
@@ -85,14 +87,22 @@ cli.add_command(api)
 @click.option(
     "--timeout", default=30.0, show_default=True, help="Seconds to wait for each daemon to exit."
 )
+@click.option(
+    "--port",
+    default=None,
+    type=click.IntRange(1, 65535),
+    help="With WHICH api: only the API on this port [default: every API in the runtime dir].",
+)
 @global_options
 @click.pass_obj
-def stop(g: commands.Globals, which: str, timeout: float) -> None:
-    """Stop WHICH (no WHICH: all, both daemons and the API), started with --background.
+def stop(g: commands.Globals, which: str, timeout: float, port: int | None) -> None:
+    """Stop WHICH (no WHICH: all, both daemons and every API), started with --background.
 
     Each gets SIGTERM: a graceful drain, then exit.
     """
-    raise SystemExit(commands.stop(g, which=which, timeout=timeout))
+    if port is not None and which != "api":
+        raise click.UsageError("--port goes with WHICH api")
+    raise SystemExit(commands.stop(g, which=which, timeout=timeout, port=port))
 
 
 @cli.command()
@@ -151,6 +161,13 @@ def status(
 @click.option("--seed", default=None, type=int, help="Makes sampling reproducible.")
 @click.option("--ignore-eos", is_flag=True, help="Generate max-tokens tokens even past EOS.")
 @click.option(
+    "--chat",
+    is_flag=True,
+    help="PROMPT is a user message: send it in the model's chat template, as the API's "
+    "/v1/chat/completions does.",
+)
+@click.option("--system", default=None, help="With --chat: a system message before PROMPT.")
+@click.option(
     "--stream/--no-stream", default=True, show_default=True, help="Print text as it arrives."
 )
 @click.option(
@@ -169,9 +186,16 @@ def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: 
 
     PROMPT '-' (or --prompt-file -) reads the prompt from standard input. Control characters in
     the generated text are shown escaped (e.g. \\x1b) unless --json is given.
+
+    With --chat, PROMPT is a user message, sent in the model's chat template:
+
+    \b
+      pdkv generate --chat "What is the capital of France?"
     """
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give a PROMPT ('-': standard input) or --prompt-file, not both")
+    if opts["system"] is not None and not opts["chat"]:
+        raise click.UsageError("--system needs --chat")
     if prompt == "-":
         prompt = click.get_text_stream("stdin").read()
     elif prompt_file is not None:

@@ -21,7 +21,7 @@ def decode() -> None:
 @click.pass_obj
 def decode_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the decode daemon (foreground unless --background)."""
-    raise SystemExit(commands.start_daemon(g, role="decode", **opts))
+    raise SystemExit(commands.start_daemon(g, role="decode", exit_when_done=True, **opts))
 
 
 @click.group()
@@ -34,4 +34,4 @@ def prefill() -> None:
 @click.pass_obj
 def prefill_start(g: commands.Globals, **opts) -> None:  # type: ignore[no-untyped-def]
     """Start the prefill daemon (foreground unless --background)."""
-    raise SystemExit(commands.start_daemon(g, role="prefill", **opts))
+    raise SystemExit(commands.start_daemon(g, role="prefill", exit_when_done=True, **opts))

@@ -15,7 +15,6 @@ import msgspec
 from common import client
 from common.errors import PdkvError
 from common.protocol import ConnectionClosed
-from common.rundir import read_pid
 from common.sampling_params import SamplingParams
 from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
 
@@ -38,13 +37,13 @@ def status(
             out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
         except (OSError, TimeoutError, PdkvError) as exc:
             out[role] = {"role": role, "down": why_down(role, exc), "socket": str(path)}
-    api = _api(g.runtime_dir)  # optional: not part of the exit code
+    apis = _apis(g.runtime_dir)  # optional: not part of the exit code
     if as_json:
-        click.echo(json.dumps({**out, **({"api": api} if api else {})}, indent=2))
+        click.echo(json.dumps({**out, **({"apis": apis} if apis else {})}, indent=2))
     else:
         for role, st in out.items():
             click.echo(_status_line(role, st))
-        if api:
+        for api in apis:
             click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1")
     return EXIT_OK if healthy(out) else EXIT_FAIL
 
@@ -62,16 +61,14 @@ def why_down(role: str, exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _api(runtime_dir: Path) -> dict[str, Any] | None:
-    """The API started in `runtime_dir`: its pid and, once it listens, its URL."""
-    pid = read_pid(runtime_dir / "api.pid")
-    if pid is None:
-        return None
-    try:
-        url = (runtime_dir / "api.url").read_text().strip()
-    except OSError:
-        return {"pid": pid}
-    return {"pid": pid, "url": url}
+def _apis(runtime_dir: Path) -> list[dict[str, Any]]:
+    """The APIs running in `runtime_dir` (one per port): port, pid and, once it listens, URL."""
+    from api_server.config import running_apis
+
+    return [
+        {"port": a.port, "pid": a.pid, **({"url": a.url} if a.url else {})}
+        for a in running_apis(runtime_dir)
+    ]
 
 
 def healthy(out: dict[str, Any]) -> bool:
@@ -125,9 +122,14 @@ def generate(
     stream: bool = True,
     as_json: bool = False,
     timeout: float = 120.0,
+    chat: bool = False,
+    system: str | None = None,
     **sampling: Any,
 ) -> int:
-    """Run one request through the daemons and print its text (or, `as_json`, one JSON object)."""
+    """Run one request through the daemons and print its text (or, `as_json`, one JSON object).
+
+    With `chat`, `prompt` is a user message (after `system`'s, if given) in the daemons' model's
+    chat template, tokenized as the HTTP API's chat route does (chat_prompt)."""
     path = str(client_socket or g.runtime_dir / "prefill.sock")
     try:
         params = SamplingParams(**sampling).validate()
@@ -135,11 +137,17 @@ def generate(
         click.echo(f"error: {exc}", err=True)
         return 2
     stream = stream and not as_json
+    prompt_tokens: list[int] | None = None
 
     async def run() -> client.Result:
         result = client.Result(request_id="")
         async for msg in client.stream(
-            path, prompt=prompt, sampling=params, timeout=timeout, text_deltas=stream
+            path,
+            prompt=None if prompt_tokens is not None else prompt,
+            prompt_tokens=prompt_tokens,
+            sampling=params,
+            timeout=timeout,
+            text_deltas=stream,
         ):
             result.request_id = msg.request_id
             result.text += msg.text
@@ -152,7 +160,11 @@ def generate(
         return result
 
     try:
+        if chat:
+            prompt, prompt_tokens = chat_prompt(path, prompt, system=system)
         result = asyncio.run(run())
+    except ChatUnavailable as exc:
+        return _generate_failed(as_json, None, "CHAT_TEMPLATE", str(exc), newline=False)
     except client.RequestFailed as exc:
         return _generate_failed(as_json, exc.request_id, str(exc.code), str(exc), newline=stream)
     except (ConnectionClosed, ConnectionResetError, BrokenPipeError) as exc:
@@ -179,6 +191,36 @@ def generate(
     else:
         click.echo("" if stream else printable(result.text))
     return EXIT_OK
+
+
+class ChatUnavailable(PdkvError):
+    """`generate --chat` cannot build the chat prompt; the message says why."""
+
+
+def chat_prompt(
+    socket_path: str, text: str, *, system: str | None = None
+) -> tuple[str | None, list[int] | None]:
+    """(prompt, prompt_tokens) of the chat `[system,] user: text` for the daemons at
+    `socket_path`: their checkpoint's chat template (from their STATUS's model card), rendered
+    and tokenized by api_server.chat exactly as /v1/chat/completions does (transformers'
+    apply_chat_template ids); the default template's text for the built-in tiny model."""
+    from api_server.chat import ChatTemplate, TemplateError
+
+    card = asyncio.run(client.status(socket_path)).model_card
+    if card is None:
+        raise ChatUnavailable("the prefill daemon names no model (a pdkv of another version?)")
+    model_dir = Path(card.path) if card.path else None
+    if model_dir is not None and not model_dir.is_dir():
+        raise ChatUnavailable(
+            f"the daemons serve the checkpoint {model_dir}, which is not a directory here: "
+            "--chat reads its chat template there"
+        )
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": text})
+    try:
+        return ChatTemplate.for_model(model_dir).prompt(messages)
+    except TemplateError as exc:
+        raise ChatUnavailable(str(exc)) from None
 
 
 def _result_json(result: client.Result) -> dict[str, Any]:

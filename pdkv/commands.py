@@ -42,8 +42,14 @@ def make_config(g: Globals, *, role: str, **opts: Any) -> DecodeConfig | Prefill
     return CONFIGS[role](runtime_dir=g.runtime_dir, **opts)
 
 
-def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any) -> int:
-    """Run a daemon in the foreground, or detach it and return once it answers STATUS."""
+def start_daemon(
+    g: Globals, *, role: str, background: bool = False, exit_when_done: bool = False, **opts: Any
+) -> int:
+    """Run a daemon in the foreground, or detach it and return once it answers STATUS.
+
+    `exit_when_done` (the CLI's foreground start, never a test process): once the daemon has
+    run and shut down, end the process at once with its exit code (common.daemon.exit_now); a
+    start that fails before it runs returns its code as usual."""
     try:
         cfg = make_config(g, role=role, **opts)
         ensure_runtime_dir(cfg.runtime_dir)
@@ -60,13 +66,16 @@ def start_daemon(g: Globals, *, role: str, background: bool = False, **opts: Any
             from decode_server.server import serve
         else:
             from prefill_server.server import serve
-        return daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
+        code = daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
     except StartupError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
     except PdkvError as exc:
         click.echo(f"error: {role} daemon failed: {exc}", err=True)
         return EXIT_STARTUP
+    if exit_when_done:
+        daemon.exit_now(code)
+    return code
 
 
 def _socket_of(cfg: DecodeConfig | PrefillConfig) -> Path:
@@ -131,36 +140,58 @@ def _tail(path: Path, offset: int, lines: int = 20) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def stop(g: Globals, *, which: str = "all", timeout: float = 30.0) -> int:
-    """SIGTERM each daemon named by its pidfile and wait for it to exit."""
+def stop(g: Globals, *, which: str = "all", timeout: float = 30.0, port: int | None = None) -> int:
+    """SIGTERM each daemon named by its pidfile and wait for it to exit: `which` is one role or
+    all of them; the API role is every API in the runtime dir (one per port), or the one on
+    `port`."""
+    from api_server.config import api_file, api_pidfiles
+
     code = EXIT_OK
     for role in ("api", "prefill", "decode") if which == "all" else (which,):
-        pidfile = g.runtime_dir / f"{role}.pid"
-        pid = read_pid(pidfile)
-        if pid is None and role == "api" and which == "all":
-            continue  # the API is optional: `pdkv stop` names it only when it ran
-        if pid is None:
-            remove_file(pidfile)  # stale or absent
-            click.echo(f"{role}: not running")
+        if role != "api":
+            code = max(code, _stop_one(g, role, g.runtime_dir / f"{role}.pid", timeout))
             continue
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if _alive(pid):
-            click.echo(f"error: {role} (pid {pid}) still running after {timeout}s", err=True)
-            code = EXIT_FAIL
-        elif pidfile.exists():  # a clean shutdown removes it last: this one failed midway
-            remove_file(pidfile)
-            click.echo(
-                f"error: {role} (pid {pid}) exited without a clean shutdown; "
-                f"see {g.runtime_dir / (role + '.log')}",
-                err=True,
+        pidfiles = api_pidfiles(g.runtime_dir)
+        if port is not None:
+            pidfiles = {port: api_file(g.runtime_dir, port, "pid")}
+        live = {p: f for p, f in pidfiles.items() if read_pid(f) is not None}
+        for stale in set(pidfiles.values()) - set(live.values()):
+            remove_file(stale)
+        if not live and which != "all":  # the API is optional: `pdkv stop` names it if it ran
+            click.echo("api: not running" + (f" on port {port}" if port is not None else ""))
+        for p, pidfile in live.items():
+            code = max(
+                code,
+                _stop_one(
+                    g, f"api (port {p})", pidfile, timeout, api_file(g.runtime_dir, p, "log")
+                ),
             )
-            code = EXIT_FAIL
-        else:
-            click.echo(f"{role}: stopped (pid {pid})")
     return code
+
+
+def _stop_one(g: Globals, name: str, pidfile: Path, timeout: float, log: Path | None = None) -> int:
+    """SIGTERM the process `pidfile` names and wait up to `timeout` for it to exit."""
+    pid = read_pid(pidfile)
+    if pid is None:
+        remove_file(pidfile)  # stale or absent
+        click.echo(f"{name}: not running")
+        return EXIT_OK
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        click.echo(f"error: {name} (pid {pid}) still running after {timeout}s", err=True)
+        return EXIT_FAIL
+    if pidfile.exists():  # a clean shutdown removes it last: this one failed midway
+        remove_file(pidfile)
+        log = log or g.runtime_dir / f"{name}.log"
+        click.echo(
+            f"error: {name} (pid {pid}) exited without a clean shutdown; see {log}", err=True
+        )
+        return EXIT_FAIL
+    click.echo(f"{name}: stopped (pid {pid})")
+    return EXIT_OK
 
 
 def _alive(pid: int) -> bool:

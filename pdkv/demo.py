@@ -1,8 +1,9 @@
 """`pdkv demo`: the whole system on temporary sockets, checked against the single-process reference.
 
 Starts the decode and prefill daemons as real processes, runs a handful of prompts concurrently
-(progress on stderr), prints a per-request table and totals, compares every output with the
-reference generator token for token, stops the pair, and returns 1 on any mismatch.
+(progress on stderr: redrawn on a terminal, whole lines otherwise), prints a per-request table and
+totals, compares every output with the reference generator token for token, stops the pair, and
+returns 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import click
 from common import client, logs
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
+from pdkv.progress import Progress
 
 PROMPTS = [
     "Hello",
@@ -77,20 +79,19 @@ async def _wait_ready(path: Path, proc: subprocess.Popen, role: str, timeout: fl
 
 
 async def _run_all(sock: Path, prompts: list[str], params: SamplingParams) -> list[client.Result]:
-    done = 0
+    progress = Progress(click.get_text_stream("stderr"), len(prompts), "requests finished")
 
     async def one(i: int, prompt: str) -> client.Result:
-        nonlocal done
         res = await client.generate(
             str(sock), prompt=prompt, sampling=params, request_id=f"demo-{i}"
         )
-        done += 1
-        click.echo(f"\r  {done}/{len(prompts)} requests finished", nl=False, err=True)
+        progress.advance()
         return res
 
-    results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-    click.echo("", err=True)
-    return list(results)
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        progress.close()
 
 
 def _reference(

@@ -16,13 +16,15 @@ llama-cpp-python, a C++ build of minutes).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import io
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +111,8 @@ def ensure(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=root))
     try:
-        convert(gguf, tmp)
+        with _redraws_as_lines():
+            convert(gguf, tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -141,6 +144,24 @@ def gguf_path(model: PackagedModel) -> Path:
     )
 
 
+@contextlib.contextmanager
+def _redraws_as_lines() -> Iterator[None]:
+    """Off a terminal, hold what the conversion writes to stderr (transformers' GGUF loader draws
+    a tqdm bar with carriage returns, ignoring disable_progress_bar) and write it when it ends,
+    each line in its last state: a log or a pipe gets whole lines, warnings included."""
+    if sys.stderr.isatty():
+        yield
+        return
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        lines = [line.rsplit("\r", 1)[-1] for line in held.getvalue().split("\n")]
+        sys.stderr.write("".join(f"{line}\n" for line in lines if line.strip()))
+        sys.stderr.flush()
+
+
 def convert(gguf: Path, out: Path) -> None:
     """Write the HF checkpoint of the GGUF file `gguf` (dequantized, bf16) into the dir `out`."""
     import torch
@@ -169,9 +190,9 @@ def convert(gguf: Path, out: Path) -> None:
     help="Where checkpoints live (default: $XDG_CACHE_HOME/pdkv/models or ~/.cache/pdkv/models).",
 )
 def main(name: str, cache_dir: Path | None) -> None:
-    """Make the checkpoint of the packaged model NAME (once) and print its directory.
+    """Print the checkpoint dir of a packaged model.
 
-    The directory goes to --model of `pdkv decode start`, `pdkv prefill start` and `pdkv api start`.
+    The checkpoint of NAME is made on first use, then found in the cache. `pdkv model get` and `python -m pdkv.models` are this command. The directory goes to --model of `pdkv decode start`, `pdkv prefill start` and `pdkv api start`.
     Progress goes to stderr; exit 1 with the pip command when a package is missing.
     """
     try:

