@@ -98,3 +98,42 @@ def test_the_kernel_cache_is_on_a_persistent_path_in_every_deploy_file() -> None
                 if config["PDKV_KERNEL_CACHE_DIR"].startswith(m["mountPath"] + "/")
             )
             assert mount["name"] in claims
+
+
+def test_xpyd_compose_links_every_prefill_to_every_decode_and_the_api_to_every_prefill() -> None:
+    svc = services("docker-compose.xpyd.yml")
+    decodes = sorted(n for n in svc if n.startswith("decode"))
+    prefills = sorted(n for n in svc if n.startswith("prefill"))
+    assert len(decodes) == len(prefills) == 2
+    sock = {n: f"{svc[n]['environment']['PDKV_RUNTIME_DIR']}" for n in (*decodes, *prefills)}
+    assert len(set(sock.values())) == 4  # a runtime dir each
+    for p in prefills:
+        linked = svc[p]["environment"]["PDKV_DECODE"].split()
+        assert linked == [f"{sock[d]}/decode.sock" for d in decodes]
+        assert set(svc[p]["depends_on"]) == set(decodes)
+    routed = svc["api"]["environment"]["PDKV_CLIENT_SOCKET"].split()
+    assert routed == [f"{sock[p]}/prefill.sock" for p in prefills]
+    # one IPC and PID namespace: every decode maps every prefill's pool
+    owner = [n for n in (*decodes, *prefills) if svc[n].get("ipc") == "shareable"]
+    assert owner == ["decode0"]
+    for n in (*decodes, *prefills):
+        if n != "decode0":
+            assert svc[n]["ipc"] == svc[n]["pid"] == "service:decode0", n
+
+
+def test_systemd_templates_are_the_units_with_an_instance_per_gpu() -> None:
+    """pdkv-{decode,prefill}@.service run on cuda:%i in a runtime dir of their own, and are
+    otherwise their plain unit (the hardening and life cycle must not drift apart)."""
+    for role in ("decode", "prefill"):
+        plain = (DEPLOY / "systemd" / f"pdkv-{role}.service").read_text()
+        template = (DEPLOY / "systemd" / f"pdkv-{role}@.service").read_text()
+        env = unit_values(f"pdkv-{role}@.service", "Environment")
+        assert f"PDKV_RUNTIME_DIR=%t/pdkv/{role}-%i" in env and "PDKV_DEVICE=cuda:%i" in env
+        assert unit_values(f"pdkv-{role}@.service", "RuntimeDirectory") == [f"pdkv pdkv/{role}-%i"]
+        service = lambda text: [  # noqa: E731
+            ln
+            for ln in text.split("[Service]", 1)[1].splitlines()
+            if ln and not ln.startswith(("#", "Environment", "RuntimeDirectory="))
+        ]
+        assert service(template) == service(plain)
+    assert unit_values("pdkv-prefill@.service", "After") == ["pdkv-decode@%i.service"]
