@@ -145,7 +145,9 @@ class Daemons:
             key = (prompt or "")[:AFFINITY_CHARS].encode()
         home = max(serving, key=lambda p: hashlib.blake2b(key + p.path.encode()).digest())
         idle = min(serving, key=lambda p: p.in_flight)
-        return idle if home.in_flight > idle.in_flight + ROUTE_SLACK else home
+        chosen = idle if home.in_flight > idle.in_flight + ROUTE_SLACK else home
+        log.debug("routed", prefill=chosen.path, home=home.path, in_flight=chosen.in_flight)
+        return chosen
 
     async def counted(self, prefill: Prefill, events: AsyncIterator[T]) -> AsyncIterator[T]:
         """`events` of one request on `prefill`, counted in its load while they run."""

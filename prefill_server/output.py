@@ -78,6 +78,7 @@ class RequestOutput:
             "request_finished",
             request_id=req.request_id,
             reason=reason,
+            link=req.link_id or None,  # link-N@DECODE: the decode it was handed to
             prompt_tokens=len(req.prompt_tokens),
             completion_tokens=len(req.generated),
             **timings,
