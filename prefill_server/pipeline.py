@@ -40,6 +40,7 @@ from prefill_server.handoff import HandoffPath
 from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
+from prefill_server.prefix import PrefixCache
 from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -55,8 +56,10 @@ class RequestPipeline:
         self.rt = rt
         self.producer = producer
         self.link = link
-        self.batcher = PrefillBatcher(rt, producer, cfg.prefill_budget(rt.device.type))
-        self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size)
+        budget = cfg.prefill_budget(rt.device.type)
+        self.batcher = PrefillBatcher(rt, producer, budget, cfg.prefill_chunk())
+        self.prefix = PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, cfg.prefix_cache)
+        self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
         self.handoff = HandoffPath(cfg, producer, link, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}  # in flight
@@ -184,7 +187,10 @@ class RequestPipeline:
         timeout_s = self.cfg.handoff_timeout_s
         try:
             await self.handoff.link_up(time.monotonic() + timeout_s)
-            req.blocks = await self.capacity.blocks(rid, len(req.prompt_tokens), timeout_s)
+            req.names = self.prefix.names(req.prompt_tokens)
+            n = len(req.prompt_tokens)
+            req.blocks, hit = await self.capacity.blocks(rid, n, timeout_s, req.names)
+            req.cached_tokens = hit * self.rt.layout.block_size
             req.event_slot = await self.capacity.slot(timeout_s)
             first, shared = await self._prefill(req)
             req.generated.append(first)
@@ -230,16 +236,24 @@ class RequestPipeline:
 
     async def _prefill(self, req: PrefillRequest) -> tuple[int, int]:
         """Its forward (queued to the batcher; the early HANDOFF goes out meanwhile): its first
-        token and the number of requests in that forward."""
+        token and the number of requests in that forward. Its blocks are named in the prefix
+        cache once written, not before."""
         future = self.batcher.submit(
-            req.request_id, req.prompt_tokens, req.blocks, req.sampling, req.event_slot
+            req.request_id,
+            req.prompt_tokens,
+            req.blocks,
+            req.sampling,
+            req.event_slot,
+            req.cached_tokens,
         )
         req.advance(Event.QUEUE)
         try:
             if self.cfg.early_handoff and self.link.tcp is None and req.sampling.max_tokens > 1:
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
-            return await future
+            result = await future
+            self.prefix.publish(req.request_id, req.names)
+            return result
         finally:
             future.cancel()  # the request went away while queued: skip its prompt
 

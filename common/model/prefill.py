@@ -18,10 +18,14 @@ def prefill_many(
     kv: torch.Tensor,
     *,
     token_budget: int = DEFAULT_TOKEN_BUDGET,
+    starts: Sequence[int] | None = None,
+    block_tables: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Logits [S, vocab] of each prompt's last token, prompts grouped in order into forwards of at
     most `token_budget` tokens (`LlamaModel.prefill_batch`); a longer prompt runs alone (not
-    chunked). Each prompt's result is that of prefilling it alone."""
+    chunked here: the prefill daemon's batcher chunks). Each prompt's result is that of
+    prefilling it alone. With `starts` and `block_tables`, prompt s continues a sequence whose
+    first starts[s] positions are already in `kv` (LlamaModel.prefill_batch says how)."""
     if len(prompts) != len(slot_mappings):
         raise ValueError(f"{len(prompts)} prompts but {len(slot_mappings)} slot mappings")
     out: list[torch.Tensor] = []
@@ -29,9 +33,19 @@ def prefill_many(
     for i, prompt in enumerate(prompts):
         n = int(prompt.numel())
         if i > start and used + n > token_budget:
-            out.append(model.prefill_batch(prompts[start:i], slot_mappings[start:i], kv))
+            out.append(_forward(model, prompts, slot_mappings, kv, starts, block_tables, start, i))
             start, used = i, 0
         used += n
     if prompts:
-        out.append(model.prefill_batch(prompts[start:], slot_mappings[start:], kv))
+        end = len(prompts)
+        out.append(_forward(model, prompts, slot_mappings, kv, starts, block_tables, start, end))
     return torch.cat(out) if out else torch.empty(0)
+
+
+def _forward(model, prompts, slots, kv, starts, tables, a: int, b: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """One prefill_batch over prompts a..b-1."""
+    if starts is None or not any(starts[a:b]):
+        return model.prefill_batch(prompts[a:b], slots[a:b], kv)
+    return model.prefill_batch(
+        prompts[a:b], slots[a:b], kv, starts=starts[a:b], block_tables=tables[a:b]
+    )
