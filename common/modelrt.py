@@ -213,7 +213,13 @@ class ModelRuntime:
 
     def pool_stats(self) -> dict[str, int]:
         a = self.allocator
-        return {"total": a.total, "free": a.num_free, "owned": a.num_owned, "leased": a.num_leased}
+        return {
+            "total": a.total,
+            "free": a.num_free,  # the cached ones included: an allocation may take them
+            "cached": a.num_cached,
+            "owned": a.num_owned,
+            "leased": a.num_leased,
+        }
 
     def status_fields(self, throughput: Throughput) -> dict[str, Any]:
         """STATUS_REPLY's model, dtype, requests served and tokens/s."""

@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -25,6 +25,8 @@ HISTORY: dict[int, str] = {
     5: "KV_READY P → D: the first token of an early HANDOFF, which says its KV is written, gets "
     "its own message instead of TOKENS P → D (TOKENS is D → P → C only again; its `sent_ns` goes); "
     "STATUS_REPLY has `model_card` (the model's name, checkpoint path and context length)",
+    6: "the prefix cache: FINISH's `usage` has `cached_tokens` (prompt tokens whose KV was reused), "
+    "STATUS_REPLY has `prefix_cache` (its counters) and its `pool` a `cached` count",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -4,6 +4,8 @@ forward and the plain prefill as references."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -27,7 +29,7 @@ def _in_pieces(
     kv = model.new_kv_cache(16, BLOCK)
     bounds = [0, *cuts, len(prompt)]
     logits = None
-    for a, b in zip(bounds, bounds[1:], strict=False):
+    for a, b in itertools.pairwise(bounds):
         slots = slots_for(blocks, a, b - a, BLOCK)
         tokens = torch.tensor(prompt[a:b])
         logits = model.prefill_batch([tokens], [slots], kv, starts=[a], block_tables=[blocks])

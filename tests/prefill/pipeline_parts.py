@@ -59,11 +59,13 @@ class Setup:
         self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)  # type: ignore[arg-type]
         self.batcher_task: asyncio.Task[None] | None = None
 
-    def start(self, rid: str, max_tokens: int = 4) -> asyncio.Task[list]:
+    def start(
+        self, rid: str, max_tokens: int = 4, prompt: list[int] | None = None
+    ) -> asyncio.Task[list]:
         """One request, as the server runs it: its frames collected, or its RequestFailed."""
         msg = Generate(
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            prompt_tokens=[3] * 20,
+            prompt_tokens=prompt or [3] * 20,
         )
 
         async def consume() -> list:
