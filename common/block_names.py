@@ -51,6 +51,14 @@ class BlockNames:
         self._by_name[name] = block
         return True
 
+    def unname(self, block: int) -> None:
+        """Forget a block's name (its KV is about to change); nothing if it has none."""
+        name = self._name[block]
+        if name is not None:
+            del self._by_name[name]
+            self._name[block] = None
+            self._parked.pop(block, None)
+
     def is_parked(self, block: int) -> bool:
         return block in self._parked
 
