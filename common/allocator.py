@@ -14,14 +14,11 @@ for a peer (a link) that has not copied them yet. A lease ends when the peer rel
 peer dies (`release_holder`), or when the caller finds it past its deadline (`expired`) and
 releases it. Deadlines are plain floats chosen by the caller; the allocator never reads a clock.
 
-The prefix cache: a full block whose KV is written may be *named* by the hash of its tokens
-(`publish`; common.blockhash makes the names). A named block can be held by several requests at
-once (`allocate(..., reuse=...)`, refcounted); it is LEASED while any leased request holds it,
-OWNED while only unleased ones do, so a block a peer reads is never handed out as free. When its
-last holder lets go, a named block becomes CACHED: it counts as free (an allocation may take it),
-keeps its name for `lookup` and is evicted least-recently-freed first, only when no FREE block is
-left. An unnamed block goes back to FREE. A block is named only after its KV is written (the
-caller publishes after the forward), so a lookup never hands out a block still being computed.
+The prefix cache: a full block whose KV is written may be named by its hash (`publish`;
+common/blockhash.py) and then shared by several requests (`allocate(..., reuse=...)`); it is
+LEASED while any leased request holds it, OWNED while only others do, and CACHED (free, still
+named, evicted least recently freed first only when no FREE block is left) once nobody holds it.
+docs/architecture.md ("Block allocator") has the rules.
 
 Counts: `num_free` includes the CACHED blocks (`num_cached` of them), so
 free + owned + leased == total always.
@@ -228,12 +225,7 @@ class BlockAllocator:
             )
         if not isinstance(holder, str) or not holder:
             raise AllocatorError(f"lease holder must be a non-empty str, got {holder!r}")
-        if deadline is not None and (
-            isinstance(deadline, bool)
-            or not isinstance(deadline, int | float)
-            or math.isnan(deadline)
-        ):
-            raise AllocatorError(f"lease deadline must be a number or None, got {deadline!r}")
+        _check_deadline(deadline)
         req.lease = Lease(holder, deadline)
         req.lease_seq = self._deadlines.next_seq()
         self._holders.setdefault(holder, set()).add(request_id)
@@ -366,6 +358,14 @@ class BlockAllocator:
     def _live(self, entry: Entry) -> bool:
         req = self._requests.get(entry[2])
         return req is not None and req.lease_seq == entry[1]
+
+
+def _check_deadline(deadline: float | None) -> None:
+    bad = (
+        isinstance(deadline, bool) or not isinstance(deadline, int | float) or math.isnan(deadline)
+    )
+    if deadline is not None and bad:
+        raise AllocatorError(f"lease deadline must be a number or None, got {deadline!r}")
 
 
 def _check_count(n: int) -> None:
