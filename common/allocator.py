@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from common.block_names import BlockNames
 from common.errors import AllocatorError, OutOfBlocks
-from common.lease_deadlines import Entry, LeaseDeadlines
+from common.leases import Entry, LeaseBook
 
 
 class BlockState(enum.Enum):
@@ -75,8 +75,7 @@ class BlockAllocator:
         self._users: list[set[str]] = [set() for _ in range(num_blocks)]
         self._lease_refs = [0] * num_blocks  # leased requests holding the block
         self._requests: dict[str, _Request] = {}
-        self._holders: dict[str, set[str]] = {}
-        self._deadlines = LeaseDeadlines(self._live)
+        self._deadlines = LeaseBook(self._live)  # holders' requests, deadlines
         self._num_leased = 0
 
     # -- counters ---------------------------------------------------------------------------
@@ -227,13 +226,10 @@ class BlockAllocator:
             raise AllocatorError(f"lease holder must be a non-empty str, got {holder!r}")
         _check_deadline(deadline)
         req.lease = Lease(holder, deadline)
-        req.lease_seq = self._deadlines.next_seq()
-        self._holders.setdefault(holder, set()).add(request_id)
+        req.lease_seq = self._deadlines.add(request_id, holder, deadline)
         for block in req.blocks:
             self._lease_refs[block] += 1
             self._num_leased += self._lease_refs[block] == 1
-        if deadline is not None:
-            self._deadlines.push(deadline, req.lease_seq, request_id)
 
     def release(self, request_id: str) -> int:
         """LEASED → FREE: the holder is done with the request's blocks; return how many freed."""
@@ -249,7 +245,7 @@ class BlockAllocator:
 
         An unknown holder (or one with no leases left) frees nothing and returns [].
         """
-        request_ids = sorted(self._holders.get(holder, ()))
+        request_ids = self._deadlines.of_holder(holder)
         for request_id in request_ids:
             self.free(request_id)
         return request_ids
@@ -342,18 +338,11 @@ class BlockAllocator:
 
     def _end_lease(self, request_id: str, req: _Request) -> None:
         assert req.lease is not None
-        holder_set = self._holders[req.lease.holder]
-        holder_set.discard(request_id)
-        if not holder_set:
-            del self._holders[req.lease.holder]
         for block in req.blocks:
             self._lease_refs[block] -= 1
             self._num_leased -= self._lease_refs[block] == 0
-        had_deadline = req.lease.deadline is not None
-        req.lease = None
-        req.lease_seq = -1  # its heap entry, if any, is now stale
-        if had_deadline:
-            self._deadlines.ended()
+        lease, req.lease, req.lease_seq = req.lease, None, -1  # its heap entry is now stale
+        self._deadlines.end(request_id, lease.holder, lease.deadline is not None)
 
     def _live(self, entry: Entry) -> bool:
         req = self._requests.get(entry[2])
