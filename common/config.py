@@ -143,6 +143,17 @@ class DaemonConfig:
             "required with --listen / --decode tcp://.",
         ),
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=opt(
+            "--prefix-cache",
+            negatable=True,
+            help="Keep the KV of full prompt blocks after their request and reuse it for prompts "
+            "that start the same way: the prefill then computes only the rest, the decode pulls "
+            "only the blocks it lacks. Cached blocks count as free and are evicted least recently "
+            "used first when the pool needs room.",
+        ),
+    )
     max_prompt_tokens: int = field(
         default=8192,
         metadata=opt(
@@ -250,16 +261,6 @@ class PrefillConfig(DaemonConfig):
             "forward there costs about its tokens). Set, it is also the chunk size: a prompt "
             "with more tokens to compute runs in chunks of this many, each attending to the ones "
             "before (unset: chunks of 8192).",
-        ),
-    )
-    prefix_cache: bool = field(
-        default=True,
-        metadata=opt(
-            "--prefix-cache",
-            negatable=True,
-            help="Keep the KV of full prompt blocks after their request and reuse it for prompts "
-            "that start the same way (the forward then computes only the rest); cached blocks "
-            "count as free and are evicted least recently used first when the pool needs room.",
         ),
     )
     event_slots: int = field(

@@ -25,6 +25,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
+from common.prefix_cache import PrefixCache
 from common.protocol import ModelCard, compat_fields, fingerprint
 from common.throughput import Throughput
 from common.transfer.regions import default_backend
@@ -129,6 +130,7 @@ class ModelRuntime:
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
     runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
     card: ModelCard | None = None  # the model as clients see it (STATUS_REPLY)
+    prefix: PrefixCache | None = None  # the prefix cache over `allocator` (load() makes it)
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -185,19 +187,21 @@ class ModelRuntime:
             num_blocks=cfg.num_blocks,
             pool_mib=round(layout.nbytes / 2**20, 1),
         )
+        allocator = BlockAllocator(cfg.num_blocks)
         return cls(
             model,
             tokenizer,
             device,
             layout,
             pool,
-            BlockAllocator(cfg.num_blocks),
+            allocator,
             backend,
             fp,
             executor,
             stream,
             runner,
             model_card(cfg.model, model.config.max_position_embeddings),
+            PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:

@@ -171,4 +171,4 @@ class DaemonServer:
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """STATUS_REPLY's `prefix_cache` ({}: this daemon keeps none)."""
-        return {}
+        return self.rt.prefix.stats() if self.rt.prefix is not None else {}

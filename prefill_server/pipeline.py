@@ -31,6 +31,7 @@ import structlog
 from common.config import PrefillConfig
 from common.model.sampling import finish_reason
 from common.modelrt import ModelRuntime
+from common.prefix_cache import PrefixCache
 from common.protocol import Error, ErrorCode, Finish, Generate, Message, Release, Tokens
 from common.throughput import Throughput
 from common.transfer import KVProducer
@@ -40,7 +41,6 @@ from prefill_server.handoff import HandoffPath
 from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
-from prefill_server.prefix import PrefixCache
 from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -58,7 +58,7 @@ class RequestPipeline:
         self.link = link
         budget = cfg.prefill_budget(rt.device.type)
         self.batcher = PrefillBatcher(rt, producer, budget, cfg.prefill_chunk())
-        self.prefix = PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, cfg.prefix_cache)
+        self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
         self.handoff = HandoffPath(cfg, producer, link, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)

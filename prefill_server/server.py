@@ -105,9 +105,6 @@ class PrefillServer(DaemonServer):
     def log_stopped(self) -> dict[str, Any]:
         return {"served": self.pipeline.throughput.served}
 
-    def prefix_cache_stats(self) -> dict[str, int]:
-        return self.pipeline.prefix.stats()
-
     def links(self) -> list[dict[str, Any]]:
         link = self.link
         return [

@@ -13,7 +13,7 @@ from common.errors import IpcError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import tiny_model
 from common.model.paged import slots_for
-from prefill_server.prefix import PrefixCache
+from common.prefix_cache import PrefixCache
 
 BLOCK = 4
 

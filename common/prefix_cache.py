@@ -1,12 +1,16 @@
-"""The prefill daemon's prefix cache, as the pipeline uses it: a prompt's block names, the cached
-blocks it may reuse, publishing its blocks once written, and the counters `pdkv status` and the
-API's /metrics show. The blocks' states live in the allocator (common/allocator.py); this is the
-policy around it.
+"""A daemon's prefix cache, as its request path uses it: a prompt's block names, the cached blocks
+it may reuse, publishing its blocks once their KV is written, and the counters STATUS reports
+(`pdkv status`, the API's /metrics). The blocks' states live in the allocator
+(common/allocator.py); this is the policy around it, the same in both daemons:
 
-Rules (docs/operations.md, "Prefix cache"): only full blocks are named; a prompt reuses the
-longest run of cached blocks from its start, but never its last token's block, so at least one
-token is computed (its logits give the first token); a request's blocks are published only
-after its forward wrote them.
+- only full blocks are named (common/blockhash.py);
+- a prompt reuses the longest run of cached blocks from its start, but never the block holding
+  its last token: the prefill computes at least that token (its logits give the first token),
+  and the decode pulls at least that block (a pull is never empty);
+- a request's blocks are published only once their KV is written (the prefill: after its
+  forward; the decode: after its pull), so a lookup never hands out a block being written.
+
+docs/operations.md ("Prefix cache") says how it meets pool size and NO_CAPACITY.
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from common.kvpool import PoolLayout
 
 
 class PrefixCache:
-    """Created by the pipeline; `enabled` False (--no-prefix-cache) makes every verb a no-op."""
+    """One per daemon (ModelRuntime.prefix); `enabled` False (--no-prefix-cache) makes every verb
+    a no-op."""
 
     def __init__(self, allocator: BlockAllocator, layout: PoolLayout, model: str, enabled: bool):
         self.allocator = allocator
