@@ -83,9 +83,10 @@ def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, block_size: int) ->
     """Run the prefill's kernels once per shape class before serving (torch thread, its
     stream), so that no request waits for Triton to compile them: one prompt alone and two in
     one varlen forward, with token counts that are and are not multiples of 16 (Triton builds a
-    kernel per such class). Measured without it: a fresh prefill daemon's first forward of
-    several prompts took 0.9 s instead of 0.05 s. Writes K/V into blocks 0-1 of the new pool,
-    which are all free. Returns the seconds it took."""
+    kernel per such class), then one and two prompts after a cached block (the paged-context
+    kernel of the prefix cache and chunks). Measured without it: a fresh prefill daemon's first
+    forward of several prompts took 0.9 s instead of 0.05 s. Writes K/V into blocks 0-1 of the
+    new pool, which are all free. Returns the seconds it took."""
     from common.model.paged import slots_for
     from common.model.prefill import prefill_many
 
@@ -101,6 +102,11 @@ def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, block_size: int) ->
             prompts = [torch.ones(n, dtype=torch.long) for n in group]
             maps = [slots_for([0, 1], 0, n, block_size) for n in group]
             prefill_many(model, prompts, maps, kv, token_budget=sum(group))
+        for group in ([block_size], [block_size, 1]):  # after a cached block: the context kernel
+            prompts = [torch.ones(n, dtype=torch.long) for n in group]
+            maps = [slots_for([0, 1], block_size, n, block_size) for n in group]
+            starts, tables = [block_size] * len(group), [[0, 1]] * len(group)
+            model.prefill_batch(prompts, maps, kv, starts=starts, block_tables=tables)
         stream.synchronize()
     return time.perf_counter() - start
 
