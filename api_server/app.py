@@ -30,6 +30,7 @@ from api_server.config import (
 )
 from api_server.daemons import Daemons, link_problem
 from api_server.errors import ApiError, bad_field, model_not_found, too_large
+from api_server.logprobs import Echo, LogprobFormat
 from api_server.metrics import CONTENT_TYPE, Metrics
 from api_server.model import ServedModel
 from api_server.prompts import Prompt, check_context, prompts_of
@@ -147,19 +148,12 @@ class Api:
         model = await self._served(req)
         check_context(prompts, params.max_tokens, model.max_positions, "max_tokens")
         rid = "cmpl-" + uuid.uuid4().hex[:24]
-        jobs = [
-            generation.Job(
-                request_id=rid if len(prompts) == 1 else f"{rid}-{i}",
-                sampling=params,
-                prompt=p.text,
-                prompt_tokens=p.tokens,
-                stops=stops,
-                stream=req.stream,
-            )
-            for i, p in enumerate(prompts)
-        ]
+        jobs = generation.jobs(rid, prompts, params, req.n or 1, stops=stops, stream=req.stream)
+        echoes = None
+        if req.echo:
+            echoes = [Echo.of(model.counter, j.prompt, j.prompt_tokens) for j in jobs]
         shape = responses.Shape(endpoint="completions", chat=False)
-        return await self._respond(rid, jobs, req, shape, started, model)
+        return await self._respond(rid, jobs, req, shape, started, model, echoes)
 
     async def chat(self, request: Request) -> Response:
         started = time.perf_counter()
@@ -192,17 +186,17 @@ class Api:
             limit,
         )
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
-        job = generation.Job(
-            request_id=rid,
-            sampling=params,
-            prompt=prompt,
-            prompt_tokens=prompt_tokens,
+        jobs = generation.jobs(
+            rid,
+            [Prompt(text=prompt, tokens=prompt_tokens)],
+            params,
+            req.n or 1,
             stops=stops,
             stream=req.stream,
             max_tokens_param=limit,
         )
         shape = responses.Shape(endpoint="chat", chat=True)
-        return await self._respond(rid, [job], req, shape, started, model)
+        return await self._respond(rid, jobs, req, shape, started, model)
 
     async def _respond(
         self,
@@ -212,6 +206,7 @@ class Api:
         shape: responses.Shape,
         started: float,
         model: ServedModel,
+        echoes: list[Echo] | None = None,
     ) -> Response:
         reply = responses.Reply(
             id=rid,
@@ -221,15 +216,19 @@ class Api:
             created=int(time.time()),
             choices=len(jobs),
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
+            fmt=None if jobs[0].sampling.logprobs is None else LogprobFormat(model.counter),
+            echoes=echoes,
         )
+        prefill = self.daemons.route(jobs[0].prompt_tokens, jobs[0].prompt)
         events = generation.run_all(
             jobs,
-            conn=self.daemons.prefill,
+            conn=prefill.conn,
             timeout=self.cfg.request_timeout_s,
             retry_after=self.cfg.retry_after_s,
             metrics=self.metrics,
             counter=model.counter,
         )
+        events = self.daemons.counted(prefill, events)
         if req.stream:
             return await responses.streamed(reply, events, self.metrics)
         return await responses.whole(reply, events, self.metrics)
@@ -243,20 +242,29 @@ class Api:
         return statuses
 
     async def health(self, request: Request) -> Response:
+        """200 while a prefill can serve (with the reasons of those that cannot, "degraded"
+        with several prefills), 503 with every reason otherwise."""
         statuses = await self.daemon_statuses()
         reasons = [s for s in statuses.values() if isinstance(s, str)]
-        prefill = statuses["prefill"]
-        if isinstance(prefill, StatusReply):
-            if why := link_problem(prefill):
+        serving = 0
+        for role, st in statuses.items():
+            if not role.startswith("prefill") or not isinstance(st, StatusReply):
+                continue
+            if why := link_problem(st):
                 reasons.append(why)
-            if why := self.daemons.model_problem():
-                reasons.append(why)
-        if reasons:
+            else:
+                serving += 1
+        if why := self.daemons.model_problem():
+            reasons.append(why)
+            serving = 0
+        if serving == 0 or (reasons and len(self.daemons.prefills) == 1):
             return json_response(
                 {"status": "unhealthy", "reasons": reasons},
                 status=503,
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
+        if reasons:
+            return json_response({"status": "degraded", "reasons": reasons})
         return json_response({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:

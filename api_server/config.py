@@ -83,12 +83,15 @@ class ApiConfig:
             help="Model id in /v1/models and requests.",
         ),
     )
-    client_socket: Path | None = field(
-        default=None,
+    client_socket: tuple[str, ...] = field(
+        default=(),
         metadata=opt(
             "--client-socket",
+            multiple=True,
             show_default="RUNTIME_DIR/prefill.sock",
-            help="The prefill daemon's client socket.",
+            help="A prefill daemon's client socket; once per prefill daemon: each request goes "
+            "to the one its prompt's start maps to (repeats of a prefix meet its cache), unless "
+            "that one is much busier than the rest or down.",
         ),
     )
     link_socket: Path | None = field(
@@ -127,8 +130,13 @@ class ApiConfig:
             raise StartupError(f"--model {self.model} is not a directory")
 
     @property
+    def prefill_paths(self) -> tuple[Path, ...]:
+        """Every --client-socket, or the runtime dir's prefill socket when none is given."""
+        return tuple(Path(p) for p in self.client_socket) or (self.runtime_dir / "prefill.sock",)
+
+    @property
     def prefill_path(self) -> Path:
-        return self.client_socket or self.runtime_dir / "prefill.sock"
+        return self.prefill_paths[0]
 
     @property
     def decode_path(self) -> Path:

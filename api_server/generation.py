@@ -1,5 +1,5 @@
-"""A request's runs through the daemons, as the HTTP layer needs them: text deltas with `stop`
-strings cut out, then a Done with the finish reason and usage, for each of its prompts (`run_all`
+"""A request's runs through the daemons, as the HTTP layer needs them: Pieces (text deltas with
+`stop` strings cut out, and the logprobs of their tokens when asked), then a Done with the finish reason and usage, for each of its prompts (`run_all`
 runs them at once and merges their events, tagged with each prompt's index). Failures become
 ApiErrors.
 
@@ -17,12 +17,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from api_server.errors import ApiError, from_daemon, timed_out, unavailable
+from api_server.errors import ApiError, bad_field, from_daemon, timed_out, unavailable
 from api_server.metrics import Metrics
+from api_server.prompts import MAX_PROMPTS, Prompt
+from api_server.schemas import seeded
 from api_server.tokens import PromptCounter
 from common import client
 from common.errors import PdkvError
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +38,35 @@ class Job:
     stops: list[str] = field(default_factory=list)
     stream: bool = False
     max_tokens_param: str = "max_tokens"  # the request's name for sampling.max_tokens
+
+
+def jobs(rid: str, prompts: list[Prompt], params: SamplingParams, n: int, **kw: Any) -> list[Job]:
+    """One Job per choice: choice i * n + j is prompt i's j-th (seeded by `schemas.seeded`);
+    its daemon request id is `rid`, or `rid-<choice>` when there are several."""
+    count = len(prompts) * n
+    if count > MAX_PROMPTS:
+        raise bad_field("n", f"prompts x n is {count}, more than the {MAX_PROMPTS} choices allowed")
+    return [
+        Job(
+            request_id=rid if count == 1 else f"{rid}-{i * n + j}",
+            sampling=seeded(params, j),
+            prompt=p.text,
+            prompt_tokens=p.tokens,
+            **kw,
+        )
+        for i, p in enumerate(prompts)
+        for j in range(n)
+    ]
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Text of a request's new tokens (possibly empty) and their logprob entries; `prompt`
+    holds prompt logprob entries (they come before the first token)."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -88,8 +119,8 @@ async def run(
     retry_after: int,
     metrics: Metrics,
     counter: PromptCounter,
-) -> AsyncIterator[str | Done]:
-    """Yield `job`'s text deltas (non-empty strings) then one Done; ApiError on failure.
+) -> AsyncIterator[Piece | Done]:
+    """Yield `job`'s Pieces (each with text or logprobs) then one Done; ApiError on failure.
 
     Non-streamed jobs without stop strings ask the daemon for the whole text at the end (one
     detokenization); the rest ask for text with every TOKENS frame.
@@ -118,15 +149,18 @@ async def run(
                     last = now
                     completion += len(msg.tokens)
                 text, hit = cutter.feed(msg.text)
-                if text:
-                    yield text
+                lps, prompt = [], []
+                if isinstance(msg, client.Tokens):
+                    lps, prompt = msg.logprobs or [], msg.prompt_logprobs or []
+                if text or lps or prompt:
+                    yield Piece(text, lps, prompt)
                 if hit:
                     prompt = counter.count(job.prompt, job.prompt_tokens)
                     yield Done("stop", prompt, completion)
                     return
                 if isinstance(msg, client.Finish):
                     if tail := cutter.flush():
-                        yield tail
+                        yield Piece(tail)
                     if handoff_us := msg.timings.get("handoff_us"):  # 0: ended before a handoff
                         metrics.handoff.observe(handoff_us / 1e6)
                     reason = "length" if msg.reason == "length" else "stop"
@@ -154,7 +188,7 @@ async def run(
     )
 
 
-async def run_all(jobs: list[Job], **kw: Any) -> AsyncIterator[tuple[int, str | Done]]:
+async def run_all(jobs: list[Job], **kw: Any) -> AsyncIterator[tuple[int, Piece | Done]]:
     """Run `jobs` (the arguments of `run` in `kw`) at once; yield (index, event) as each
     comes, until every job's Done. The first failure cancels the rest (their requests are
     aborted) and is raised; so is closing this generator early."""
@@ -163,7 +197,7 @@ async def run_all(jobs: list[Job], **kw: Any) -> AsyncIterator[tuple[int, str | 
             async for item in events:
                 yield 0, item
         return
-    queue: asyncio.Queue[tuple[int, str | Done | Exception]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | Done | Exception]] = asyncio.Queue()
 
     async def pump(index: int, job: Job) -> None:
         try:

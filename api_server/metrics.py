@@ -78,10 +78,27 @@ class DaemonCollector(Collector):
 
     def _link(self) -> Iterator[Metric]:
         prefill, decode = self.statuses["prefill"], self.statuses["decode"]
-        link = prefill.links[0] if prefill is not None and prefill.links else None
-        state = GaugeMetricFamily("pdkv_link_up", "1 when the prefill's link to decode is up")
-        state.add_metric([], 1.0 if link is not None and link.get("state") == "up" else 0.0)
+        links = prefill.links if prefill is not None else []
+        link = links[0] if links else None
+        state = GaugeMetricFamily("pdkv_link_up", "1 when a link of the prefill to a decode is up")
+        state.add_metric([], 1.0 if any(lk.get("state") == "up" for lk in links) else 0.0)
         yield state
+        if links:
+            each = GaugeMetricFamily(
+                "pdkv_decode_link_up",
+                "1 when the prefill's link to this decode is up",
+                labels=["decode"],
+            )
+            handed = GaugeMetricFamily(
+                "pdkv_decode_requests",
+                "requests the prefill has handed to this decode",
+                labels=["decode"],
+            )
+            for lk in links:
+                name = str(lk.get("decode", lk.get("link", "")))
+                each.add_metric([name], 1.0 if lk.get("state") == "up" else 0.0)
+                handed.add_metric([name], float(lk.get("requests", 0)))
+            yield from (each, handed)
         if link is not None:
             reconnects = CounterMetricFamily(
                 "pdkv_link_reconnects", "times the prefill re-established its link to decode"

@@ -1,7 +1,9 @@
 """OpenAI's response shapes for /v1/completions and /v1/chat/completions, whole or streamed.
 
-A request has one choice per prompt, each with its `index`; `usage` sums its prompts. Streamed,
-the choices' chunks interleave as their text comes, each chunk carrying one choice.
+A request has n choices per prompt (choice i*n + j is prompt i's j-th), each with its `index`;
+`usage` sums them. Streamed, the choices' chunks interleave as their text comes, each chunk
+carrying one choice and the logprobs of its tokens when asked (api_server.logprobs); with `echo`
+a choice's first chunk is its prompt.
 
 A streamed response starts only after the request's first event, so a request the daemons refuse
 at once (bad prompt, NO_CAPACITY, no link) still gets its proper status code. A failure after
@@ -15,17 +17,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import Response, StreamingResponse
 
 from api_server.errors import ApiError
-from api_server.generation import Done
+from api_server.generation import Done, Piece
+from api_server.logprobs import ChoiceLogprobs, Echo, LogprobFormat
 from api_server.metrics import Metrics
 from api_server.sse import DONE, event, json_response
 
-Events = AsyncIterator[tuple[int, str | Done]]
+Events = AsyncIterator[tuple[int, Piece | Done]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,26 +38,31 @@ class Shape:
     endpoint: str
     chat: bool
 
-    def delta(self, index: int, text: str) -> dict[str, Any]:
+    def delta(self, index: int, text: str, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
             return {
                 "index": index,
                 "delta": {"content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": None,
             }
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
 
     def final_delta(self, index: int, reason: str) -> dict[str, Any]:
         if self.chat:
             return {"index": index, "delta": {}, "logprobs": None, "finish_reason": reason}
         return {"index": index, "text": "", "logprobs": None, "finish_reason": reason}
 
-    def whole(self, index: int, text: str, reason: str) -> dict[str, Any]:
+    def whole(self, index: int, text: str, reason: str, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
             message = {"role": "assistant", "content": text}
-            return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": logprobs,
+                "finish_reason": reason,
+            }
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
     @property
     def object(self) -> str:
@@ -76,6 +84,22 @@ class Reply:
     created: int
     choices: int = 1
     include_usage: bool = False
+    fmt: LogprobFormat | None = None  # when the request asked for logprobs
+    echoes: list[Echo] | None = None  # completions with echo: each choice's prompt
+
+    def echo(self, index: int) -> Echo | None:
+        return None if self.echoes is None else self.echoes[index]
+
+    def logprobs(
+        self, index: int, lp: ChoiceLogprobs, *, with_echo: bool, offset: int = 0
+    ) -> dict[str, Any] | None:
+        """Choice `index`'s logprobs object for the entries in `lp` (None when not asked)."""
+        if self.fmt is None:
+            return None
+        if self.shape.chat:
+            return self.fmt.chat(lp.generated)
+        echo = self.echo(index) if with_echo else None
+        return self.fmt.completion(lp.generated, echo=echo, prompt=lp.prompt, offset=offset)
 
     def body(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {
@@ -105,19 +129,25 @@ def usage(dones: list[Done]) -> dict[str, Any]:
 async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
     """The non-streamed response: each choice's text and finish_reason, and usage, in one body."""
     parts: list[list[str]] = [[] for _ in range(reply.choices)]
+    lps = [ChoiceLogprobs() for _ in range(reply.choices)]
     dones: dict[int, Done] = {}
     async with contextlib.aclosing(events):
         async for index, item in events:
             if isinstance(item, Done):
                 dones[index] = item
             else:
-                parts[index].append(item)
+                parts[index].append(item.text)
+                lps[index].generated.extend(item.logprobs)
+                lps[index].prompt.extend(item.prompt)
     ended = [dones[i] for i in range(reply.choices)]
     _count_tokens(metrics, ended)
     metrics.finished(reply.shape.endpoint, "ok", time.perf_counter() - reply.started)
-    choices = [
-        reply.shape.whole(i, "".join(parts[i]), done.finish_reason) for i, done in enumerate(ended)
-    ]
+    choices = []
+    for i, done in enumerate(ended):
+        echo = reply.echo(i)
+        text = (echo.text if echo else "") + "".join(parts[i])
+        logprobs = reply.logprobs(i, lps[i], with_echo=True)
+        choices.append(reply.shape.whole(i, text, done.finish_reason, logprobs))
     return json_response(reply.body(reply.shape.object, choices, usage=usage(ended)))
 
 
@@ -136,32 +166,32 @@ async def streamed(reply: Reply, events: Events, metrics: Metrics) -> Response:
 
 
 async def _sse(
-    reply: Reply, first: tuple[int, str | Done], events: Events, metrics: Metrics
+    reply: Reply, first: tuple[int, Piece | Done], events: Events, metrics: Metrics
 ) -> AsyncIterator[bytes]:
     shape, obj = reply.shape, reply.shape.chunk_object
     extra = {"usage": None} if reply.include_usage else {}
     outcome = "client_disconnect"
     dones: list[Done] = []
+    choices = [_StreamedChoice() for _ in range(reply.choices)]
     try:
         async with contextlib.aclosing(events):
             if shape.chat:
-                role = {
-                    "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                yield event(reply.body(obj, [role], **extra))
+                for i in range(reply.choices):
+                    role = {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    yield event(reply.body(obj, [role], **extra))
             index, item = first
             while True:
+                for choice in _chunks(reply, index, item, choices[index]):
+                    yield event(reply.body(obj, [choice], **extra))
                 if isinstance(item, Done):
                     dones.append(item)
-                    choice = shape.final_delta(index, item.finish_reason)
-                else:
-                    choice = shape.delta(index, item)
-                yield event(reply.body(obj, [choice], **extra))
-                if len(dones) == reply.choices:
-                    break
+                    if len(dones) == reply.choices:
+                        break
                 index, item = await anext(events)
             if reply.include_usage:
                 yield event(reply.body(obj, [], usage=usage(dones)))
@@ -178,6 +208,39 @@ async def _sse(
     finally:
         seconds = time.perf_counter() - reply.started if outcome == "ok" else None
         metrics.finished(shape.endpoint, outcome, seconds)
+
+
+@dataclass
+class _StreamedChoice:
+    prompt: ChoiceLogprobs = field(default_factory=ChoiceLogprobs)  # held until its echo
+    echoed: bool = False
+    offset: int = 0  # characters of its text sent so far (text_offset)
+
+
+def _chunks(
+    reply: Reply, index: int, item: Piece | Done, state: _StreamedChoice
+) -> list[dict[str, Any]]:
+    """The chunks of one event of choice `index`: its echo first (once, when its prompt
+    logprobs are all in: at its first token or its end), then its text and logprobs."""
+    if isinstance(item, Piece) and item.prompt:
+        state.prompt.prompt.extend(item.prompt)
+        if not item.text and not item.logprobs:
+            return []
+    out = []
+    echo = reply.echo(index)
+    if echo is not None and not state.echoed:
+        state.echoed = True
+        logprobs = reply.logprobs(index, state.prompt, with_echo=True)
+        out.append(reply.shape.delta(index, echo.text, logprobs))
+        state.offset = len(echo.text)
+    if isinstance(item, Done):
+        out.append(reply.shape.final_delta(index, item.finish_reason))
+        return out
+    piece = ChoiceLogprobs(generated=item.logprobs)
+    logprobs = reply.logprobs(index, piece, with_echo=False, offset=state.offset)
+    state.offset += len(item.text)
+    out.append(reply.shape.delta(index, item.text, logprobs))
+    return out
 
 
 def _count_tokens(metrics: Metrics, dones: list[Done]) -> None:

@@ -2,11 +2,13 @@
 
 Fields that do not change the output (`user`, `store`, `metadata`, ...) are accepted and
 ignored. Fields that would change it in a way pdkv does not implement are refused unless they
-hold their neutral value: `n` > 1, `best_of` > 1, `logprobs`, `top_logprobs`, `echo`, `suffix`,
-non-zero `presence_penalty` / `frequency_penalty`, a `logit_bias`, a `response_format` other than
-text, `tools` and tool messages. `top_k` and `ignore_eos` are extra fields (the openai client
-passes them with `extra_body`). Chat roles are system, user and assistant, and developer (OpenAI's
-newer name for system, rendered as system).
+hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`, a `response_format` other than
+text, `tools` and tool messages. Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
+(completions: an int, the top alternatives; chat: a bool with `top_logprobs`), `echo`,
+`presence_penalty`, `frequency_penalty`, `seed`. `top_k`, `ignore_eos`, `repetition_penalty`,
+`min_tokens` and `stop_token_ids` are extra fields, as vLLM accepts them (the openai client passes
+them with `extra_body`). Chat roles are system, user and assistant, and developer (OpenAI's newer
+name for system, rendered as system).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from api_server.errors import ApiError, bad_field, unsupported
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_STOP_STRINGS = 4
+#: Most choices per prompt (`n`).
+MAX_N = 16
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
 _ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
@@ -43,6 +47,9 @@ class _Request(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
 
 
@@ -97,16 +104,10 @@ def _param_of(message: str) -> str | None:
 
 
 def _refuse_unsupported(req: _Request) -> None:
-    if req.n is not None and req.n != 1:
-        raise unsupported("n", f"n must be 1 (one choice per prompt), got {req.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise unsupported(name, f"{name} is not implemented by pdkv: leave it out or send 0")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise bad_field("n", f"n must be an integer in [1, {MAX_N}], got {req.n}")
     unsupported_fields = {
         "logit_bias": req.logit_bias,
-        "echo": getattr(req, "echo", False),
-        "logprobs": getattr(req, "logprobs", None),
-        "top_logprobs": getattr(req, "top_logprobs", None),
         "suffix": getattr(req, "suffix", None),
         "tools": getattr(req, "tools", None),
         "best_of": getattr(req, "best_of", None) not in (None, 1),
@@ -120,10 +121,28 @@ def _refuse_unsupported(req: _Request) -> None:
             "response_format",
             f"response_format {fmt.get('type')!r} is not supported by pdkv (only 'text')",
         )
+    if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
+        raise bad_field("top_logprobs", "top_logprobs needs logprobs: true")
+
+
+def _logprobs(req: _Request) -> tuple[int | None, int | None, str]:
+    """(logprobs k of the generated tokens, of the prompt tokens, the field that set k)."""
+    if isinstance(req, ChatRequest):
+        if not req.logprobs:
+            return None, None, "logprobs"
+        return req.top_logprobs or 0, None, "top_logprobs"
+    assert isinstance(req, CompletionRequest)
+    k = req.logprobs
+    # echo with max_tokens 0 needs the prompt's tokens, which come with its logprobs
+    prompt_k = (
+        k if req.echo and k is not None else (0 if req.echo and req.max_tokens == 0 else None)
+    )
+    return k, prompt_k, "logprobs"
 
 
 def sampling(req: _Request, *, max_tokens: int | None, default_max: int) -> SamplingParams:
     """The daemon's SamplingParams for `req` (OpenAI's default temperature is 1)."""
+    k, prompt_k, k_field = _logprobs(req)
     try:
         return SamplingParams(
             max_tokens=default_max if max_tokens is None else max_tokens,
@@ -132,12 +151,30 @@ def sampling(req: _Request, *, max_tokens: int | None, default_max: int) -> Samp
             top_p=1.0 if req.top_p is None else req.top_p,
             seed=req.seed,
             ignore_eos=req.ignore_eos,
+            logprobs=k,
+            prompt_logprobs=prompt_k,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
         ).validate()
     except SamplingParamsError as exc:
         field = str(exc).split(" ", 1)[0]
         if field == "max_tokens" and isinstance(req, ChatRequest) and req.max_tokens is None:
             field = "max_completion_tokens"
-        raise bad_field(field, str(exc)) from None
+        message = str(exc)
+        if field in ("logprobs", "prompt_logprobs"):
+            field, message = k_field, k_field + message[len(field) :]
+        raise bad_field(field, message) from None
+
+
+def seeded(params: SamplingParams, choice: int) -> SamplingParams:
+    """The parameters of choice `choice` of n: with a seed, choice i draws with seed + i (so
+    choices differ and each is reproducible); without one, each gets its own from the daemon."""
+    if choice == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + choice)
 
 
 def stop_strings(req: _Request) -> list[str]:

@@ -11,8 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+_BYTE_BOS = 256  # common.model.config.TINY_BOS (not imported: it imports torch)
+_BYTE_SPECIALS = {256: "<s>", 257: "</s>", 258: "<pad>"}
+
 
 class PromptCounter:
+    """The daemons' tokenizer as the API needs it: prompt counts, ids of an echoed prompt, the
+    text and bytes of a token in logprobs."""
+
     def __init__(self, model_dir: Path | None) -> None:
         path = model_dir / "tokenizer.json" if model_dir is not None else None
         self._tok = None
@@ -26,6 +32,28 @@ class PromptCounter:
         if prompt_tokens is not None:
             return len(prompt_tokens)
         assert prompt is not None
+        return len(self.encode(prompt))
+
+    def encode(self, prompt: str) -> list[int]:
+        """The ids the daemons make of `prompt`."""
         if self._tok is None:
-            return 1 + len(prompt.encode("utf-8"))
-        return len(self._tok.encode(prompt, add_special_tokens=True).ids)
+            return [_BYTE_BOS, *prompt.encode("utf-8")]
+        return list(self._tok.encode(prompt, add_special_tokens=True).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of `ids` as the daemons write it (special tokens left out)."""
+        if self._tok is None:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token(self, token_id: int) -> tuple[str, list[int]]:
+        """One token as logprobs show it: its text (special tokens by name; a byte that is not
+        whole UTF-8 as U+FFFD) and its bytes."""
+        if self._tok is None:
+            if 0 <= token_id < 256:
+                raw = bytes([token_id])
+                return raw.decode("utf-8", errors="replace"), list(raw)
+            text = _BYTE_SPECIALS.get(token_id, f"<|{token_id}|>")
+            return text, list(text.encode())
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        return text, list(text.encode("utf-8"))

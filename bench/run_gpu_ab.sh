@@ -4,7 +4,7 @@
 # an earlier commit (`git archive REV | tar -x -C OLD`), alternating ROUNDS times (default 2), each
 # tree installed editable in turn (its extension built by its own CMake). The local engine runs
 # once, with this checkout. JSON per run under $OUT (default ./gpu-results), the tables in
-# $OUT/ab.log; `bench/ab_summary.py $OUT/ab_*.json` prints the 2nd token and the decode's stages.
+# $OUT/ab.log (REQUESTS per run, default 16); `bench/ab_summary.py $OUT/ab_*.json` prints the 2nd token and the decode's stages.
 #   bench/run_gpu_ab.sh OLD_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ install() {  # $1: tree
 long() {  # $1: tree, $2: tag, $3: target
   echo "== $2 ($3)" | tee -a "$log"
   (cd "$1" && timeout 150 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 4096 \
-    --requests 16 --rate 2 --prompt-len 2000:2000 --output-len 8:8 --target "$3" --progress 30 \
+    --requests "${REQUESTS:-16}" --rate 2 --prompt-len 2000:2000 --output-len 8:8 --target "$3" --progress 30 \
     --json "$OUT/ab_$2.json") 2>&1 | tee -a "$log"
 }
 status=0

@@ -19,12 +19,17 @@ workload replayed on each, one target after the other):
            the same model, device and pool size.
 
 `--sweep 1,2,4,8` runs every rate and plots p99 TTFT and p99 ITL against the rate (matplotlib, when
-installed). `--json OUT` writes every figure, per request included. Warm-up requests run first on
+installed). With `--slo-ttft-ms` and `--slo-itl-ms` it also reports goodput (DistServe's measure,
+bench/serve_goodput.py): per rate and target the share of requests whose TTFT and mean ITL both
+meet the bounds, and per target the highest rate at which at least `--slo-attainment` of them
+do, as a table and (matplotlib) a plot of attainment against the rate. `--json OUT` writes every figure, per request included. Warm-up requests run first on
 each target and are not counted. Exit status 1 when any request failed.
 
     python bench/serve.py --requests 50 --rate 20
     python bench/serve.py --model ~/llama-1b --device cuda:0 --nano     # nano-vllm's shape
     python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 1,2,4,8,16 --json serve.json
+    python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 2,4,8,16,32,64 \
+        --slo-ttft-ms 200 --slo-itl-ms 25                                  # goodput, both targets
 
 Workloads with repeats (bench/serve_workloads.py), for the prefix cache: `--shared-prefix N` (every
 prompt starts with the same N tokens, then --prompt-len of its own), `--turns T` (conversations of
@@ -56,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current directory
 
+import serve_goodput as goodput  # noqa: E402
 import serve_load as load  # noqa: E402
 import serve_workloads  # noqa: E402
 from serve_api import api_stream, model_id, own_api  # noqa: E402
@@ -138,10 +144,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("PDKV_API_KEY"),
         help="bearer key for --api-url's API (default: $PDKV_API_KEY)",
     )
+    ap.add_argument(
+        "--text",
+        action="store_true",
+        help="daemons target: ask for each TOKENS frame's text (GENERATE's stream, as the API "
+        "does), so the prefill detokenizes every token; default ids only",
+    )
     ap.add_argument("--warmup", type=int, default=2, help="uncounted requests per target first")
     ap.add_argument("--progress", type=float, default=5.0, help="seconds between progress lines")
     ap.add_argument("--json", type=Path, metavar="OUT", help="write every figure here")
     ap.add_argument("--plot", type=Path, default=Path("serve_sweep.png"), help="sweep's PNG")
+    ap.add_argument("--slo-ttft-ms", type=float, help="goodput: a request's TTFT bound")
+    ap.add_argument(
+        "--slo-itl-ms", type=float, help="goodput: a request's mean inter-token latency bound"
+    )
+    ap.add_argument(
+        "--slo-attainment",
+        type=float,
+        default=0.9,
+        help="goodput: share of requests within both bounds a rate must reach (default 0.9)",
+    )
+    ap.add_argument(
+        "--goodput-plot", type=Path, default=Path("serve_goodput.png"), help="goodput's PNG"
+    )
     args = ap.parse_args(argv)
     if args.nano:
         if args.sweep:
@@ -155,6 +180,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("--requests must be >= 1 and --rate > 0")
     if args.shared_prefix < 0 or args.turns < 1:
         ap.error("--shared-prefix must be >= 0 and --turns >= 1")
+    if (args.slo_ttft_ms is None) != (args.slo_itl_ms is None):
+        ap.error("goodput needs both --slo-ttft-ms and --slo-itl-ms")
     args.rates = args.sweep or [args.rate]
     return args
 
@@ -285,7 +312,9 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
             print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         if "daemons" in names:
             runs += run_target(
-                "daemons", lambda s: daemon_stream(sock, s.prompt, s.output_len), args
+                "daemons",
+                lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
+                args,
             )
         if "daemons-no-cache" in names:
             if args.client_socket or args.runtime_dir:
@@ -293,7 +322,7 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
             with daemons_socket(args, cache=False) as plain:
                 runs += run_target(
                     "daemons-no-cache",
-                    lambda s: daemon_stream(plain, s.prompt, s.output_len),
+                    lambda s: daemon_stream(plain, s.prompt, s.output_len, text=args.text),
                     args,
                 )
         if "api" in names:
@@ -341,6 +370,11 @@ def run_local(args: argparse.Namespace) -> list[dict]:
         )
 
 
+def _json_rate(rate: float | None) -> float | str | None:
+    """A rate as JSON takes it: inf (all at once) as "inf"."""
+    return "inf" if rate is not None and math.isinf(rate) else rate
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.configure("console", "WARNING")
@@ -371,8 +405,21 @@ def main(argv: list[str] | None = None) -> int:
     same_output(runs, tiny=args.model is None)
     if args.sweep and any(math.isfinite(r) for r in args.rates):
         plot(runs, args.plot)
+    if args.slo_ttft_ms is not None:
+        slo = (args.slo_ttft_ms, args.slo_itl_ms)
+        goodput.add_goodput(runs, *slo)
+        goodput.print_goodput(runs, *slo, args.slo_attainment)
+        header |= {"slo": {"ttft_ms": slo[0], "itl_ms": slo[1], "share": args.slo_attainment}}
+        header |= {
+            "goodput_rate": {
+                t: _json_rate(goodput.goodput_rate(runs, t, args.slo_attainment))
+                for t in dict.fromkeys(r["target"] for r in runs)
+            }
+        }
+        if args.sweep and any(math.isfinite(r) for r in args.rates):
+            goodput.plot_goodput(runs, args.goodput_plot, *slo)
     if args.json:
-        finite = [{**r, "rate": r["rate"] if math.isfinite(r["rate"]) else "inf"} for r in runs]
+        finite = [{**r, "rate": _json_rate(r["rate"])} for r in runs]
         args.json.write_text(json.dumps({**header, "runs": finite}, indent=1, allow_nan=False))
     return 1 if any(r["summary"]["failed"] for r in runs) else 0
 

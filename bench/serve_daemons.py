@@ -116,13 +116,14 @@ def own_pair(
 
 
 async def daemon_stream(
-    sock: str, prompt: list[int], output_len: int, timeout: float = 600
+    sock: str, prompt: list[int], output_len: int, timeout: float = 600, *, text: bool = False
 ) -> AsyncIterator[list[int] | ServerTimings]:
     """One greedy request of exactly `output_len` tokens (ignore_eos); yields each frame's ids,
-    then the daemons' timings of the request from its FINISH."""
+    then the daemons' timings of the request from its FINISH. `text`: ask for each frame's text
+    too (GENERATE's `stream`, as the API does), so the prefill detokenizes every token."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     async for msg in client.stream(
-        sock, prompt_tokens=prompt, sampling=params, timeout=timeout, text_deltas=False
+        sock, prompt_tokens=prompt, sampling=params, timeout=timeout, text_deltas=text
     ):
         if isinstance(msg, client.Tokens) and msg.tokens:
             yield msg.tokens

@@ -231,6 +231,14 @@ class BlockAllocator:
             self._lease_refs[block] += 1
             self._num_leased += self._lease_refs[block] == 1
 
+    def unlease(self, request_id: str) -> None:
+        """LEASED → OWNED: the holder refused the request (NO_CAPACITY) and reads none of its
+        blocks; they may be leased to another holder."""
+        req = self._get(request_id)
+        if req.lease is None:
+            raise AllocatorError(f"request {request_id!r} is not leased")
+        self._end_lease(request_id, req)
+
     def release(self, request_id: str) -> int:
         """LEASED → FREE: the holder is done with the request's blocks; return how many freed."""
         req = self._get(request_id)

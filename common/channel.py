@@ -99,6 +99,11 @@ class FrameChannel(FrameReader):
         self._tail.add_done_callback(_retrieve)
         self._tail.add_done_callback(functools.partial(self._unqueue, len(data)))
 
+    @property
+    def queued(self) -> int:
+        """Bytes given to write_nowait that the socket has not taken yet."""
+        return self._queued
+
     def _unqueue(self, n: int, _task: asyncio.Task[None]) -> None:
         self._queued -= n
 

@@ -35,7 +35,7 @@ from common.protocol import (
     Tokens,
     encode,
 )
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
 
 __all__ = [
     "Connection",
@@ -69,6 +69,8 @@ class Result:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish: Finish | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when sampling.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # of prompt tokens 1..
 
 
 class Connection:
@@ -263,6 +265,8 @@ async def generate(socket_path: str, **kwargs) -> Result:  # type: ignore[no-unt
         if isinstance(msg, Tokens):
             result.tokens.extend(msg.tokens)
             result.text += msg.text
+            result.logprobs.extend(msg.logprobs or [])
+            result.prompt_logprobs.extend(msg.prompt_logprobs or [])
         else:
             result.text += msg.text
             result.finish = msg

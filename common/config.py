@@ -101,6 +101,16 @@ class DaemonConfig:
             help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
         ),
     )
+    kernel_cache_dir: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--kernel-cache-dir",
+            metavar="DIR",
+            show_default="$TRITON_CACHE_DIR, else $XDG_CACHE_HOME/pdkv/triton",
+            help="Where Triton keeps the kernels it compiles (CUDA): keep it on a persistent path "
+            "so that a restarted daemon loads them instead of compiling again.",
+        ),
+    )
     spin_us: int = field(
         default=0,
         metadata=opt(
@@ -283,13 +293,17 @@ class PrefillConfig(DaemonConfig):
             "the first token. TCP links never hand off early.",
         ),
     )
-    decode: str | None = field(
-        default=None,
+    decode: tuple[str, ...] = field(
+        default=(),
         metadata=opt(
             "--decode",
-            metavar="tcp://HOST:PORT",
-            help="Link to a decode daemon on another host instead of the local socket (the KV "
-            "moves with NIXL; needs --link-key-file and pdkv[nixl]).",
+            multiple=True,
+            metavar="PATH|tcp://HOST:PORT",
+            show_default="RUNTIME_DIR/decode.sock",
+            help="A decode daemon to hand requests to: its link socket, or tcp://HOST:PORT on "
+            "another host (the KV moves with NIXL; needs --link-key-file and pdkv[nixl]). Give "
+            "it once per decode daemon: each request goes to the least loaded one that is up "
+            "(all of one kind: Unix sockets or TCP).",
         ),
     )
     transfer: str = field(
@@ -314,6 +328,11 @@ class PrefillConfig(DaemonConfig):
         """Most positions of one prompt computed in one forward (chunked prefill):
         --max-prefill-tokens when set, else 8192 on any device."""
         return self.max_prefill_tokens or 8192
+
+    @property
+    def decode_addresses(self) -> tuple[str, ...]:
+        """Every --decode, or this host's decode socket (--link-socket) when none is given."""
+        return self.decode or (str(self.link_path),)
 
     @property
     def client_path(self) -> Path:

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
+from common import kernel_cache
 from common.allocator import BlockAllocator
 from common.config import DaemonConfig
 from common.errors import PdkvError
@@ -69,46 +70,54 @@ def resolve_backend(name: str, device: torch.device) -> str:
 def _capture_runner(
     model: Any, kv: torch.Tensor, stream: Any, max_batch: int, max_blocks: int
 ) -> Any:
-    """Build the decode daemon's CUDA-graph runner (on the torch thread, on its stream)."""
+    """Build the decode daemon's CUDA-graph runner (on the torch thread, on its stream): one
+    graph per batch bucket, compiled and captured now, and the sampler's kernels run once
+    (common.model.warmup)."""
     from common.model.runner import DecodeRunner
+    from common.model.warmup import warm_sampling
 
+    start = time.perf_counter()
     with torch.cuda.stream(stream):
         runner = DecodeRunner(model, kv, max_batch=max_batch, max_blocks=max_blocks)
         runner.capture()
-    log.info("decode_graphs_captured", buckets=runner.buckets, max_blocks=max_blocks)
+        warm_sampling(runner.run([1], [0], [-1], [[0]])[1])
+        stream.synchronize()
+    log.info(
+        "kernels_warmed",
+        role="decode",
+        shapes=len(runner.buckets) + 1,
+        graphs=runner.buckets,
+        max_blocks=max_blocks,
+        seconds=round(time.perf_counter() - start, 3),
+    )
     return runner
 
 
-def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, block_size: int) -> float:
+def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, budget: int, max_prompt: int) -> None:
     """Run the prefill's kernels once per shape class before serving (torch thread, its
-    stream), so that no request waits for Triton to compile them: one prompt alone and two in
-    one varlen forward, with token counts that are and are not multiples of 16 (Triton builds a
-    kernel per such class), then one and two prompts after a cached block (the paged-context
-    kernel of the prefix cache and chunks). Measured without it: a fresh prefill daemon's first
-    forward of several prompts took 0.9 s instead of 0.05 s. Writes K/V into blocks 0-1 of the
-    new pool, which are all free. Returns the seconds it took."""
-    from common.model.paged import slots_for
-    from common.model.prefill import prefill_many
+    stream; common.model.warmup), so that no request waits for Triton to compile them or for
+    a GEMM kernel's first load: the prefill's forwards, then the paged-context ones of a prefix
+    cache hit or a chunk (`warm_context`), then the sampler. Measured without it: a fresh
+    prefill daemon's first forward of several prompts took 0.9 s instead of 0.05 s. Nothing is
+    written into the pool."""
+    from common.model import warmup
 
+    buckets = warmup.prefill_token_buckets(budget, max_prompt)
+    groups = warmup.prefill_groups(buckets, budget, max_prompt)
+    contexts = warmup.context_groups(kv.shape[3])
     start = time.perf_counter()
-    lengths = [
-        [block_size],
-        [block_size + 1],
-        [block_size, block_size],
-        [block_size, block_size + 1],
-    ]
     with torch.cuda.stream(stream):
-        for group in lengths:
-            prompts = [torch.ones(n, dtype=torch.long) for n in group]
-            maps = [slots_for([0, 1], 0, n, block_size) for n in group]
-            prefill_many(model, prompts, maps, kv, token_budget=sum(group))
-        for group in ([block_size], [block_size, 1]):  # after a cached block: the context kernel
-            prompts = [torch.ones(n, dtype=torch.long) for n in group]
-            maps = [slots_for([0, 1], block_size, n, block_size) for n in group]
-            starts, tables = [block_size] * len(group), [[0, 1]] * len(group)
-            model.prefill_batch(prompts, maps, kv, starts=starts, block_tables=tables)
+        logits = warmup.warm_prefill(model, kv, groups)
+        warmup.warm_context(model, kv, contexts)
+        warmup.warm_sampling(logits)
         stream.synchronize()
-    return time.perf_counter() - start
+    log.info(
+        "kernels_warmed",
+        role="prefill",
+        shapes=len(groups) + len(contexts) + 1,
+        token_buckets=buckets,
+        seconds=round(time.perf_counter() - start, 3),
+    )
 
 
 TINY_NAME = "pdkv-tiny"
@@ -147,6 +156,7 @@ class ModelRuntime:
 
     @classmethod
     def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
+        kernels = kernel_cache.configure(cfg.kernel_cache_dir)  # before anything imports triton
         device = resolve_device(cfg.device)
         backend = resolve_backend(cfg.ipc_backend, device)
         default = "float32" if device.type == "cpu" else "bfloat16"
@@ -174,15 +184,16 @@ class ModelRuntime:
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
-        if role == "prefill" and stream is not None and model.use_kernels and cfg.num_blocks >= 2:
-            args = (model, pool.tensor, stream, cfg.block_size)
-            warm_s = executor.submit(_warm_prefill, *args).result()
-            log.info("prefill_kernels_warmed", seconds=round(warm_s, 3))
+        if role == "prefill" and stream is not None and model.use_kernels:
+            budget = cfg.prefill_budget(device.type)  # type: ignore[attr-defined]
+            longest = min(cfg.max_prompt_tokens, model.config.max_position_embeddings)
+            executor.submit(_warm_prefill, model, pool.tensor, stream, budget, longest).result()
         runner = None
         if role == "decode" and stream is not None and model.use_kernels:
             max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
             args = (model, pool.tensor, stream, cfg.max_batch, min(max_blocks, cfg.num_blocks))
             runner = executor.submit(_capture_runner, *args).result()
+        log.info("kernel_cache", **kernels)
         log.info(
             "model_loaded",
             role=role,

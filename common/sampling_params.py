@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from typing import Annotated
 
 import msgspec
 
@@ -22,13 +23,34 @@ class SamplingParamsError(PdkvError, ValueError):
 MIN_TEMPERATURE = 1e-5
 #: Highest temperature accepted; beyond it the distribution is uniform to fp32 precision anyway.
 MAX_TEMPERATURE = 1e4
+#: Most alternatives a token's logprobs may list (OpenAI's top_logprobs bound).
+MAX_LOGPROBS = 20
+#: Most stop_token_ids one request may give.
+MAX_STOP_TOKEN_IDS = 64
+#: presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
+MAX_PENALTY = 2.0
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How to pick tokens. Client → prefill daemon → decode daemon (inside HANDOFF).
 
     temperature 0 (or anything below MIN_TEMPERATURE) is greedy (top_k, top_p and seed are then
-    ignored); top_k 0 and top_p 1.0 are off; any top_p in (0, 1] keeps at least the likeliest token. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens.
+    ignored); top_k 0 and top_p 1.0 are off; any top_p in (0, 1] keeps at least the likeliest
+    token. `seed` makes sampling reproducible; `ignore_eos` keeps generating to max_tokens past
+    the model's EOS.
+
+    `logprobs` k (0..MAX_LOGPROBS; None: off): each generated token comes with its logprob and
+    the k likeliest alternatives; `prompt_logprobs` k: the same for every prompt token but the
+    first (the prefill computes logits at every prompt position only then). Logprobs are the
+    log-softmax of the model's raw logits (before penalties and temperature, as vLLM's default).
+    max_tokens 0 is allowed only with prompt_logprobs (score a prompt, generate nothing).
+
+    Penalties (neutral: 0, 0, 1): `presence_penalty` and `frequency_penalty` in [-2, 2] subtract
+    p * (count > 0) and f * count from the logits of the tokens generated so far (OpenAI's and
+    vLLM's rule); `repetition_penalty` > 0 divides the positive logits (multiplies the negative
+    ones) of every token of prompt + generated (HF's RepetitionPenaltyLogitsProcessor).
+    `min_tokens`: EOS and `stop_token_ids` cannot be drawn before that many tokens;
+    `stop_token_ids` end the sequence ("stop") like EOS, even with ignore_eos.
     """
 
     max_tokens: int = 16
@@ -37,6 +59,22 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def penalized(self) -> bool:
+        """True when some penalty is not at its neutral value."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -45,9 +83,11 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def validate(self) -> SamplingParams:
         """Return self when every field is in range; SamplingParamsError naming the first that is not."""
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+        lowest = 0 if self.prompt_logprobs is not None else 1
+        if not _is_int(self.max_tokens) or self.max_tokens < lowest:
             raise SamplingParamsError(
-                f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
+                f"max_tokens must be an integer >= 1 (0 only with prompt logprobs), "
+                f"got {self.max_tokens!r}"
             )
         if not _is_number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise SamplingParamsError(
@@ -64,7 +104,37 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SamplingParamsError(f"seed must be an integer or null, got {self.seed!r}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamsError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        self._validate_extras()
         return self
+
+    def _validate_extras(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+                raise SamplingParamsError(
+                    f"{name} must be an integer in [0, {MAX_LOGPROBS}] or null, got {k!r}"
+                )
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise SamplingParamsError(
+                    f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v!r}"
+                )
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp <= MAX_TEMPERATURE:
+            raise SamplingParamsError(
+                f"repetition_penalty must be a number in (0, {MAX_TEMPERATURE:g}] (1 = off), "
+                f"got {rp!r}"
+            )
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise SamplingParamsError(
+                f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+            )
+        ids = self.stop_token_ids
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(_is_int(t) and t >= 0 for t in ids):
+            raise SamplingParamsError(
+                f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers >= 0, got {ids!r}"
+            )
 
     def with_seed(self) -> SamplingParams:
         """These parameters with a random seed filled in when sampling is random and none was given."""
@@ -79,3 +149,17 @@ def _is_int(x: object) -> bool:
 
 def _is_number(x: object) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and not math.isnan(x)
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One token's logprob and its `top` alternatives as (id, logprob) pairs, likeliest first
+    (at most MAX_LOGPROBS). On the wire (TOKENS) an array `[token, logprob, [[id, lp], ...]]`.
+    Logprobs are finite: -inf (a token of probability 0 in fp32) is sent as LOGPROB_FLOOR."""
+
+    token: Annotated[int, msgspec.Meta(ge=0)]
+    logprob: float
+    top: Annotated[list[tuple[int, float]], msgspec.Meta(max_length=MAX_LOGPROBS)] = []
+
+
+#: What a logprob of -inf is sent as (JSON has no infinity); vLLM's API does the same.
+LOGPROB_FLOOR = -9999.0

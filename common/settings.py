@@ -37,6 +37,7 @@ class Option:
     # True: show the default in --help; a string: the default in words (one computed at start)
     show_default: bool | str = True
     negatable: bool = False  # a bool field that is on by default: --x / --no-x
+    multiple: bool = False  # a tuple[str, ...] field given once per value: --x A --x B
     parse: Callable[[str], Any] | None = None  # the text given to the field's value
     secret: bool = False  # never written on a command line (other users can read it there)
     only: str | None = None  # the one role (a config's `role`) taking a field of a shared base
@@ -110,6 +111,9 @@ def argv(cfg: Any) -> list[str]:
                 out.append(o.flag if value else o.no_flag)
             elif value:
                 out.append(o.flag)
+            continue
+        if o.multiple:
+            out += [part for item in value for part in (o.flag, str(item))]
             continue
         out += [o.flag, ",".join(map(str, value)) if isinstance(value, tuple) else str(value)]
     return out

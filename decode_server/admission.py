@@ -26,6 +26,8 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         if consumer is None:
             raise ValueError("HANDOFF before REGISTER")
         consumer.validate(h, rt.model.config.vocab_size)
+        if h.sampling.max_tokens < 1:  # max_tokens 0 (prompt logprobs only) never leaves P
+            raise ValueError("a HANDOFF with max_tokens 0 has nothing to decode")
     except (ValueError, PdkvError) as exc:
         refuse(peer, h.request_id, str(exc))
         return None
@@ -70,6 +72,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         event_slot=h.event_slot,
         names=names,
         cached_blocks=len(hit),
+        prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
     )
 
 

@@ -29,8 +29,10 @@ import time
 
 import torch
 
-from common.model.sampling import SamplingError, make_generator, sample_batch_isolated
+from common.model.logits import TokenHistory
+from common.model.sampling import SamplingError, draw, make_generator
 from common.modelrt import ModelRuntime
+from common.sampling_params import TokenLogprob
 from decode_server.sequence import Sequence
 
 
@@ -81,7 +83,7 @@ class DecodeEngine:
         batch = list(self._active.values())
         if not batch:
             return []
-        tokens = await self.rt.run(self._step, batch)
+        tokens, logprobs = await self.rt.run(self._step, batch)
         self.steps += 1
         started, launched, synced = self.last_step_ns
         results = []
@@ -101,6 +103,7 @@ class DecodeEngine:
                 results.append((seq, -1))
                 continue
             seq.generated.append(tok)
+            seq.last_logprob = logprobs[seq.key]
             if seq.check_finished():
                 del self._active[seq.key]
             results.append((seq, tok))
@@ -114,15 +117,39 @@ class DecodeEngine:
                 s.ready.wait(self.rt.stream)  # torch.cuda.Event.wait: cudaStreamWaitEvent
                 s.ready = None
 
-    def _step(self, batch: list[Sequence]) -> list[int | SamplingError]:
+    def _draw(
+        self, batch: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None
+    ) -> tuple[list[int | SamplingError], dict[str, TokenLogprob | None]]:
+        """Torch thread: each sequence's token (penalties and min_tokens applied, per row, in one
+        batch) and its logprob entry by key."""
+        generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
+        params = [s.sampling for s in batch]
+        for s in batch:
+            if s.sampling.penalized:
+                if s.history is None:
+                    vocab = logits.shape[-1]
+                    s.history = TokenHistory.start(s.prompt, [], vocab, logits.device)
+                s.history.catch_up(s.generated)
+        out, lps = draw(
+            logits,
+            params,
+            generators,
+            steps=[len(s.generated) for s in batch],
+            histories=[s.history for s in batch],
+            eos_ids=() if not batch else batch[0].stop_ids,
+            argmax=argmax,
+        )
+        return out, {s.key: lp for s, lp in zip(batch, lps, strict=True)}
+
+    def _step(
+        self, batch: list[Sequence]
+    ) -> tuple[list[int | SamplingError], dict[str, TokenLogprob | None]]:
         """One decode step for `batch` (torch thread): each sequence's next token, or the
-        SamplingError that ends that sequence alone."""
+        SamplingError that ends that sequence alone, and the tokens' logprobs by key."""
         started = time.monotonic_ns()
         self._wait_for_pulls(batch)
         dev = self.rt.device
         width = max(len(s.blocks) for s in batch)
-        generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
-        params = [s.sampling for s in batch]
         runner = self.rt.runner
         if runner is not None and runner.bucket_for(len(batch)) and width <= runner.max_blocks:
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
@@ -133,7 +160,7 @@ class DecodeEngine:
                     [s.blocks for s in batch],
                 )
                 launched = time.monotonic_ns()
-                out = sample_batch_isolated(logits, params, generators, argmax=argmax)
+                out = self._draw(batch, logits, argmax)
             self.last_step_ns = (started, launched, time.monotonic_ns())
             return out
         tables = torch.zeros((len(batch), width), dtype=torch.long)
@@ -153,6 +180,6 @@ class DecodeEngine:
                 self.rt.pool.tensor,
             )
             launched = time.monotonic_ns()
-            out = sample_batch_isolated(logits, params, generators)
+            out = self._draw(batch, logits)
         self.last_step_ns = (started, launched, time.monotonic_ns())
         return out

@@ -1,7 +1,8 @@
-"""A prefill daemon as the decode daemon sees it: one link's channel, its KVConsumer, its frames.
+"""A prefill daemon as the decode daemon sees it: one link's channel, its Consumer, its frames.
 
-Life: HELLO (key proofs on a TCP link, then the fingerprint check) → REGISTER (`register`: the peer's pool opened once, through the
-KVConsumer) → HANDOFF/ABORT/PING until the link ends. Frames to the peer leave in order through
+Life: HELLO (key proofs on a TCP link, then the fingerprint check) → REGISTER (`register`: the
+peer's pool opened once, by the link kind's ConsumerSide) → HANDOFF/ABORT/PING until the link
+ends. Frames to the peer leave in order through
 the channel's write queue (`post`), a step's frames for one link in one write (`post_many`).
 The server ends a link top-down: pulls in flight drained (`drain`), its sequences dropped
 (DecodeRequests.drop_peer), then `close` unmaps the peer's pool and closes the socket.
@@ -18,11 +19,9 @@ from typing import Any
 
 import msgspec
 import structlog
-import torch
 
 from common.channel import FrameChannel
 from common.errors import PdkvError
-from common.kvpool import KVPool
 from common.logs import clip
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -37,9 +36,8 @@ from common.protocol import (
     make_error,
 )
 from common.tcplink import new_nonce, proof, proof_ok
-from common.transfer import KVConsumer, TransferRefused
-from common.transfer.nixl_agent import NixlAgent
-from common.transfer.nixl_sides import NixlConsumer
+from common.transfer import Consumer, TransferRefused
+from common.transfer.registry import ConsumerSide
 
 log = structlog.get_logger(__name__)
 _ids = itertools.count(1)
@@ -54,15 +52,20 @@ class HandshakeError(PdkvError):
 
 
 class Peer:
-    def __init__(self, channel: FrameChannel, key: bytes | None = None) -> None:
-        """`key`: the shared secret of a TCP link (None on the Unix socket)."""
+    def __init__(
+        self, channel: FrameChannel, kind: str, key: bytes | None = None, *, same_host: bool = True
+    ) -> None:
+        """`kind`: the link kind (common.transfer.registry); `key`: the shared secret of a TCP
+        link (None on the Unix socket); `same_host`: the peer's clock is ours."""
         self.channel = channel
+        self.kind = kind
         self.key = key
+        self.same_host = same_host
         self._nonces = ("", "")  # (prefill's, ours) on a TCP link
         self.link_id = f"link-{next(_ids)}"
         self.pid = 0
         self.name = ""
-        self.consumer: KVConsumer | NixlConsumer | None = None  # from REGISTER on
+        self.consumer: Consumer | None = None  # from REGISTER on
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.greeted = False  # a HELLO was accepted: this connection is a link
@@ -105,48 +108,23 @@ class Peer:
             ok, nonce=ours, proof=proof(self.key, "decode", hello.nonce, ours)
         )
 
-    def register(
-        self,
-        reg: Register,
-        local: KVPool,
-        stream: torch.cuda.Stream | None,
-        agent: NixlAgent | None = None,
-    ) -> Registered:
-        """Open the peer's pool once for this link (HandshakeError if it cannot be). On a TCP
-        link the prefill's key proof is checked first, then its NIXL agent added (`agent` is
-        this daemon's); a push link's REGISTERED names our pool for the prefill's WRITEs."""
-        if self.key is not None:
-            return self._register_nixl(reg, local, agent)
-        if reg.nixl is not None:
-            raise HandshakeError(ErrorCode.BAD_REQUEST, "a NIXL REGISTER on a Unix-socket link")
-        try:
-            self.consumer = KVConsumer.open(reg, self.channel.take_fds, local, stream)
-        except TransferRefused as exc:
-            raise HandshakeError(exc.code, str(exc)) from exc
-        assert self.consumer.peer is not None
-        self.log.info(
-            "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer.num_blocks
-        )
-        return Registered(num_blocks=local.num_blocks)
-
-    def _register_nixl(self, reg: Register, local: KVPool, agent: NixlAgent | None) -> Registered:
-        assert self.key is not None
-        if not proof_ok(self.key, "prefill", *self._nonces, reg.proof):
+    def register(self, reg: Register, side: ConsumerSide) -> Registered:
+        """Open the peer's pool once for this link through `side` (its kind's, this daemon's)
+        and answer REGISTERED; HandshakeError if it cannot be. On a TCP link the prefill's key
+        proof is checked first: nothing of our pool is touched for a peer without the key."""
+        if self.key is not None and not proof_ok(self.key, "prefill", *self._nonces, reg.proof):
             raise HandshakeError(
                 ErrorCode.AUTH_FAILED,
                 "the prefill's key proof is wrong: the two daemons' --link-key-file differ",
             )
-        if reg.nixl is None or agent is None:
-            raise HandshakeError(ErrorCode.BAD_REQUEST, "a TCP link's REGISTER names no NIXL pool")
         try:
-            self.consumer = NixlConsumer.open(reg, local, agent, self.post)
+            self.consumer = side.open(reg, self.channel.take_fds, self.post)
         except TransferRefused as exc:
             raise HandshakeError(exc.code, str(exc)) from exc
         self.log.info(
             "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer_blocks
         )
-        push = reg.nixl.transfer == "push"
-        return Registered(num_blocks=local.num_blocks, nixl=agent.region("push") if push else None)
+        return self.consumer.registered()
 
     # ---- output ----------------------------------------------------------------------------------
     def post(self, msg: Message) -> None:

@@ -37,7 +37,7 @@ import structlog
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode, Handoff, KvReady, Release, Tokens, make_error
 from common.throughput import Throughput
-from common.transfer.consumer import AFTER_DONE, KVConsumer, PullDone
+from common.transfer.interface import AFTER_DONE, PullDone
 from decode_server.admission import admit
 from decode_server.answers import Outbox, finish, out_of_phase
 from decode_server.engine import DecodeEngine
@@ -127,7 +127,7 @@ class DecodeRequests:
             assert consumer is not None  # admit checked
             self._start_pull(seq, lambda done: consumer.pull(src, dst, h.event_slot, done))
             return
-        assert isinstance(consumer, KVConsumer)  # check_handoff refuses early ones over NIXL
+        assert consumer is not None  # admit checked; it refuses an early one without early_handoff
         try:  # all but the enqueue now, while the prefill computes
             seq.plan = consumer.plan(src, dst, h.event_slot)
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
@@ -160,7 +160,7 @@ class DecodeRequests:
         marks.stamp("kv_sent", msg.sent_ns)
         plan, seq.plan = seq.plan, None
         consumer = peer.consumer
-        assert isinstance(consumer, KVConsumer) and plan is not None  # planned at HANDOFF
+        assert consumer is not None and plan is not None  # planned at HANDOFF
         self._start_pull(seq, lambda done: consumer.start(plan, done))
 
     def pull_done(self, seq: Sequence, exc: BaseException | None) -> None:
@@ -209,7 +209,8 @@ class DecodeRequests:
                 out.add(seq.link, make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
                 self._end(seq)
                 continue
-            out.add(seq.link, Tokens(request_id=seq.request_id, tokens=[tok]))
+            lps = None if seq.last_logprob is None else [seq.last_logprob]
+            out.add(seq.link, Tokens(request_id=seq.request_id, tokens=[tok], logprobs=lps))
             if seq.steps == 1:
                 seq.marks.stamp("first_posted")
             if seq.finish_reason:

@@ -6,12 +6,14 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from common.model.logits import TokenHistory
 from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
+from common.sampling_params import TokenLogprob
 from common.timings import Marks
 
 if TYPE_CHECKING:
-    from common.transfer.consumer import PullPlan
+    from common.transfer.interface import PullPlan
     from decode_server.peer import Peer
 
 
@@ -45,7 +47,8 @@ class Sequence:
 
     `generated` holds every generated token (the prefill's first one included); the KV cache
     holds positions 0..position-1, and the next step writes the K/V of the last token at
-    `position`. The prompt itself is not kept: after the pull only its length matters.
+    `position`. The prompt itself is kept only when a repetition_penalty reads it: otherwise
+    after the pull only its length matters.
     """
 
     request_id: str
@@ -70,6 +73,10 @@ class Sequence:
     ready: Any = None
     names: list[bytes] = field(default_factory=list)  # its full prompt blocks' prefix-cache names
     cached_blocks: int = 0  # leading prompt blocks reused from the prefix cache: not pulled
+    # the prompt, kept only when its repetition_penalty reads it (else empty)
+    prompt: list[int] = field(default_factory=list)
+    history: TokenHistory | None = None  # penalized: built by its first step (torch thread)
+    last_logprob: TokenLogprob | None = None  # its last step's token's, when it asks for them
 
     @property
     def key(self) -> str:

@@ -1,13 +1,15 @@
 """The decode daemon: accepts links from prefill daemons, and per link runs the handshake and then
 hands each frame to DecodeRequests (requests.py), which pulls the KV and decodes in batches.
 
-One way down: server → Peer (the link: channel, KVConsumer) and DecodeRequests (the request table,
+One way down: server → Peer (the link: channel, Consumer) and DecodeRequests (the request table,
 the engine). A link that ends is taken down from here: its pulls drained, its sequences dropped,
 then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
 
 With `--listen tcp://ADDR:PORT` the daemon also accepts links from other hosts (common.tcplink):
-those prove the shared key in the handshake, and their KV moves through this daemon's one
-NixlAgent (common.transfer.nixl_sides). The Unix socket serves as before.
+those prove the shared key in the handshake, and their KV moves through the "tcp" transport's
+consumer side (this daemon's one NIXL agent). The Unix socket serves as before. Each link's
+consumer comes from its kind's ConsumerSide (common.transfer.registry), opened once per daemon:
+the server never names a transport.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from typing import Any
 
 import msgspec
 import structlog
-import torch
 
 from common import daemon
 from common.channel import MAX_FDS_HELD, FrameChannel
@@ -38,7 +39,6 @@ from common.protocol import (
     Message,
     Ping,
     Pong,
-    PushFailed,
     Register,
     Status,
 )
@@ -46,8 +46,7 @@ from common.rundir import check_free
 from common.server import DaemonServer
 from common.tcplink import TcpSettings, is_tcp, listen_tcp, tcp_settings, tune
 from common.throughput import Throughput
-from common.transfer.nixl_agent import NixlAgent
-from common.transfer.nixl_sides import NixlConsumer
+from common.transfer.registry import TCP, UNIX, ConsumerSide, transport
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
 
@@ -68,12 +67,11 @@ class DecodeServer(DaemonServer):
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
         self.peers: dict[str, Peer] = {}
-        self.pull_stream = None  # CUDA: every link's pulls run on this stream, launched here
-        if rt.device.type == "cuda":
-            torch.cuda.set_device(rt.device)
-            self.pull_stream = torch.cuda.Stream(rt.device)
+        loop = asyncio.get_running_loop()
+        # per link kind, what its links' consumers share (CUDA: the one pull stream; NIXL: the
+        # agent, with the pool registered once, added when --listen starts)
+        self.sides: dict[str, ConsumerSide] = {UNIX: transport(UNIX).consumer_side(rt.pool, loop)}
         self.tcp: TcpSettings | None = check_listen(cfg)
-        self.nixl: NixlAgent | None = None  # with --listen: the pool registered once
         self._tcp_listen: socket.socket | None = None
         self._refusals: dict[str, daemon.RateLimitedLog] = {}  # reason -> its rate-limited log
 
@@ -81,7 +79,8 @@ class DecodeServer(DaemonServer):
     def start_parts(self) -> None:
         self._decoding = asyncio.create_task(self._decode(), name="decode-loop")
         if self.tcp is not None:
-            self.nixl = NixlAgent("decode", self.rt.pool.tensor, asyncio.get_running_loop())
+            side = transport(TCP).consumer_side(self.rt.pool, asyncio.get_running_loop())
+            self.sides[TCP] = side
             self._tcp_listen = listen_tcp(self.tcp.host, self.tcp.port)
             accept = daemon.accept_loop(
                 self._tcp_listen,
@@ -92,7 +91,7 @@ class DecodeServer(DaemonServer):
                 max_connections=self.cfg.max_connections,
             )
             self.spawn(accept, "decode-accept-tcp")
-            log.info("decode_listening_tcp", listen=self.cfg.listen, nixl_agent=self.nixl.name)
+            log.info("decode_listening_tcp", listen=self.cfg.listen, consumers=side.name)
 
     async def _decode(self) -> None:
         """Run the decode loop; if a step fails, nothing here decodes any more: the daemon ends
@@ -109,8 +108,8 @@ class DecodeServer(DaemonServer):
             self._tcp_listen.close()
 
     def close_parts(self) -> None:
-        if self.nixl is not None:
-            self.nixl.close()
+        for side in self.sides.values():
+            side.close()
 
     def in_flight(self) -> int:
         return len(self.requests.sequences())  # those awaiting a first token or a NIXL copy too
@@ -150,7 +149,7 @@ class DecodeServer(DaemonServer):
                 "peer_pid": p.pid,
                 "age_s": round(now - p.connected_at, 1),
                 "handoffs": p.handoffs,
-                "transport": "tcp" if p.key is not None else "unix",
+                "transport": p.kind,
             }
             for p in self.peers.values()
         ]
@@ -161,7 +160,9 @@ class DecodeServer(DaemonServer):
         if tcp:
             tune(conn, self.cfg.heartbeat_timeout_s)
         channel = FrameChannel(conn, max_fds=0 if tcp else MAX_FDS_HELD)
-        peer = Peer(channel, self.tcp.key if tcp and self.tcp is not None else None)
+        kind = TCP if tcp else UNIX
+        key = self.tcp.key if tcp and self.tcp is not None else None
+        peer = Peer(channel, kind, key, same_host=transport(kind).same_host)
         try:
             await self._serve_link(peer)
         except HandshakeError as exc:
@@ -203,7 +204,7 @@ class DecodeServer(DaemonServer):
             return
         if not isinstance(reg, Register):
             raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
-        peer.post(peer.register(reg, self.rt.pool, self.pull_stream, self.nixl))
+        peer.post(peer.register(reg, self.sides[peer.kind]))
         channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
         self.peers[peer.link_id] = peer
         watchdog = asyncio.create_task(
@@ -216,20 +217,21 @@ class DecodeServer(DaemonServer):
 
     def _dispatch(self, peer: Peer, msg: Message) -> None:
         if isinstance(msg, Handoff):
-            if peer.key is not None and msg.sent_ns:  # another host's clock: not comparable
+            if not peer.same_host and msg.sent_ns:  # another host's clock: not comparable
                 msg = msgspec.structs.replace(msg, sent_ns=0)
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
         elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token
             self.requests.kv_ready(peer, msg)
-        elif isinstance(msg, Ping):
-            peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns))
+        elif isinstance(msg, Ping):  # with our load: a prefill with several decodes picks by it
+            free, live = self.rt.allocator.num_free, len(self.requests.sequences())
+            peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns, free_blocks=free, sequences=live))
         elif isinstance(msg, Abort):
             self.requests.abort(peer, msg.request_id)
         elif isinstance(msg, Status):
             peer.post(self.status())
-        elif isinstance(msg, PushFailed) and isinstance(peer.consumer, NixlConsumer):
-            peer.consumer.push_failed(msg)
+        elif peer.consumer is not None and msg.TYPE in peer.consumer.caps.frames:
+            peer.consumer.handle_frame(msg, peer.post)  # the transport's own (NIXL's PUSH_FAILED)
         elif isinstance(msg, Error):
             peer.log.warning(
                 "peer_reported_error", code=msg.code, error=msg.message, request_id=msg.request_id
@@ -254,10 +256,13 @@ class DecodeServer(DaemonServer):
 
 
 def check_listen(cfg: DecodeConfig) -> TcpSettings | None:
-    """The --listen address, key and NIXL, checked (PdkvError saying what to do); None without."""
+    """The --listen address, key and transport, checked (PdkvError saying what to do); None
+    without."""
     if cfg.listen is None:
         return None
-    return tcp_settings(cfg.listen, cfg.link_key_file, "--listen")
+    settings = tcp_settings(cfg.listen, cfg.link_key_file, "--listen")
+    transport(TCP).check()
+    return settings
 
 
 async def serve(cfg: DecodeConfig) -> int:

@@ -66,6 +66,8 @@ def setting_option(s: Setting) -> Callable[[Callable[..., Any]], Callable[..., A
         return click.option(f"{o.flag}/{o.no_flag}", s.name, **kw)
     if s.type is bool:
         return click.option(o.flag, s.name, is_flag=True, **kw)
+    if o.multiple:  # click gives a tuple; its environment variable splits on whitespace
+        return click.option(o.flag, s.name, multiple=True, type=click.STRING, **kw)
     return click.option(o.flag, s.name, type=_click_type(s), **kw)
 
 

@@ -75,11 +75,10 @@ def _api(runtime_dir: Path) -> dict[str, Any] | None:
 
 
 def healthy(out: dict[str, Any]) -> bool:
-    """Both daemons answered, and the prefill's link to the decode is up."""
+    """Both daemons answered, and a link of the prefill to a decode is up."""
     if any("down" in st for st in out.values()):
         return False
-    links = out["prefill"].get("links") or [{}]
-    return links[0].get("state") == "up"
+    return any(link.get("state") == "up" for link in out["prefill"].get("links") or [])
 
 
 def _prefix_cache_text(cache: dict[str, int]) -> str:
@@ -108,14 +107,24 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
         f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"
     )
     line += _prefix_cache_text(st.get("prefix_cache") or {})
-    if role == "prefill" and st["links"]:
-        link = st["links"][0]
-        line += f"  link {link['state']} (connects {link['connects']}, rtt {link['rtt_us']} us)"
-        if link["state"] != "up" and link.get("last_error"):
-            line += f"  last error: {link['last_error']}"
+    if role == "prefill" and len(st["links"]) == 1:
+        line += "  link " + _link_text(st["links"][0])
+    elif role == "prefill" and st["links"]:
+        up = sum(link["state"] == "up" for link in st["links"])
+        line += f"  decodes {up}/{len(st['links'])} up"
+        for link in st["links"]:
+            line += f"\n           decode {link.get('decode', '?')}: {_link_text(link)}"
+            line += f", {link.get('requests', 0)} requests"
     elif role == "decode":
         line += f"  links {len(st['links'])}"
     return line
+
+
+def _link_text(link: dict[str, Any]) -> str:
+    text = f"{link['state']} (connects {link['connects']}, rtt {link['rtt_us']} us)"
+    if link["state"] != "up" and link.get("last_error"):
+        text += f"  last error: {link['last_error']}"
+    return text
 
 
 def _model_name(st: dict[str, Any]) -> str:

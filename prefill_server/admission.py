@@ -17,7 +17,7 @@ from common.allocator import BlockAllocator
 from common.model.paged import blocks_for
 from common.prefix_cache import PrefixCache
 from common.protocol import ErrorCode
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.request import RequestFailed
 
 
@@ -28,7 +28,7 @@ class Capacity:
     def __init__(
         self,
         allocator: BlockAllocator,
-        producer: KVProducer,
+        producer: Producer,
         block_size: int,
         cache: PrefixCache | None = None,
     ) -> None:
@@ -44,10 +44,18 @@ class Capacity:
         self._freed = asyncio.Event()
 
     async def blocks(
-        self, request_id: str, num_tokens: int, timeout_s: float, names: list[bytes] | None = None
+        self,
+        request_id: str,
+        num_tokens: int,
+        timeout_s: float,
+        names: list[bytes] | None = None,
+        *,
+        lookup: bool = True,
     ) -> tuple[list[int], int]:
         """The blocks of a `num_tokens` prompt, allocated to `request_id` (OWNED), and how many
-        of them, from the start, are cached blocks of its prefix (named `names`) it shares."""
+        of them, from the start, are cached blocks of its prefix (named `names`) it shares.
+        `lookup` False: the prompt takes no cached block (nor counts in the hit rate's base),
+        all its blocks are new (a prompt whose every position's logits are wanted)."""
         alloc = self.allocator
         cache = self.cache
         need = blocks_for(num_tokens, self.block_size)
@@ -58,7 +66,7 @@ class Capacity:
             )
         deadline = time.monotonic() + timeout_s
         while True:
-            hit = cache.hit(names, num_tokens) if cache is not None and names else []
+            hit = cache.hit(names, num_tokens) if cache is not None and names and lookup else []
             if alloc.can_allocate(need - len(hit), reuse=hit):
                 break
             if not await self._wait(deadline):
@@ -68,7 +76,7 @@ class Capacity:
                     f"({alloc.num_free} free of {alloc.total})",
                 )
         blocks = alloc.allocate(request_id, need - len(hit), reuse=hit)
-        if cache is not None:
+        if cache is not None and lookup:
             cache.counted(num_tokens, len(hit))
         return blocks, len(hit)
 

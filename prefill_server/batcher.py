@@ -10,7 +10,9 @@ What a prompt computes starts after its cached prefix (`start`: the pipeline fou
 in the prefix cache). Chunked prefill: a prompt with more than `chunk` tokens left to compute runs
 one chunk per forward, each attending to the ones before it through the pool, and goes back to
 the end of the queue between chunks, so it neither needs one giant forward nor holds the prompts
-behind it back for its whole length.
+behind it back for its whole length. A prompt that asks for prompt logprobs (its logits at every
+position) is the exception: it has no cached prefix and is never chunked, one forward computes it
+whole.
 
 Contract with the pipeline: `submit` queues a prompt and returns a future of its first token (or
 of RequestFailed for that request only: NUMERIC_ERROR when its logits are not finite, INTERNAL
@@ -35,8 +37,8 @@ import structlog
 from common.model.sampling import SamplingError, SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
-from common.transfer import KVProducer
-from prefill_server.forward import Piece, run_prefill_batch
+from common.transfer import Producer
+from prefill_server.forward import FirstToken, Piece, run_prefill_batch
 from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
@@ -50,11 +52,15 @@ class _Job:
     blocks: list[int]
     sampling: SamplingParams
     event_slot: int
-    future: asyncio.Future[tuple[int, int]]  # (first token, requests in its forward)
+    future: asyncio.Future[tuple[FirstToken, int]]  # (first token, requests in its forward)
     start: int = 0  # positions whose K/V is in the pool: its cached prefix, then its chunks
 
     def piece(self, most: int) -> Piece:
-        """The next at most `most` positions to compute (its last piece samples)."""
+        """The next at most `most` positions to compute (its last piece samples). A prompt that
+        asks for prompt logprobs is never chunked: its one piece is the whole prompt, so its
+        logits at every position come from one forward."""
+        if self.sampling.prompt_logprobs is not None:
+            most = len(self.prompt)
         end = min(len(self.prompt), self.start + most)
         last = end == len(self.prompt)
         sampling = self.sampling if last else None
@@ -66,7 +72,7 @@ class PrefillBatcher:
     """Created by the pipeline; the server runs `run()` as a task for the daemon's life."""
 
     def __init__(
-        self, rt: ModelRuntime, producer: KVProducer, max_tokens: int, chunk: int | None = None
+        self, rt: ModelRuntime, producer: Producer, max_tokens: int, chunk: int | None = None
     ) -> None:
         self.rt = rt
         self.producer = producer
@@ -85,15 +91,18 @@ class PrefillBatcher:
         sampling: SamplingParams,
         event_slot: int,
         start: int = 0,
-    ) -> asyncio.Future[tuple[int, int]]:
+    ) -> asyncio.Future[tuple[FirstToken, int]]:
         """Queue the prompt for the next batch: a future of (its first token, the number of
         requests that shared its (last) forward) once its last chunk has run, or of
         RequestFailed for this request. Its blocks already hold the K/V of its first `start`
-        positions (< len(prompt): one position at least is computed, to sample from). Cancel
-        the future if the request goes away: a prompt not yet run is then skipped."""
+        positions (< len(prompt): one position at least is computed, to sample from; 0 for a
+        prompt that asks for prompt logprobs, whose every position is computed). Cancel the
+        future if the request goes away: a prompt not yet run is then skipped."""
         if not 0 <= start < len(prompt):
             raise ValueError(f"start {start} outside a prompt of {len(prompt)} tokens")
-        future: asyncio.Future[tuple[int, int]] = asyncio.get_running_loop().create_future()
+        if start and sampling.prompt_logprobs is not None:
+            raise ValueError("a prompt that asks for prompt logprobs is computed from position 0")
+        future: asyncio.Future[tuple[FirstToken, int]] = asyncio.get_running_loop().create_future()
         job = _Job(request_id, prompt, blocks, sampling, event_slot, future, start)
         self._queue.append(job)
         self._wake.set()
@@ -177,7 +186,7 @@ class PrefillBatcher:
         )
 
 
-def _answer(job: _Job, result: tuple[int, int] | BaseException) -> None:
+def _answer(job: _Job, result: tuple[FirstToken, int] | BaseException) -> None:
     if job.future.done():  # cancelled while its batch ran
         return
     if isinstance(result, BaseException):

@@ -9,16 +9,24 @@ from dataclasses import dataclass
 
 import torch
 
+from common.model import logits as logits_mod
+from common.model.logits import TokenHistory
 from common.model.paged import slots_for
-from common.model.prefill import prefill_many
-from common.model.sampling import (
-    SamplingError,
-    SamplingParams,
-    make_generator,
-    sample_batch_isolated,
-)
+from common.model.prefill import prefill_many, split_rows
+from common.model.sampling import SamplingError, SamplingParams, draw, make_generator
 from common.modelrt import ModelRuntime
-from common.transfer import KVProducer
+from common.sampling_params import TokenLogprob
+from common.transfer import Producer
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """What one prompt's prefill gives its request: the first token (None when max_tokens is 0:
+    only the prompt is scored), its logprob entry and the prompt's (when asked)."""
+
+    token: int | None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,17 +46,21 @@ class Piece:
 def run_prefill_batch(
     rt: ModelRuntime,
     pieces: Sequence[Piece],
-    producer: KVProducer | None = None,
+    producer: Producer | None = None,
     *,
     token_budget: int,
-) -> list[int | SamplingError | None]:
+) -> list[FirstToken | SamplingError | None]:
     """Write each piece's K/V into its blocks of the pool; for each piece that ends its prompt,
-    the prompt's first token, or a SamplingError in its place when that prompt's logits are not
-    finite or its draw fails (the other prompts keep theirs); None for the other pieces.
+    the prompt's first token (with its logprobs and the prompt's when its params ask), or a
+    SamplingError in its place when that prompt's logits are not finite or its draw fails (the
+    other prompts keep theirs); None for the other pieces.
 
     The pieces run in as few forwards as `token_budget` allows (one, when the caller keeps their
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
     token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
+    A prompt whose params ask for prompt logprobs comes whole, as one piece from position 0 (the
+    pipeline gives it no cached prefix and the batcher does not chunk it): its logits at every
+    position are then all computed here.
     Runs on the torch thread, on the daemon's stream. On CUDA, the producer records the slot of
     every last piece right after the batch's scatter on that stream, so a peer stream that waits
     on it sees every write of that prompt's K/V, earlier chunks' and cached blocks' included
@@ -60,13 +72,18 @@ def run_prefill_batch(
     mappings = [slots_for(p.blocks, p.start, p.end - p.start, bs) for p in pieces]
     starts = [p.start for p in pieces]
     tables = [p.blocks for p in pieces]
+    every = [p.sampling is not None and p.sampling.prompt_logprobs is not None for p in pieces]
+    for p, want in zip(pieces, every, strict=True):
+        if want and p.start != 0:
+            raise ValueError("prompt logprobs need the whole prompt in one piece")
     with rt.on_stream():
-        logits = prefill_many(
+        out = prefill_many(
             rt.model,
             tokens,
             mappings,
             rt.pool.tensor,
             token_budget=token_budget,
+            every_position=every,
             starts=starts,
             block_tables=tables,
         )
@@ -74,10 +91,34 @@ def run_prefill_batch(
         if producer is not None:
             for i in last:
                 producer.record(pieces[i].slot, rt.stream)
-        sampling = [pieces[i].sampling for i in last]
-        generators = [make_generator(p, 0) for p in sampling]
-        firsts = sample_batch_isolated(logits[last], sampling, generators) if last else []
-    out: list[int | SamplingError | None] = [None] * len(pieces)
-    for i, first in zip(last, firsts, strict=True):
-        out[i] = first
-    return out
+        answers: list[FirstToken | SamplingError | None] = [None] * len(pieces)
+        if not last:
+            return answers
+        rows, full = split_rows(out, [int(t.numel()) for t in tokens], every)
+        logits = rows[last]
+        params = [p.sampling for p in pieces if p.sampling is not None]  # those of `last`
+        vocab, dev = logits.shape[-1], logits.device
+        histories = [
+            TokenHistory.start(pieces[i].prompt, [], vocab, dev) if p.penalized else None
+            for i, p in zip(last, params, strict=True)
+        ]
+        generators = [make_generator(p, 0) for p in params]
+        firsts, lps = draw(
+            logits,
+            params,
+            generators,
+            steps=[0] * len(last),
+            histories=histories,
+            eos_ids=rt.model.config.stop_token_ids,
+        )
+        for i, p, first, lp in zip(last, params, firsts, lps, strict=True):
+            if isinstance(first, SamplingError):
+                answers[i] = first
+                continue
+            k = p.prompt_logprobs
+            scored = None if k is None else logits_mod.prompt_logprobs(full[i], pieces[i].prompt, k)
+            if p.max_tokens == 0:  # only the prompt is scored
+                answers[i] = FirstToken(None, None, scored)
+            else:
+                answers[i] = FirstToken(first, lp, scored)
+        return answers

@@ -4,9 +4,13 @@
   not written) or with it (the KV written: the blocks are leased to the link first).
 - `ready`: KV_READY after an early offer, once the first token is on our host: the KV is written,
   the decode's pull may start (the blocks are leased to the link first).
-- `hand_over`: after the first token, offers the request unless it went early, and while the
-  decode answers NO_CAPACITY offers it again (with its first token) after a backoff, until the
-  handoff deadline; returns the decode's first other answer.
+- `hand_over`: after the first token, offers the request unless it went early, and while a
+  decode answers NO_CAPACITY offers it again (with its first token): at once to another decode
+  that has not refused it, else after a backoff to the least loaded, until the handoff deadline;
+  returns the decode's first other answer.
+
+Each offer picks the decode (prefill_server.decode_links: the least loaded link that is up); the
+request's `link_id` names the connection it went on, and every later frame for it goes there.
 - `end`: the request ended: ABORT to a decode that may hold it; its event slot freed, or
   quarantined while the decode may wait on it (the request is then ABORTING).
 
@@ -23,7 +27,8 @@ import time
 from common.allocator import BlockAllocator
 from common.config import PrefillConfig
 from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Message
-from common.transfer import KVProducer
+from common.transfer import Producer
+from prefill_server.decode_links import DecodeLinks
 from prefill_server.link import DecodeLink
 from prefill_server.phase import Event, Phase
 from prefill_server.request import PrefillRequest, RequestFailed
@@ -32,36 +37,47 @@ _DECODE_MAY_HOLD = (Phase.OFFERED, Phase.LEASED, Phase.RELEASED)
 
 
 class HandoffPath:
-    """Sends every HANDOFF, KV_READY and ABORT of the pipeline's requests on the link."""
+    """Sends every HANDOFF, KV_READY and ABORT of the pipeline's requests on their links."""
 
     def __init__(
         self,
         cfg: PrefillConfig,
-        producer: KVProducer,
-        link: DecodeLink,
+        producer: Producer,
+        links: DecodeLinks,
         allocator: BlockAllocator,
     ) -> None:
         self.cfg = cfg
         self.producer = producer
-        self.link = link
+        self.links = links
         self.allocator = allocator
+        self._on: dict[str, DecodeLink] = {}  # request id → the link whose load counts it
 
     async def link_up(self, deadline: float) -> None:
-        """LINK_LOST unless the link is up or comes up at the next connection attempt: no
+        """LINK_LOST unless a link is up or comes up at the next connection attempt: no
         prefill work for a request that cannot be handed off."""
         try:
-            await self.link.wait_up(deadline - time.monotonic())
+            await self.links.wait_any_up(deadline - time.monotonic())
         except ConnectionError as exc:
             raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
 
     async def offer(
-        self, req: PrefillRequest, first_token: int | None, deadline: float, *, spin: bool = False
+        self,
+        req: PrefillRequest,
+        first_token: int | None,
+        deadline: float,
+        *,
+        spin: bool = False,
+        refused: frozenset[str] = frozenset(),
     ) -> None:
-        """HANDOFF on the live link; with `first_token` the blocks are leased to it first (their
-        KV is written). LINK_LOST if the link is down past `deadline` or the write fails: then
-        the decode cannot act on the frame and the blocks and slot are ours again."""
+        """HANDOFF to the least loaded decode that is up and not in `refused` (link ids); with
+        `first_token` the blocks are leased to its link first (their KV is written). LINK_LOST
+        if no link is up past `deadline` or the write fails: then the decode cannot act on the
+        frame and the blocks and slot are ours again."""
         await self.link_up(deadline)
-        link = self.link
+        link = self.links.pick(refused) or self.links.pick()
+        if link is None:  # it dropped since link_up returned
+            raise RequestFailed(ErrorCode.LINK_LOST, "no link to any decode daemon is up")
+        self._count(req, link)
         req.link_id = link.link_id
         sent = req.marks.stamp("handoff_sent")
         if first_token is None:
@@ -96,8 +112,10 @@ class HandoffPath:
         self._lease(req)
         sent = req.marks.stamp("kv_offered")  # the decode's pull starts on this frame
         msg = KvReady(request_id=req.request_id, first_token=first, sent_ns=sent)
-        with contextlib.suppress(ConnectionError):
-            await self.link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
+        link = self.links.by_id(req.link_id)
+        if link is not None:  # else it was lost, and link_lost answered the request
+            with contextlib.suppress(ConnectionError):
+                await link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
 
     async def hand_over(self, req: PrefillRequest) -> Message:
         """Offer the request with its first token unless it was offered already, again while
@@ -105,33 +123,47 @@ class HandoffPath:
         take before anything queued after it."""
         deadline = time.monotonic() + self.cfg.handoff_timeout_s
         backoff = 0.005
+        refused: set[str] = set()  # links that answered NO_CAPACITY since the last backoff
         if req.phase is Phase.QUEUED:
             await self.offer(req, req.generated[0], deadline, spin=True)
         while True:
             answer = await req.inbox.get()
-            if not (isinstance(answer, Error) and answer.code == ErrorCode.NO_CAPACITY):
+            if not (isinstance(answer, Error) and self._again(req, answer.code)):
                 return answer
-            if time.monotonic() + backoff > deadline:
-                raise RequestFailed(
-                    ErrorCode.NO_CAPACITY, f"decode has no capacity: {answer.message}"
-                )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.2)
+            refused.add(req.link_id)
+            if self.links.pick(frozenset(refused)) is None:  # every decode up refused it
+                if time.monotonic() + backoff > deadline:
+                    raise RequestFailed(
+                        ErrorCode.NO_CAPACITY, f"decode has no capacity: {answer.message}"
+                    )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.2)
+                refused.clear()
             await self.link_up(deadline)
-            if not req.inbox.empty() or req.request_id not in self.allocator:
-                # the link was lost or the lease expired meanwhile: the inbox holds the reason;
-                # never hand off blocks we no longer own
+            if req.request_id not in self.allocator:
+                # the lease expired meanwhile: the inbox holds the reason; never hand off
+                # blocks we no longer own
                 return await req.inbox.get()
-            if req.link_id != self.link.link_id:  # nor to a link that never heard of them
-                raise RequestFailed(ErrorCode.LINK_LOST, "link to decode lost during the retry")
-            await self.offer(req, req.generated[0], deadline, spin=True)
+            if not req.inbox.empty():  # an answer came meanwhile (the refusing link lost)
+                continue
+            await self.offer(req, req.generated[0], deadline, spin=True, refused=frozenset(refused))
+
+    @staticmethod
+    def _again(req: PrefillRequest, code: ErrorCode) -> bool:
+        """Whether the decode's ERROR `code` sends the request to a decode again: NO_CAPACITY,
+        or the link of its early offer lost before its KV was written (REFUSED either way)."""
+        return req.phase is Phase.REFUSED and code in (ErrorCode.NO_CAPACITY, ErrorCode.LINK_LOST)
 
     def end(self, req: PrefillRequest) -> None:
         """The request ended (client gone, first token a stop, a failure, a timeout, its FINISH):
         ABORT to a decode that may hold it, written now (before the id can come again); its
         event slot quarantined (ABORTING) while the decode may wait on it, else freed (ENDED)."""
-        if req.phase in _DECODE_MAY_HOLD:
-            self.link.post(Abort(request_id=req.request_id))
+        on = self._on.pop(req.request_id, None)
+        if on is not None:
+            on.load.mine -= 1
+        link = self.links.by_id(req.link_id) if req.phase in _DECODE_MAY_HOLD else None
+        if link is not None:
+            link.post(Abort(request_id=req.request_id))
         if req.phase is Phase.LEASED and req.event_slot >= 0:
             self.producer.quarantine(req.event_slot)  # until the decode answers the ABORT
             req.advance(Event.ABORT)
@@ -140,9 +172,24 @@ class HandoffPath:
         req.event_slot = -1
         req.advance(Event.END)
 
+    def _count(self, req: PrefillRequest, link: DecodeLink) -> None:
+        """`req` counts in `link`'s load from now on (in no other's)."""
+        before = self._on.get(req.request_id)
+        if before is link:
+            return
+        if before is not None:
+            before.load.mine -= 1
+        link.load.mine += 1
+        self._on[req.request_id] = link
+
     def _lease(self, req: PrefillRequest) -> None:
-        """The blocks to the link, once: a refused late HANDOFF's stay leased for its retry."""
-        if self.allocator.lease_of(req.request_id) is None:
+        """The blocks to the request's link: a refused late HANDOFF's stay leased for its retry,
+        and move to another link when the retry goes there (the refusing decode holds nothing)."""
+        lease = self.allocator.lease_of(req.request_id)
+        if lease is not None and lease.holder != req.link_id:
+            self.allocator.unlease(req.request_id)
+            lease = None
+        if lease is None:
             lease_end = time.monotonic() + self.cfg.lease_timeout_s
             self.producer.lease(req.request_id, req.link_id, lease_end)
 

@@ -1,16 +1,15 @@
 """The prefill daemon's link to its decode daemon: connect with backoff, handshake, route answers.
 
-Once per connection: HELLO (fingerprint) and REGISTER (the KVProducer's payload: the pool's
-descriptor, its fd for shm, the event ring's handles for CUDA; exported once per process).
-While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
+Once per connection the handshake (prefill_server/handshake.py: HELLO with the fingerprint,
+REGISTER with the producer's payload). While connected, PINGs go out every heartbeat interval and any silence longer than the heartbeat
 timeout ends the link. The frames about requests go to the listener given to `start` (the
 request pipeline, `LinkListener`); on loss it is told `link_lost` (every request handed to this
 link gets LINK_LOST) and the link reconnects with capped exponential backoff.
 
-With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink): HELLO carries our
-nonce, the decode's HELLO_OK its nonce and key proof (checked here: a wrong one is answered with
-ERROR AUTH_FAILED and refused), REGISTER our proof and the pool's NIXL region. The producer is
-then a NixlProducer (`make_producer`), and on a push link PUSH frames start its WRITEs.
+With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink; the handshake proves
+the shared key both ways). The producer is the link kind's transport's (common.transfer.registry);
+the link never names one: frames of the transport's own (NIXL's PUSH) go to
+`producer.handle_frame`.
 """
 
 from __future__ import annotations
@@ -19,55 +18,54 @@ import asyncio
 import itertools
 import os
 import time
+from dataclasses import dataclass
 from typing import Protocol
 
-import msgspec
 import structlog
 
 from common.channel import FrameChannel, connect
 from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
-from common.modelrt import ModelRuntime
 from common.protocol import (
     PROTOCOL_VERSION,
     ConnectionClosed,
     Error,
-    ErrorCode,
     Hello,
-    HelloOk,
     Message,
     Ping,
     Pong,
-    Push,
-    Registered,
     encode,
-    make_error,
 )
-from common.tcplink import TcpSettings, connect_tcp, new_nonce, proof, proof_ok, tcp_settings
-from common.transfer import KVProducer
-from common.transfer.nixl_sides import NixlProducer
+from common.tcplink import connect_tcp
+from common.transfer import Producer
+from prefill_server.handshake import LinkRefused, check_decode_option, handshake
 
 log = structlog.get_logger(__name__)
 
 
-class LinkRefused(PdkvError):
-    """The decode daemon refused our HELLO or REGISTER (e.g. INCOMPATIBLE)."""
+@dataclass
+class DecodeLoad:
+    """One decode's load as this prefill sees it (module docstring)."""
 
+    mine: int = 0  # requests this prefill handed to it that have not ended
+    sequences: int = 0  # the decode's sequences in flight at its last PONG
+    free_blocks: int = -1  # its free blocks at its last PONG (-1: none reported yet)
+    mine_at_report: int = 0  # `mine` when that PONG came
 
-def check_decode_option(cfg: PrefillConfig) -> TcpSettings | None:
-    """--decode's address, key and NIXL, checked (PdkvError saying what to do); None without."""
-    if cfg.decode is None:
-        return None
-    return tcp_settings(cfg.decode, cfg.link_key_file, "--decode")
+    def reported(self, pong: Pong) -> None:
+        if pong.free_blocks >= 0:
+            self.free_blocks = pong.free_blocks
+            self.sequences = pong.sequences
+            self.mine_at_report = self.mine
 
+    @property
+    def others(self) -> int:
+        """The decode's sequences from other prefills, as of its last PONG."""
+        return max(0, self.sequences - self.mine_at_report)
 
-def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> KVProducer:
-    """The IPC producer for the local socket, a NixlProducer for a link across hosts."""
-    if cfg.decode is None:
-        return KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=cfg.event_slots)
-    return NixlProducer(
-        rt.pool, rt.allocator, transfer=cfg.transfer, loop=asyncio.get_running_loop()
-    )
+    @property
+    def total(self) -> int:
+        return self.mine + self.others
 
 
 class LinkListener(Protocol):
@@ -84,11 +82,12 @@ class DecodeLink:
     def __init__(
         self,
         cfg: PrefillConfig,
+        address: str | None = None,
         *,
         fingerprint: str,
         compat: dict,
         backend: str,
-        producer: KVProducer,
+        producer: Producer,
     ) -> None:
         self.cfg = cfg
         self.fingerprint = fingerprint
@@ -107,7 +106,9 @@ class DecodeLink:
         self._ping = itertools.count()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self.tcp = check_decode_option(cfg)
+        self.address = address or cfg.decode_addresses[0]  # a socket path or tcp://HOST:PORT
+        self.tcp = check_decode_option(cfg).get(self.address)
+        self.load = DecodeLoad()  # what the decode last reported (PONG) and what we sent since
 
     @property
     def state(self) -> str:
@@ -128,15 +129,16 @@ class DecodeLink:
             await asyncio.gather(self._task, return_exceptions=True)
         self._drop("prefill daemon is shutting down")
 
-    async def wait_up(self, timeout: float) -> None:
+    async def wait_up(self, timeout: float, *, patient: bool = True) -> None:
         """Return once the link is up, else ConnectionError naming the last error: after
-        `timeout` if the link was up before and dropped (a decode restart: worth waiting for),
-        but as soon as the next connection attempt fails (at most the 2 s backoff away) if it
-        never came up or the decode refused it (INCOMPATIBLE): a prefill started without its
-        decode, or a mismatched pair, answers in seconds instead of after the whole timeout."""
+        `timeout` if the link was up before and dropped (a decode restart: worth waiting for,
+        unless not `patient`: a prefill with other decodes), but as soon as the next connection
+        attempt fails (at most the 2 s backoff away) if it never came up or the decode refused
+        it (INCOMPATIBLE): a prefill started without its decode, or a mismatched pair, answers
+        in seconds instead of after the whole timeout."""
         if self.ready.is_set():
             return
-        transient = self.connects > 0 and not self.refused
+        transient = patient and self.connects > 0 and not self.refused
         awaited = self.ready if transient else self._attempted
         try:
             async with asyncio.timeout(max(timeout, 0)):
@@ -200,67 +202,34 @@ class DecodeLink:
     async def _open(self, timeout: float) -> FrameChannel:
         async with asyncio.timeout(timeout):
             if self.tcp is None:
-                return await connect(str(self.cfg.link_path))
+                return await connect(self.address)
             sock = await connect_tcp(self.tcp.host, self.tcp.port, timeout)
             return FrameChannel(sock, max_fds=0)
 
     async def _connect_once(self) -> None:
         timeout = self.cfg.heartbeat_timeout_s
         channel = self.channel = await self._open(timeout)
-        nonce = new_nonce() if self.tcp is not None else ""
-        await channel.send(
-            Hello(
-                protocol_version=PROTOCOL_VERSION,
-                fingerprint=self.fingerprint,
-                backend=self.backend,
-                pid=os.getpid(),
-                name="prefill",
-                compat=self.compat,
-                nonce=nonce,
-            )
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            fingerprint=self.fingerprint,
+            backend=self.backend,
+            pid=os.getpid(),
+            name="prefill",
+            compat=self.compat,
         )
-        async with asyncio.timeout(timeout):
-            ok = await channel.recv()
-        if isinstance(ok, Error):
-            if ok.code == ErrorCode.AUTH_FAILED:
-                log.error("link_auth_failed", error=ok.message, by="decode")
-            raise LinkRefused(f"decode refused the link ({ok.code}): {ok.message}")
-        if not isinstance(ok, HelloOk):
-            raise ProtocolError(f"expected HELLO_OK, got {ok.TYPE.name}")
-        reg, fds = self.producer.register()
-        if self.tcp is not None:
-            await self._check_decode_proof(channel, nonce, ok)
-            reg = msgspec.structs.replace(
-                reg, proof=proof(self.tcp.key, "prefill", nonce, ok.nonce)
-            )
-        await channel.send(reg, fds)
-        async with asyncio.timeout(timeout):
-            done = await channel.recv()
-        if isinstance(done, Error):
-            raise LinkRefused(f"decode refused REGISTER ({done.code}): {done.message}")
-        if not isinstance(done, Registered):
-            raise ProtocolError(f"expected REGISTERED, got {done.TYPE.name}")
-        if isinstance(self.producer, NixlProducer):
-            try:
-                self.producer.connected(done)
-            except PdkvError as exc:
-                raise LinkRefused(str(exc)) from exc
-        self.link_id = ok.link_id
+        ok, registered = await handshake(channel, hello, self.producer, self.tcp, timeout)
+        # the decode's id for the connection, made unique among this prefill's decodes: leases
+        # and requests are held by it
+        link_id = f"{ok.link_id}@{self.address}"
+        try:
+            self.producer.connected(registered, link_id)
+        except PdkvError as exc:
+            raise LinkRefused(str(exc)) from exc
+        self.link_id = link_id
         self.connects += 1
         self.refused = False
         self.ready.set()
         log.info("decode_link_up", link=self.link_id, decode_pid=ok.pid, connects=self.connects)
-
-    async def _check_decode_proof(self, channel: FrameChannel, nonce: str, ok: HelloOk) -> None:
-        """The decode must prove the key before it learns anything of our pool; if it cannot,
-        tell it (ERROR AUTH_FAILED, so its log says why too) and refuse the link."""
-        assert self.tcp is not None
-        if proof_ok(self.tcp.key, "decode", nonce, ok.nonce, ok.proof):
-            return
-        why = "the decode's key proof is wrong: the two daemons' --link-key-file differ"
-        log.error("link_auth_failed", error=why, by="prefill")
-        await channel.send(make_error(ErrorCode.AUTH_FAILED, why))
-        raise LinkRefused(why)
 
     async def _serve(self) -> None:
         assert self.channel is not None
@@ -276,10 +245,11 @@ class DecodeLink:
         """Each frame from the decode, in the socket's read callback."""
         if isinstance(msg, Pong):
             self.rtt_us = (time.monotonic_ns() - msg.sent_ns) / 1000
+            self.load.reported(msg)
         elif isinstance(msg, Error) and msg.request_id is None:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
-        elif isinstance(msg, Push) and isinstance(self.producer, NixlProducer):
-            self.producer.push(msg, self._post)
+        elif msg.TYPE in self.producer.caps.frames:
+            self.producer.handle_frame(msg, self._post)
         elif self.listener is not None:
             self.listener.deliver(msg)
 
@@ -313,4 +283,4 @@ class DecodeLink:
             self.listener.link_lost(self.link_id, reason)
 
 
-__all__ = ["DecodeLink", "LinkListener", "LinkRefused"]
+__all__ = ["DecodeLink", "DecodeLoad", "LinkListener"]

@@ -1,9 +1,9 @@
 """The client frames of one prefill request: TOKENS (with streamed text) and FINISH.
 
-Text is decoded incrementally (`text_delta`), so the tokenizer runs over the new tokens only, and
-held back while it ends inside a UTF-8 sequence; FINISH carries the prefill's timings (`TIMINGS`,
-spans between the request's marks) on top of the decode's and is where the request's one
-`request_finished` log line is written.
+Text is decoded incrementally (`text_delta`, a common.model.detokenizer stream per request), so
+the tokenizer runs over the new tokens only, and held back while it ends inside a UTF-8 sequence;
+FINISH carries the prefill's timings (`TIMINGS`, spans between the request's marks) on top of the
+decode's and is where the request's one `request_finished` log line is written.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from typing import Any
 
 import structlog
 
-from common.protocol import Finish, Tokens, Usage
+from common.model.detokenizer import text_stream
+from common.protocol import MAX_LOGPROBS_PER_FRAME, Finish, Tokens, Usage
+from common.sampling_params import TokenLogprob
 from common.timings import Span
 from prefill_server.request import PrefillRequest
 
 log = structlog.get_logger(__name__)
-_TEXT_CONTEXT = 4  # emitted tokens decoded again as context for the next text delta
 _MS = 1_000_000
 
 TIMINGS = (  # `always`: a stage the request skipped (no handoff, no RELEASE before FINISH) reads 0.0
@@ -35,24 +36,40 @@ class RequestOutput:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    def tokens(self, req: PrefillRequest, new: list[int]) -> Tokens:
+    def tokens(
+        self, req: PrefillRequest, new: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> Tokens:
         """TOKENS for the client: with the new text when it streams, else ids only (the whole
-        text comes once, in FINISH, so the tokenizer runs once per request)."""
+        text comes once, in FINISH, so the tokenizer runs once per request); with the tokens'
+        logprobs when the request asked for them."""
         text = self.text_delta(req, final=False) if req.stream else ""
-        return Tokens(request_id=req.request_id, tokens=new, text=text)
+        return Tokens(request_id=req.request_id, tokens=new, text=text, logprobs=logprobs)
+
+    def prompt_logprobs(
+        self, req: PrefillRequest, entries: list[TokenLogprob] | None
+    ) -> list[Tokens]:
+        """The prompt's logprobs as TOKENS frames without tokens, MAX_LOGPROBS_PER_FRAME each."""
+        if not entries:
+            return []
+        step = MAX_LOGPROBS_PER_FRAME
+        return [
+            Tokens(request_id=req.request_id, tokens=[], prompt_logprobs=entries[i : i + step])
+            for i in range(0, len(entries), step)
+        ]
 
     def text_delta(self, req: PrefillRequest, *, final: bool) -> str:
-        """Text of the tokens not yet turned into text, decoded with a few already-emitted tokens
-        as context (tokenizers that merge or space tokens need it): O(new tokens), not a decode of
-        the whole generation per token. Held back while it ends in a partial UTF-8 sequence."""
-        tok = self.tokenizer
-        start = max(0, req.text_tokens - _TEXT_CONTEXT)
-        prefix = tok.decode(req.generated[start : req.text_tokens])
-        text = tok.decode(req.generated[start:])
-        if not final and (text.endswith("\ufffd") or not text.startswith(prefix)):
-            return ""
+        """Text of the tokens not yet turned into text, from the request's incremental
+        detokenizer (common.model.detokenizer: O(new tokens) a call, held back while it ends
+        inside a character). A request that never streamed is decoded once, whole, at the end."""
+        if final and req.text is None:
+            req.text_tokens = len(req.generated)
+            return self.tokenizer.decode(req.generated)
+        if req.text is None:
+            req.text = text_stream(self.tokenizer)
+        new = req.generated[req.text_tokens :]
         req.text_tokens = len(req.generated)
-        return text[len(prefix) :] if text.startswith(prefix) else text
+        text = req.text.add(new) if new else ""
+        return text + req.text.flush() if final else text
 
     def finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
         """FINISH for the client, and the request's `request_finished` log line."""

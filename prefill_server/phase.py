@@ -5,9 +5,9 @@ ADMITTED ─QUEUE─▶ QUEUED ─OFFER_EARLY─▶ OFFERED ─READY─▶ LEASE
                     │                                   ▲    │
                     └────────────────OFFER──────────────┘    └─FINISH─▶ ANSWERED ─RELEASE─▶ DONE
 
-OFFERED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED
+OFFERED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED    OFFERED, REFUSED ─LINK_LOST─▶ REFUSED
 ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE
-OFFERED, LEASED ─UNSENT─▶ DONE          OFFERED … ANSWERED ─LINK_LOST─▶ DONE
+OFFERED, LEASED ─UNSENT─▶ DONE          LEASED … ANSWERED ─LINK_LOST─▶ DONE
 it ends:  LEASED, with an event slot ─ABORT─▶ ABORTING ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
           any other phase ─END─▶ ENDED
 ```
@@ -22,8 +22,9 @@ follows from it alone):
 - LEASED: the KV is written and offered (HANDOFF with its first token, or KV_READY after an early
   one): the blocks are leased to the link, the decode may wait on the slot.
 - RELEASED: RELEASE came: blocks and slot are free; the decode holds the sequence and decodes.
-- REFUSED: the decode answered NO_CAPACITY: it holds nothing; the HANDOFF goes again, with its
-  first token, after a backoff.
+- REFUSED: the decode answered NO_CAPACITY, or the link of an early HANDOFF was lost before its
+  KV was written (no token of it has left the daemons): it holds nothing; the HANDOFF goes again,
+  with its first token, to another decode at once or after a backoff.
 - ANSWERED: the decode's last answer (FINISH or ERROR) came while the KV was leased: it holds
   nothing, but its RELEASE may still follow (on CUDA it is sent when the copy's event completes,
   which can be after the step that used the copy).
@@ -85,7 +86,10 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
     Event.ERROR: {P.OFFERED: P.DONE, P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},
     Event.NO_CAPACITY: {P.OFFERED: P.REFUSED, P.LEASED: P.REFUSED},
     Event.LINK_LOST: {
-        **dict.fromkeys((P.OFFERED, P.LEASED, P.RELEASED, P.REFUSED, P.ANSWERED), P.DONE),
+        # the decode held nothing of it, or nothing readable: offered again, to another decode
+        P.OFFERED: P.REFUSED,
+        P.REFUSED: P.REFUSED,
+        **dict.fromkeys((P.LEASED, P.RELEASED, P.ANSWERED), P.DONE),
         P.ABORTING: P.ENDED,
     },
     Event.ABORT: {P.LEASED: P.ABORTING},

@@ -15,9 +15,9 @@ token then waits for one small frame, the pull's enqueue and one decode step, no
 HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_CAPACITY gets it
 again later, the first token in it.
 
-One way down: the server hands the pipeline its collaborators (config, runtime, the KVProducer,
-the link) and starts the link with the pipeline as its receiver (`deliver`, `link_lost`); the
-pipeline owns the request table and never reaches back up.
+One way down: the server hands the pipeline its collaborators (config, runtime, the Producer,
+the decode links) and starts each link with the pipeline as its receiver (`deliver`,
+`link_lost`); the pipeline owns the request table and never reaches back up.
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ from common.modelrt import ModelRuntime
 from common.prefix_cache import PrefixCache
 from common.protocol import Error, ErrorCode, Finish, Generate, Message, Release, Tokens
 from common.throughput import Throughput
-from common.transfer import KVProducer
+from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
+from prefill_server.decode_links import DecodeLinks
+from prefill_server.forward import FirstToken
 from prefill_server.handoff import HandoffPath
-from prefill_server.link import DecodeLink
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
 from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
@@ -47,20 +48,20 @@ log = structlog.get_logger(__name__)
 
 
 class RequestPipeline:
-    """The request table and each request's life; the DecodeLink's listener."""
+    """The request table and each request's life; every DecodeLink's listener."""
 
     def __init__(
-        self, cfg: PrefillConfig, rt: ModelRuntime, producer: KVProducer, link: DecodeLink
+        self, cfg: PrefillConfig, rt: ModelRuntime, producer: Producer, links: DecodeLinks
     ) -> None:
         self.cfg = cfg
         self.rt = rt
         self.producer = producer
-        self.link = link
+        self.links = links
         budget = cfg.prefill_budget(rt.device.type)
         self.batcher = PrefillBatcher(rt, producer, budget, cfg.prefill_chunk())
         self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
-        self.handoff = HandoffPath(cfg, producer, link, rt.allocator)
+        self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}  # in flight
         self.aborting: dict[str, PrefillRequest] = {}  # ended, their slot waiting for the decode
@@ -143,16 +144,17 @@ class RequestPipeline:
             self.capacity.changed()
 
     def link_lost(self, link_id: str, reason: str) -> None:
-        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST
-        (the blocks of one whose forward has not run yet are not leased: they stay its own
-        until its forward is done, and are freed then)."""
+        """The link ended: its leases are freed, its handed-off requests fail with LINK_LOST;
+        one offered early whose KV is not written yet (no token of it left the daemons) goes
+        to another decode after its forward instead (REFUSED; the blocks of a forward not run
+        yet are not leased: they stay its own)."""
         freed = self.producer.link_lost(link_id)  # its quarantined slots too
         for req in self.aborting.values():
             req.advance(Event.LINK_LOST)
         self.aborting.clear()
         for req in self.requests.values():
             if req.link_id == link_id and req.accepts(Event.LINK_LOST):
-                req.advance(Event.LINK_LOST)
+                req.advance(Event.LINK_LOST)  # an early offer: REFUSED, offered again
                 req.inbox.put_nowait(
                     Error(code=ErrorCode.LINK_LOST, message=f"link to decode lost: {reason}")
                 )
@@ -189,17 +191,29 @@ class RequestPipeline:
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.names = self.prefix.names(req.prompt_tokens)
             n = len(req.prompt_tokens)
-            req.blocks, hit = await self.capacity.blocks(rid, n, timeout_s, req.names)
+            # prompt logprobs want the logits at every position: no cached prefix (nor chunks,
+            # the batcher's side), the whole prompt is computed; its blocks are named after all
+            lookup = req.sampling.prompt_logprobs is None
+            req.blocks, hit = await self.capacity.blocks(
+                rid, n, timeout_s, req.names, lookup=lookup
+            )
             req.cached_tokens = hit * self.rt.layout.block_size
             req.event_slot = await self.capacity.slot(timeout_s)
-            first, shared = await self._prefill(req)
-            req.generated.append(first)
+            answer, shared = await self._prefill(req)
             req.marks.stamp("first_token")
+            for frame in self.output.prompt_logprobs(req, answer.prompt_logprobs):
+                yield frame
+            if (first := answer.token) is None:  # max_tokens 0: the prompt scored, no token
+                yield self._finish(req, "length", {})
+                return
+            req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
             reason = finish_reason(req.generated, req.sampling, stops)
             if not reason:
                 await self.handoff.ready(req, first)  # after an early HANDOFF: KV_READY
-            yield self.output.tokens(req, [first])
+            yield self.output.tokens(
+                req, [first], None if answer.logprob is None else [answer.logprob]
+            )
             if reason:  # nothing left to decode (an early HANDOFF is aborted as it ends)
                 yield self._finish(req, reason, {})
                 return
@@ -234,7 +248,7 @@ class RequestPipeline:
         sampling = msg.sampling.validate().with_seed()
         return PrefillRequest(rid, prompt, sampling, stream=msg.stream)
 
-    async def _prefill(self, req: PrefillRequest) -> tuple[int, int]:
+    async def _prefill(self, req: PrefillRequest) -> tuple[FirstToken, int]:
         """Its forward (queued to the batcher; the early HANDOFF goes out meanwhile): its first
         token and the number of requests in that forward. Its blocks are named in the prefix
         cache once written, not before."""
@@ -248,7 +262,8 @@ class RequestPipeline:
         )
         req.advance(Event.QUEUE)
         try:
-            if self.cfg.early_handoff and self.link.tcp is None and req.sampling.max_tokens > 1:
+            early = self.cfg.early_handoff and self.producer.caps.early_handoff
+            if early and req.sampling.max_tokens > 1:
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
             result = await future
@@ -262,7 +277,7 @@ class RequestPipeline:
         while True:
             if isinstance(msg, Tokens):
                 req.generated.extend(msg.tokens)
-                yield self.output.tokens(req, msg.tokens)
+                yield self.output.tokens(req, msg.tokens, msg.logprobs)
             elif isinstance(msg, Finish):
                 yield self._finish(req, msg.reason, msg.timings)
                 return

@@ -8,6 +8,7 @@ from typing import Any
 
 from common.context_length import context_error
 from common.errors import PdkvError
+from common.model.detokenizer import TextStream
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode, Generate, Message
 from common.timings import Marks
@@ -41,6 +42,7 @@ class PrefillRequest:
     blocks: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     text_tokens: int = 0  # generated tokens already turned into text for the client
+    text: TextStream | None = None  # its incremental detokenizer, once it streams text
     link_id: str = ""  # the link the HANDOFF went out on
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
     names: list[bytes] = field(default_factory=list)  # its full blocks' prefix-cache names

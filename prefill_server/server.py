@@ -3,8 +3,8 @@ KV producer.
 
 Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
 frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the KVProducer (the pool exported once), the DecodeLink and the RequestPipeline over them,
-and starts the link with the pipeline as its listener; nothing below holds the server. Life cycle
+builds the Producer (the pool exported once), a DecodeLink per decode daemon (DecodeLinks) and
+the RequestPipeline over them, and starts each link with the pipeline as its listener; nothing below holds the server. Life cycle
 and STATUS are common.server.DaemonServer's.
 """
 
@@ -38,7 +38,10 @@ from common.protocol import (
 from common.rundir import check_free
 from common.server import DaemonServer
 from common.throughput import Throughput
-from prefill_server.link import DecodeLink, check_decode_option, make_producer
+from prefill_server.client_writer import ClientWriter
+from prefill_server.decode_links import DecodeLinks
+from prefill_server.handshake import check_decode_option, make_producer
+from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
 
@@ -53,18 +56,25 @@ class PrefillServer(DaemonServer):
         super().__init__(cfg, rt, cfg.client_path, stop)
         self.cfg: PrefillConfig = cfg
         self.producer = make_producer(cfg, rt)
-        self.link = DecodeLink(
-            cfg,
-            fingerprint=rt.fingerprint,
-            compat=rt.compat,
-            backend=rt.backend,
-            producer=self.producer,
+        self.decodes = DecodeLinks(
+            [
+                DecodeLink(
+                    cfg,
+                    address,
+                    fingerprint=rt.fingerprint,
+                    compat=rt.compat,
+                    backend=rt.backend,
+                    producer=self.producer,
+                )
+                for address in check_decode_option(cfg)
+            ]
         )
-        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)
+        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.decodes)
 
     # ---- life cycle ------------------------------------------------------------------------------
     def start_parts(self) -> None:
-        self.link.start(self.pipeline)  # its frames and losses go to the pipeline
+        for link in self.decodes:
+            link.start(self.pipeline)  # its frames and losses go to the pipeline
         self.spawn(self.pipeline.reap_leases(), "lease-reaper")
         batcher = self.spawn(self.pipeline.batcher.run(), "prefill-batcher")
         batcher.add_done_callback(self._batcher_ended)
@@ -87,7 +97,7 @@ class PrefillServer(DaemonServer):
         await asyncio.sleep(0.05)
         try:
             async with asyncio.timeout(5):
-                await self.link.stop()
+                await self.decodes.stop()
         except TimeoutError:
             log.warning("link_stop_timeout")
 
@@ -95,8 +105,14 @@ class PrefillServer(DaemonServer):
         self.producer.close()
 
     async def until_ready(self) -> None:
-        """Ready once the client socket listens (start) and the link to the decode is up."""
-        await self.link.ready.wait()
+        """Ready once the client socket listens (start) and a link to a decode is up."""
+        while not self.decodes.up():
+            waits = [asyncio.ensure_future(link.ready.wait()) for link in self.decodes]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     @property
     def throughput(self) -> Throughput:
@@ -106,22 +122,28 @@ class PrefillServer(DaemonServer):
         return {"served": self.pipeline.throughput.served}
 
     def links(self) -> list[dict[str, Any]]:
-        link = self.link
         return [
             {
                 "link": link.link_id,
+                "decode": link.address,
                 "state": link.state,
                 "connects": link.connects,
                 "rtt_us": round(link.rtt_us, 1),
                 "last_error": link.last_error,
+                "requests": link.load.mine,
+                "decode_sequences": link.load.sequences,
+                "decode_free_blocks": link.load.free_blocks,
             }
+            for link in self.decodes
         ]
 
     # ---- client connections ----------------------------------------------------------------------
     async def serve_connection(self, conn: socket.socket) -> None:
         channel = FrameChannel(conn, max_fds=0)
-        client = _Client(channel)
-        mine = client.mine
+        client = _Client(
+            channel, ClientWriter(channel, write_timeout_s=self.cfg.client_write_timeout_s)
+        )
+        writer, mine = client.writer, client.mine
         # neither a client that trickles a frame nor one that sits idle holds its fd forever
         watchdog = asyncio.create_task(self._watch_client(client))
         try:
@@ -130,28 +152,28 @@ class PrefillServer(DaemonServer):
                 if isinstance(msg, Generate):
                     rid = msg.request_id or uuid.uuid4().hex[:16]
                     if rid in mine:
-                        await channel.send(
+                        await writer.send(
                             make_error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
                         )
                         continue
-                    mine[rid] = self.spawn(self._run_request(channel, rid, msg), f"req-{rid}")
+                    mine[rid] = self.spawn(self._run_request(writer, rid, msg), f"req-{rid}")
                     mine[rid].add_done_callback(lambda _t, r=rid: client.done(r))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
                     if task is None:
-                        await channel.send(
+                        await writer.send(
                             make_error(ErrorCode.CACHE_NOT_EXIST, "no such request", msg.request_id)
                         )
                     else:
                         task.cancel()
                 elif isinstance(msg, Status):
-                    await channel.send(self.status())
+                    await writer.send(self.status())
                 else:
                     raise ProtocolError(f"unexpected {msg.TYPE.name} on the client socket")
         except ProtocolError as exc:
             log.warning("client_protocol_error", error=str(exc))
             with contextlib.suppress(OSError):
-                await channel.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
+                await writer.send(make_error(ErrorCode.PROTOCOL_ERROR, str(exc)))
         except TimeoutError as exc:  # an OSError: before the clause below
             log.info("client_connection_timed_out", error=str(exc))
         except (ConnectionClosed, OSError):
@@ -160,6 +182,7 @@ class PrefillServer(DaemonServer):
             watchdog.cancel()
             for task in mine.values():
                 task.cancel()  # the client went away: abort what it still waits for
+            writer.flush()  # what is queued still goes out, ahead of the close
             channel.close()
 
     async def _watch_client(self, client: _Client) -> None:
@@ -177,40 +200,41 @@ class PrefillServer(DaemonServer):
                 channel.fail(TimeoutError(f"idle for {idle_s} s with no request in flight"))
                 return
 
-    async def _run_request(self, channel: FrameChannel, rid: str, msg: Generate) -> None:
+    async def _run_request(self, writer: ClientWriter, rid: str, msg: Generate) -> None:
         """Every request ends with FINISH or ERROR to its client, unless the client is gone.
         Only a failed write to the client counts as gone: an OSError from the pipeline (the
-        link, the model) is the request's failure and is answered like any other."""
+        link, the model) is the request's failure and is answered like any other. Frames go
+        through the connection's ClientWriter: no wait and no timer per token unless the client
+        has fallen behind."""
         rlog = log.bind(request_id=rid)
         try:
             async with contextlib.aclosing(self.pipeline.run(rid, msg)) as outputs:
                 async for out in outputs:
                     try:
-                        async with asyncio.timeout(self.cfg.client_write_timeout_s):
-                            await channel.send(out)
+                        await writer.send(out)
                     except TimeoutError:  # (an OSError: before the clause below)
                         # its blocks are freed and the decode told to abort as the pipeline
                         # closes; the connection ends too (a frame may be half written)
                         rlog.warning(
                             "client_not_reading", timeout_s=self.cfg.client_write_timeout_s
                         )
-                        channel.close()
+                        writer.channel.close()
                         return
                     except OSError:
                         rlog.info("client_gone")
                         return
         except RequestFailed as exc:
             rlog.warning("request_failed", code=exc.code, error=str(exc))
-            await _send_quietly(channel, make_error(exc.code, str(exc), rid))
+            await _send_quietly(writer, make_error(exc.code, str(exc), rid))
         except (SamplingParamsError, PdkvError) as exc:
             rlog.warning("request_rejected", error=str(exc))
-            await _send_quietly(channel, make_error(ErrorCode.BAD_REQUEST, str(exc), rid))
+            await _send_quietly(writer, make_error(ErrorCode.BAD_REQUEST, str(exc), rid))
         except asyncio.CancelledError:
             rlog.info("request_cancelled")
         except Exception as exc:  # a bug must not leave the client waiting
             rlog.exception("request_internal_error")
             await _send_quietly(
-                channel, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
+                writer, make_error(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}", rid)
             )
 
 
@@ -220,6 +244,7 @@ class _Client:
     clock runs from the later of that and the last frame received)."""
 
     channel: FrameChannel
+    writer: ClientWriter  # every frame to this client goes through it, in order
     mine: dict[str, asyncio.Task[None]] = field(default_factory=dict)
     last_done: float = 0.0
 
@@ -228,9 +253,9 @@ class _Client:
         self.last_done = time.monotonic()
 
 
-async def _send_quietly(channel: FrameChannel, msg: Message) -> None:
+async def _send_quietly(writer: ClientWriter, msg: Message) -> None:
     with contextlib.suppress(OSError):
-        await channel.send(msg)
+        await writer.send(msg)
 
 
 async def serve(cfg: PrefillConfig) -> int:

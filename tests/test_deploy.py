@@ -69,3 +69,32 @@ def test_crosshost_k8s_puts_the_daemons_on_two_nodes_linked_by_key() -> None:
     lo, hi = (int(x) for x in config["UCX_TCP_PORT_RANGE"].split("-"))
     assert {"protocol": "TCP", "port": lo, "endPort": hi} in policy
     assert {"protocol": "TCP", "port": port} in policy
+
+
+def test_the_kernel_cache_is_on_a_persistent_path_in_every_deploy_file() -> None:
+    """Triton's compiled kernels outlive a restart (issue 24, item 4): systemd keeps them in
+    the unit's CacheDirectory, compose in a named volume (not the /tmp tmpfs), k8s on a claim."""
+    for role in ("decode", "prefill"):
+        unit = (DEPLOY / "systemd" / f"pdkv-{role}.service").read_text()
+        assert "Environment=PDKV_KERNEL_CACHE_DIR=%C/pdkv/triton" in unit
+        assert "CacheDirectory=pdkv" in unit
+    for name in ("docker-compose.yml", "docker-compose.crosshost.yml"):
+        compose = yaml.safe_load((DEPLOY / name).read_text())
+        for role in ("decode", "prefill"):
+            svc = compose["services"][role]
+            path = svc["environment"]["PDKV_KERNEL_CACHE_DIR"]
+            mounts = [v.split(":") for v in svc["volumes"]]
+            volume = next(src for src, dst, *_ in mounts if path.startswith(dst + "/"))
+            assert volume in compose["volumes"], (name, role, volume)
+    docs = list(yaml.safe_load_all((DEPLOY / "k8s" / "pdkv.yaml").read_text()))
+    config = next(d for d in docs if d["kind"] == "ConfigMap")["data"]
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    claims = {v["name"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    for container in pod["containers"]:
+        if container["name"] in ("decode", "prefill"):
+            mount = next(
+                m
+                for m in container["volumeMounts"]
+                if config["PDKV_KERNEL_CACHE_DIR"].startswith(m["mountPath"] + "/")
+            )
+            assert mount["name"] in claims

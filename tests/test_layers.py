@@ -152,3 +152,20 @@ def test_the_wire_and_the_transfer_meet_only_in_the_message_types():
     for name in transfer:
         down = {d for d in graph[name] if _in(d, WIRE)}
         assert not down, f"{name} imports {down} (the wire's message types are common.protocol)"
+
+
+TRANSFER_FACE = {"common.transfer", "common.transfer.interface", "common.transfer.registry"}
+
+
+def test_the_daemons_reach_the_transfer_only_through_its_interface():
+    """No daemon module imports a transport's module (the IPC pair, NIXL's): they get their
+    producer and consumers from the registry by link kind and read `caps`, so a new transport
+    is a new module plus a `register` line, and no daemon code branches on which one it has."""
+    graph = _graph()
+    daemons = [n for n in graph if n.startswith(("prefill_server", "decode_server"))]
+    assert "decode_server.peer" in daemons and "prefill_server.link" in daemons
+    for name in daemons:
+        inner = {
+            d for d in graph[name] if d.startswith("common.transfer") and d not in TRANSFER_FACE
+        }
+        assert not inner, f"{name} imports {inner}: use common.transfer's interface and registry"

@@ -50,6 +50,8 @@ def _changed(s: Setting, tmp_path: Path) -> Any:
         return not s.default
     if o.choices:
         return next(c for c in o.choices if c != s.default)
+    if s.type is tuple and o.multiple:  # given once per value: strings
+        return (f"{s.name}-a", f"{s.name}-b")
     if s.type is tuple:
         return (1000, 1001)
     if s.type is Path:
@@ -112,7 +114,10 @@ def test_a_detached_api_gets_every_setting_back_but_the_key(tmp_path: Path) -> N
 @pytest.mark.parametrize("role", ["decode", "prefill", "api"])
 def test_every_setting_reads_its_environment_variable(tmp_path: Path, role: str) -> None:
     values = _all_changed(role, tmp_path)
-    env = {s.option.env: _as_text(values[s.name]) for s in declared(CLASSES[role])}
+    env = {
+        s.option.env: " ".join(values[s.name]) if s.option.multiple else _as_text(values[s.name])
+        for s in declared(CLASSES[role])
+    }  # a repeatable option's variable holds its values separated by spaces
     assert _parse(role, [], env=env) == values
 
 

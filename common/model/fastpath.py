@@ -101,8 +101,10 @@ def prefill_forward(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     kv: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`LlamaModel.prefill_batch` by kernels -> logits [S, vocab] of each sequence's last token."""
+    """`LlamaModel.prefill_batch` by kernels -> logits [R, vocab] of the token rows `rows`
+    (default: each sequence's last token)."""
     single = cu_seqlens.numel() == 2 and tokens.device.type == "cuda"
 
     def attend(q, k, v, layer):
@@ -111,7 +113,7 @@ def prefill_forward(
         return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
-    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1)
+    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)
 
 
 def prefill_context_forward(
@@ -124,13 +126,14 @@ def prefill_context_forward(
     block_tables: torch.Tensor,
     max_seqlen: int,
     kv: torch.Tensor,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`LlamaModel.prefill_batch` with `starts` (a cached or earlier-chunk context) by kernels ->
-    logits [S, vocab] of each sequence's last token. The new tokens' K/V is stored first (RoPE +
-    store), then attention reads every key from the pool."""
+    logits [R, vocab] of the token rows `rows` (default: each sequence's last token). The new
+    tokens' K/V is stored first (RoPE + store), then attention reads every key from the pool."""
 
     def attend(q, k, v, layer):
         return varlen_context_attention(q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
-    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1)
+    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)

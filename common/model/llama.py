@@ -133,20 +133,23 @@ class LlamaModel:
         prompts: Sequence[torch.Tensor],
         slot_mappings: Sequence[torch.Tensor],
         kv: torch.Tensor,
+        every_position: Sequence[bool] = (),
         *,
         starts: Sequence[int] | None = None,
         block_tables: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
-        """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [S, vocab].
+        """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [R, vocab].
 
-        Row s holds the logits of prompt s's last token. Each prompt attends only to itself, so
-        its logits and K/V are those of `prefill` alone, up to the kernels' blocking.
+        Prompt s gives the logits of its last token, or of each of its positions when
+        `every_position[s]` (prompt logprobs: only then, it costs vocab x length), in order.
+        Each prompt attends only to itself, so its logits and K/V are those of `prefill` alone,
+        up to the kernels' blocking.
 
         With `starts`, prompt s holds positions starts[s] .. starts[s]+len-1 of a sequence whose
         first starts[s] positions' K/V are already in `kv` (a cached prefix, earlier chunks), in
         its blocks `block_tables[s]` (which cover the new positions too); its tokens attend to
         those positions as well, read from the pool. The result is that of prefilling the whole
-        sequence, up to rounding.
+        sequence, up to rounding (`every_position` then gives the rows of the new positions only).
         """
         lengths = [int(p.numel()) for p in prompts]
         offsets = list(starts) if starts is not None else [0] * len(lengths)
@@ -156,16 +159,29 @@ class LlamaModel:
         )
         positions = positions.to(self.device)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device)
+        rows = cu[1:] - 1
+        if any(every_position):
+            bounds = [0, *itertools.accumulate(lengths)]
+            rows = torch.tensor(
+                [
+                    r
+                    for s, (a, b) in enumerate(itertools.pairwise(bounds))
+                    for r in (
+                        range(a, b) if s < len(every_position) and every_position[s] else [b - 1]
+                    )
+                ],
+                device=self.device,
+            )
         if any(offsets):
             if block_tables is None:
                 raise ValueError("a prefill with a cached context needs the block tables")
             return self._prefill_context(
-                tokens, positions, slots, cu, offsets, block_tables, kv, lengths
+                tokens, positions, slots, cu, offsets, block_tables, kv, lengths, rows
             )
         if self.use_kernels:
             from common.model.fastpath import prefill_forward
 
-            return prefill_forward(self, tokens, positions, slots, cu, max(lengths), kv)
+            return prefill_forward(self, tokens, positions, slots, cu, max(lengths), kv, rows)
         bounds = cu.tolist()
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
@@ -177,9 +193,11 @@ class LlamaModel:
             return torch.cat(parts)
 
         h = self._run_layers(tokens, positions, attend)
-        return self._logits(h[cu[1:] - 1])
+        return self._logits(h[rows])
 
-    def _prefill_context(self, tokens, positions, slots, cu, starts, block_tables, kv, lengths):  # type: ignore[no-untyped-def]
+    def _prefill_context(
+        self, tokens, positions, slots, cu, starts, block_tables, kv, lengths, rows
+    ):  # type: ignore[no-untyped-def]
         """prefill_batch of prompts some of whose K/V is already in the pool (see there)."""
         width = max(len(t) for t in block_tables)
         table = torch.tensor(
@@ -189,7 +207,7 @@ class LlamaModel:
             from common.model.fastpath import prefill_context_forward
 
             start_t = torch.tensor(starts, dtype=torch.int32, device=self.device)
-            args = (cu, start_t, table, max(lengths), kv)
+            args = (cu, start_t, table, max(lengths), kv, rows)
             return prefill_context_forward(self, tokens, positions, slots, *args)
         bounds = cu.tolist()
 
@@ -202,7 +220,7 @@ class LlamaModel:
             return torch.cat(parts)
 
         h = self._run_layers(tokens, positions, attend)
-        return self._logits(h[cu[1:] - 1])
+        return self._logits(h[rows])
 
     @torch.inference_mode()
     def decode_step(

@@ -15,14 +15,15 @@ from collections.abc import Collection, Sequence
 import torch
 
 from common.model.llama import LlamaModel
+from common.model.logits import TokenHistory
 from common.model.paged import blocks_for, slots_for
 from common.model.prefill import prefill_many
 from common.model.sampling import (
+    SamplingError,
     SamplingParams,
+    draw,
     finish_reason,
     make_generator,
-    sample,
-    sample_batch,
 )
 
 
@@ -71,11 +72,21 @@ def generate_batch(
 
     slots = [slots_for(tables[i], 0, len(prompt), block_size) for i, prompt in enumerate(prompts)]
     logits = prefill_many(model, [torch.tensor(list(p)) for p in prompts], slots, kv)
-    outputs = [[sample(logits[i], p, make_generator(p, 0))] for i, p in enumerate(per_row)]
+    histories = [
+        TokenHistory.start(pr, [], logits.shape[-1], logits.device) if p.penalized else None
+        for pr, p in zip(prompts, per_row, strict=True)
+    ]
+    generators = [make_generator(p, 0) for p in per_row]
+    firsts = _checked(
+        draw(logits, per_row, generators, steps=[0] * n, histories=histories, eos_ids=stops)[0]
+    )
+    outputs = [[t] for t in firsts]
 
     active = [i for i in range(n) if finish_reason(outputs[i], per_row[i], stops) is None]
     while active:
-        _decode_once(model, kv, tables, block_size, prompts, outputs, per_row, active)
+        _decode_once(
+            model, kv, tables, block_size, prompts, outputs, per_row, active, histories, stops
+        )
         active = [i for i in active if finish_reason(outputs[i], per_row[i], stops) is None]
     return outputs
 
@@ -89,6 +100,8 @@ def _decode_once(
     outputs: list[list[int]],
     params: list[SamplingParams],
     active: list[int],
+    histories: list[TokenHistory | None],
+    stops: frozenset[int],
 ) -> None:
     """Feed each active sequence's last token at its position and append the sampled next token."""
     positions = torch.tensor([len(prompts[i]) + len(outputs[i]) - 1 for i in active])
@@ -107,5 +120,20 @@ def _decode_once(
     )
     batch_params = [params[i] for i in active]
     generators = [make_generator(params[i], len(outputs[i])) for i in active]
-    for i, token in zip(active, sample_batch(logits, batch_params, generators), strict=True):
+    batch_histories = [histories[i] for i in active]
+    for i in active:
+        if (h := histories[i]) is not None:
+            h.catch_up(outputs[i])
+    steps = [len(outputs[i]) for i in active]
+    tokens, _ = draw(
+        logits, batch_params, generators, steps=steps, histories=batch_histories, eos_ids=stops
+    )
+    for i, token in zip(active, _checked(tokens), strict=True):
         outputs[i].append(token)
+
+
+def _checked(tokens: list[int | SamplingError]) -> list[int]:
+    for t in tokens:
+        if isinstance(t, SamplingError):
+            raise t
+    return tokens  # type: ignore[return-value]

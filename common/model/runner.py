@@ -24,16 +24,7 @@ import torch
 from common.model.fastpath import decode_forward, rope_tables
 from common.model.llama import LlamaModel
 from common.model.sampling import SamplingError, SamplingParams, sample_batch_isolated
-
-
-def batch_buckets(max_batch: int) -> list[int]:
-    """Graph batch sizes: powers of two up to 16, then every 16 (then 32 past 128)."""
-    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_batch]
-    b = 16
-    while b < max_batch:
-        b += 16 if b < 128 else 32
-        sizes.append(min(b, max_batch))
-    return sorted({*sizes, max_batch})
+from common.model.warmup import batch_buckets
 
 
 class DecodeRunner:

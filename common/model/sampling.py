@@ -20,7 +20,9 @@ from collections.abc import Sequence
 import torch
 
 from common.errors import PdkvError
-from common.sampling_params import SamplingParams, SamplingParamsError
+from common.model import logits as logits_mod
+from common.model.logits import TokenHistory
+from common.sampling_params import SamplingParams, SamplingParamsError, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -110,15 +112,17 @@ def sample_batch_isolated(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     argmax: torch.Tensor | None = None,
+    raw: torch.Tensor | None = None,
 ) -> list[int | SamplingError]:
     """As `sample_batch`, but a row whose logits are not all finite, or whose draw fails, gets a
     SamplingError in its place instead of failing the whole batch (the decode loop fails that
     one request and goes on with the others). `argmax` [B], when the caller has it already (a
     CUDA graph computed it), is used as is; argmax and the finiteness flags reach the host in one
-    copy."""
+    copy. `raw`, the model's logits when `logits` are processed ones (penalties, masks set
+    -inf on purpose), is what the finiteness check reads."""
     if argmax is None:
         argmax = torch.argmax(logits, dim=-1)
-    finite = torch.isfinite(logits).all(dim=-1).to(argmax.dtype)
+    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1).to(argmax.dtype)
     ids, flags = torch.stack((argmax, finite)).tolist()
     out: list[int | SamplingError] = list(ids)
     for row, (p, g, ok) in enumerate(zip(params, generators, flags, strict=True)):
@@ -132,15 +136,41 @@ def sample_batch_isolated(
     return out
 
 
+def draw(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    *,
+    steps: Sequence[int],
+    histories: Sequence[TokenHistory | None],
+    eos_ids: frozenset[int] | set[int],
+    argmax: torch.Tensor | None = None,
+) -> tuple[list[int | SamplingError], list[TokenLogprob | None]]:
+    """One step's tokens for `logits` [B, vocab] (as `sample_batch_isolated`) after each row's
+    penalties and min_tokens mask (common.model.logits.process; row b is at generation step
+    steps[b]), and each row's logprobs when its params ask (of the raw logits). `argmax` is used
+    only when no row's logits were processed."""
+    processed = logits_mod.process(logits, params, histories, steps, eos_ids)
+    if processed is not logits:
+        argmax = None
+    out = sample_batch_isolated(processed, params, generators, argmax=argmax, raw=logits)
+    if all(p.logprobs is None for p in params):
+        return out, [None] * len(out)
+    picked = [t if isinstance(t, int) else None for t in out]
+    return out, logits_mod.logprobs(logits, picked, [p.logprobs for p in params])
+
+
 def finish_reason(
     generated: Sequence[int], params: SamplingParams, stop_ids: frozenset[int] | set[int]
 ) -> str | None:
     """Why a sequence that has produced `generated` must stop, or None to keep going.
 
-    "stop" when the last token is a stop id (and ignore_eos is off; the stop token stays in the
-    output), "length" when max_tokens are out. The reference and the decode daemon both ask this,
-    so they stop at the same token.
+    "stop" when the last token is one of the request's stop_token_ids, or a stop id of the
+    model (unless ignore_eos; the stop token stays in the output), "length" when max_tokens are
+    out. The reference and the decode daemon both ask this, so they stop at the same token.
     """
+    if generated and generated[-1] in params.stop_token_ids:
+        return "stop"
     if generated and not params.ignore_eos and generated[-1] in stop_ids:
         return "stop"
     if len(generated) >= params.max_tokens:

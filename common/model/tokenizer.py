@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from common.errors import ModelError
 from common.model.config import BYTE_VOCAB, TINY_BOS, TINY_EOS
@@ -72,6 +72,11 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of `ids`, special tokens skipped."""
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    @property
+    def raw(self) -> Any:
+        """The `tokenizers.Tokenizer` itself (common.model.detokenizer streams through it)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:

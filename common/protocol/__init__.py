@@ -16,6 +16,7 @@ from common.protocol.frame import (
 )
 from common.protocol.link_setup import NixlRegion, RegionInfo
 from common.protocol.messages import (
+    MAX_LOGPROBS_PER_FRAME,
     Abort,
     Error,
     ErrorCode,
@@ -53,6 +54,7 @@ __all__ = [
     "HEADER_SIZE",
     "HISTORY",
     "MAX_EVENT_BYTES",
+    "MAX_LOGPROBS_PER_FRAME",
     "MAX_MEM_BYTES",
     "MAX_META_BYTES",
     "PROTOCOL_VERSION",

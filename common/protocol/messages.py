@@ -22,7 +22,12 @@ from common.protocol.wire_types import (
     RequestId,
     TokenId,
 )
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, TokenLogprob
+
+#: Most logprob entries one TOKENS frame carries in `logprobs` and in `prompt_logprobs` (a long
+#: prompt's logprobs go in several frames: 512 entries of 20 alternatives are ~270 KB of JSON).
+MAX_LOGPROBS_PER_FRAME = 512
+LogprobList = Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_LOGPROBS_PER_FRAME)]
 
 
 class Push(Message, frozen=True):
@@ -85,18 +90,31 @@ class KvReady(Message, frozen=True):
 
 
 class Tokens(Message, frozen=True):
-    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client."""
+    """D → P → C: new tokens of a request, in order. `text` is filled by P for its client.
+
+    v6: `logprobs`, when the request's sampling asks for them, holds one entry per token of
+    `tokens`, in order. `prompt_logprobs` (P → C only, before the first token's TOKENS, `tokens`
+    empty) holds the logprobs of prompt tokens 1.. in order, split over as many frames as needed;
+    the client concatenates them."""
 
     TYPE = MsgType.TOKENS
     request_id: RequestId
     tokens: list[TokenId]
     text: str = ""
+    logprobs: LogprobList | None = None
+    prompt_logprobs: LogprobList | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprobs is not None and len(self.logprobs) != len(self.tokens):
+            raise ValueError(  # msgspec's decode reports it as a ValidationError
+                f"TOKENS has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs"
+            )
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_tokens: NonNeg
     completion_tokens: NonNeg
-    cached_tokens: NonNeg = 0  # of prompt_tokens, those whose K/V came from the prefix cache (v6)
+    cached_tokens: NonNeg = 0  # of prompt_tokens, those whose K/V came from the prefix cache (v8)
 
 
 class Finish(Message, frozen=True):
@@ -144,9 +162,14 @@ class Ping(Message, frozen=True):
 
 
 class Pong(Message, frozen=True):
+    """D → P: the answer to PING, with the decode's load when it sent it (v6): its free KV
+    blocks (-1: not reported) and its sequences in flight, from every prefill linked to it."""
+
     TYPE = MsgType.PONG
     seq: NonNeg
     sent_ns: NonNeg = 0
+    free_blocks: Annotated[int, msgspec.Meta(ge=-1, le=2**63 - 1)] = -1
+    sequences: NonNeg = 0
 
 
 class Generate(Message, frozen=True):
@@ -192,7 +215,7 @@ class StatusReply(Message, frozen=True):
     served: NonNeg = 0  # requests finished since start
     tokens_per_s: float = 0.0  # generated tokens per second over the last minute
     model_card: ModelCard | None = None
-    # the prefill's prefix cache (v6): enabled, queried_tokens, hit_tokens, evictions,
+    # the prefill's prefix cache (v8): enabled, queried_tokens, hit_tokens, evictions,
     # cached_blocks, named_blocks; {} from a daemon without one
     prefix_cache: dict[str, int] = {}
 

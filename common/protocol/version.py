@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 8
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -25,7 +25,13 @@ HISTORY: dict[int, str] = {
     5: "KV_READY P → D: the first token of an early HANDOFF, which says its KV is written, gets "
     "its own message instead of TOKENS P → D (TOKENS is D → P → C only again; its `sent_ns` goes); "
     "STATUS_REPLY has `model_card` (the model's name, checkpoint path and context length)",
-    6: "the prefix cache: FINISH's `usage` has `cached_tokens` (prompt tokens whose KV was reused), "
+    6: "PONG carries the decode's load (`free_blocks`, `sequences`), by which a prefill linked to "
+    "several decodes picks one per request",
+    7: "sampling features: SamplingParams (GENERATE, HANDOFF) has `logprobs`, `prompt_logprobs`, "
+    "`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`, "
+    "`stop_token_ids`, and max_tokens may be 0 with prompt_logprobs; TOKENS has `logprobs` (one "
+    "[token, logprob, top] entry per token) and `prompt_logprobs` (P → C, up to 512 per frame)",
+    8: "the prefix cache: FINISH's `usage` has `cached_tokens` (prompt tokens whose KV was reused), "
     "STATUS_REPLY has `prefix_cache` (its counters) and its `pool` a `cached` count",
 }
 

@@ -160,10 +160,11 @@ class NixlAgent:
         self._check_open()
         self._worker.submit("expect", ((peer, tag), done))
 
-    def forget(self, peer: str) -> None:
-        """Stop awaiting notifications from `peer` (its link ended; nobody is told)."""
-        if not self._closed:
-            self._worker.submit("forget", peer)
+    def forget(self, peer: str, tags: list[bytes]) -> None:
+        """Stop awaiting notifications `tags` from `peer` (their link ended; nobody is told).
+        By tag, not by peer: a prefill that reconnected awaits others from the same agent."""
+        if tags and not self._closed:
+            self._worker.submit("forget", (peer, list(tags)))
 
     def _check_open(self) -> None:
         if self._closed:

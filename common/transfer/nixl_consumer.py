@@ -18,6 +18,13 @@ frees its blocks right after: a READ that outlives `drain`'s bound is left to en
 released: under UCX's TCP transport a released READ still wrote its bytes once the peer answered,
 measured), and `close` leaves the peer to the agent, which forgets it only once no READ from it
 is in flight. A host that vanished fails its READs when UCX gives up on it.
+
+A PUSH still awaited when the link ends is the prefill's WRITE, which may still land: the
+prefill aborts the WRITEs to a lost link (its `link_lost`), but only once it sees the loss, up to
+its heartbeat timeout later. So `drain` does not fail an awaited push at once: its `done`, and so
+its blocks, wait for the notification (the WRITE landed) or for PUSH_GRACE_S, by which the
+prefill has aborted it; only then are those notifications forgotten (by tag: the same prefill,
+reconnected, may await others).
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ from common.transfer.interface import (
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError
 from common.transfer.nixl_shared import byte_runs, check_region, push_tag
 
+#: how long the blocks of a push still awaited when its link ended stay held (module docstring):
+#: above any sane --heartbeat-timeout (default 5 s) of the prefill, plus its abort's own time
+PUSH_GRACE_S = 30.0
+
 log = structlog.get_logger(__name__)
 
 
@@ -80,6 +91,7 @@ class NixlConsumer(Consumer):
         self._idle.set()
         self._closed = False
         self._holds_peer = True  # this link's count on the peer agent (NixlAgent.add_peer)
+        self._grace: asyncio.TimerHandle | None = None  # the push hold after drain (docstring)
         frames = frozenset({MsgType.PUSH_FAILED}) if region.transfer == "push" else frozenset()
         self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
 
@@ -175,6 +187,8 @@ class NixlConsumer(Consumer):
         done = self._pending.pop(tag, None)
         if not self._pending:
             self._idle.set()
+            if self._grace is not None:  # the last push held after its link ended is over
+                self._end_grace()
         if done is not None:
             done(exc)
 
@@ -182,15 +196,24 @@ class NixlConsumer(Consumer):
     def pulls_in_flight(self) -> int:
         return len(self._pending)
 
-    async def drain(self, read_timeout_s: float = 30.0) -> None:
-        """The link ended. Push: let go of the peer and fail the PUSHes still awaited. Pull:
-        wait for the READs in flight (they write into our blocks), at most `read_timeout_s`;
-        a READ still in flight then keeps its `done`, and so its blocks, until NIXL reports it
-        over."""
+    async def drain(self, read_timeout_s: float = 30.0, push_grace_s: float = PUSH_GRACE_S) -> None:
+        """The link ended. Push: the PUSHes still awaited keep their `done`, and so their
+        blocks, until their WRITE lands or `push_grace_s` passed (then they fail); the peer is
+        let go once none is left. Pull: wait for the READs in flight (they write into our
+        blocks), at most `read_timeout_s`; a READ still in flight then keeps its `done`, and so
+        its blocks, until NIXL reports it over."""
         if self.region.transfer == "push":
-            self._let_go()
-            self.agent.forget(self.peer_agent)
-            self._fail_pending("the link ended before the push arrived")
+            if not self._pending:
+                self._end_grace()
+            elif self._grace is None:
+                log.warning(
+                    "nixl_pushes_outlived_link",
+                    pushes=len(self._pending),
+                    peer=self.peer_agent,
+                    hold_s=push_grace_s,
+                )
+                loop = asyncio.get_running_loop()
+                self._grace = loop.call_later(push_grace_s, self._grace_over)
             return
         try:
             async with asyncio.timeout(read_timeout_s):
@@ -199,9 +222,20 @@ class NixlConsumer(Consumer):
         except TimeoutError:
             log.warning("nixl_reads_outlived_link", reads=len(self._pending), peer=self.peer_agent)
 
-    def _fail_pending(self, why: str) -> None:
-        for tag in list(self._pending):
-            self._finish(tag, NixlTransferError(why))
+    def _grace_over(self) -> None:
+        """The prefill has surely aborted its WRITEs to this link by now: fail what is left."""
+        tags = list(self._pending)
+        self.agent.forget(self.peer_agent, [push_tag(tag) for tag in tags])
+        for tag in tags:
+            self._finish(tag, NixlTransferError("the link ended before the push arrived"))
+        self._end_grace()
+
+    def _end_grace(self) -> None:
+        """No push of this ended link is awaited any more: let the peer go."""
+        if self._grace is not None:
+            self._grace.cancel()
+        self._grace = None
+        self._let_go()
 
     def _let_go(self) -> None:
         if self._holds_peer:
@@ -210,10 +244,12 @@ class NixlConsumer(Consumer):
 
     def close(self) -> None:
         """Idempotent; after drain. The agent is the daemon's and outlives the link; it forgets
-        the peer once no link uses it and no READ from it is in flight."""
+        the peer once no link uses it and no READ from it is in flight; a push link keeps it
+        while a push is held (drain)."""
         if not self._closed:
             self._closed = True
-            self._let_go()
+            if self._grace is None:
+                self._let_go()
 
 
 __all__ = ["NixlConsumer"]

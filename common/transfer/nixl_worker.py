@@ -97,7 +97,7 @@ class Peers:
 
 class NixlWorker:
     """The thread behind one NixlAgent (module docstring). Jobs: ("xfer", (op, peer, runs,
-    notif, done)), ("expect", ((peer, tag), done)), ("forget", peer), ("cancel", peer),
+    notif, done)), ("expect", ((peer, tag), done)), ("forget", (peer, tags)), ("cancel", peer),
     ("drop", peer), ("stop", None)."""
 
     def __init__(
@@ -165,10 +165,11 @@ class NixlWorker:
                 self._reply(done, None)
             else:
                 self._expected[key] = done
-        elif kind == "forget":  # a link ended: its consumer failed what it awaited itself
-            for table in (self._expected, self._early):
-                for key in [k for k in table if k[0] == job]:
-                    del table[key]
+        elif kind == "forget":  # a link ended: its consumer failed these awaited pushes itself
+            peer, tags = job
+            for tag in tags:
+                self._expected.pop((peer, tag), None)
+                self._early.pop((peer, tag), None)
         elif kind == "cancel":
             for item in [a for a in self._active if a[2] == job]:
                 self._active.remove(item)

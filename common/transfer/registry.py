@@ -1,6 +1,6 @@
 """Transports by link kind: the one place a daemon gets its producer and its consumers from.
 
-    transport = registry.transport(registry.link_kind(cfg.decode))   # "unix" or "tcp"
+    transport = registry.transport(registry.link_kind(address))   # "unix" or "tcp"
     transport.check()                                               # at startup: installed?
     producer = transport.producer(pool, allocator, settings, loop)  # the prefill's, once
     side = transport.consumer_side(pool, loop)                      # the decode's, once
@@ -119,9 +119,11 @@ def kinds() -> list[str]:
 
 
 def link_kind(address: str | None) -> str:
-    """The kind of a link to `address`: "unix" for the local socket (None), else the scheme of
-    the address (`tcp://HOST:PORT` → "tcp")."""
-    return UNIX if address is None else urlsplit(address).scheme or UNIX
+    """The kind of a link to `address`: "unix" for a socket path (or None, the local socket),
+    else the address's scheme (`tcp://HOST:PORT` → "tcp")."""
+    if address is None or "://" not in address:
+        return UNIX
+    return urlsplit(address).scheme
 
 
 register(UNIX, "common.transfer.unix_transport", "UnixTransport")

@@ -165,13 +165,13 @@ def test_stop_string_cuts_the_text_and_ends_the_request(stack: Stack, stream: bo
 def test_errors_map_to_openai_errors(stack: Stack) -> None:
     api = stack.api.sync_client()
     cases = [
-        (dict(n=2), openai.BadRequestError, "n"),
+        (dict(n=17), openai.BadRequestError, "n"),  # over MAX_N
         (dict(temperature=-1), openai.BadRequestError, "temperature"),
         (dict(extra_body={"top_k": -3}), openai.BadRequestError, "top_k"),
         (dict(stop=["a", "b", "c", "d", "e"]), openai.BadRequestError, "stop"),
         (dict(prompt="x" * 300), openai.BadRequestError, "prompt"),  # over --max-prompt-tokens
         (dict(model="gpt-4"), openai.NotFoundError, "model"),
-        (dict(logprobs=2), openai.BadRequestError, "logprobs"),
+        (dict(logprobs=21), openai.BadRequestError, "logprobs"),  # over 20
     ]
     for extra, error, param in cases:
         kw = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **extra}

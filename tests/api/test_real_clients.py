@@ -161,14 +161,8 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(real: Stack
     api = real.api.sync_client()
     base = dict(model="wordy", max_tokens=2)
     refused = [  # a call, the param named
-        (
-            lambda: api.completions.create(prompt="fox", presence_penalty=0.5, **base),
-            "presence_penalty",
-        ),
-        (
-            lambda: api.completions.create(prompt="fox", frequency_penalty=1, **base),
-            "frequency_penalty",
-        ),
+        (lambda: api.completions.create(prompt="fox", best_of=2, **base), "best_of"),
+        (lambda: api.completions.create(prompt="fox", suffix="dog", **base), "suffix"),
         (lambda: api.completions.create(prompt="fox", logit_bias={"5": 3}, **base), "logit_bias"),
         (
             lambda: api.chat.completions.create(

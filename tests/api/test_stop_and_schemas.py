@@ -53,10 +53,10 @@ def decode(body: str) -> schemas.CompletionRequest:
             '{"model": "m", "prompt": "x", "stream_options": {"include_usage": 1}}',
             "stream_options.include_usage",
         ),
-        ('{"model": "m", "prompt": "x", "echo": true}', "echo"),
+        ('{"model": "m", "prompt": "x", "suffix": "y"}', "suffix"),
         ('{"model": "m", "prompt": "x", "best_of": 2}', "best_of"),
-        ('{"model": "m", "prompt": "x", "presence_penalty": 0.5}', "presence_penalty"),
-        ('{"model": "m", "prompt": "x", "frequency_penalty": -1}', "frequency_penalty"),
+        ('{"model": "m", "prompt": "x", "n": 0}', "n"),
+        ('{"model": "m", "messages": [], "top_logprobs": 2}', "top_logprobs"),
         ('{"model": "m", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),
         (
             '{"model": "m", "messages": [], "response_format": {"type": "json_object"}}',
@@ -121,3 +121,44 @@ def test_context_length_blames_the_field_at_fault() -> None:
         error = info.value.body()["error"]
         assert error["code"] == "context_length_exceeded" and error["param"] == param
         assert "32 tokens" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ('"presence_penalty": 2.5', "presence_penalty"),
+        ('"frequency_penalty": -3', "frequency_penalty"),
+        ('"repetition_penalty": 0', "repetition_penalty"),
+        ('"min_tokens": -1', "min_tokens"),
+        ('"stop_token_ids": [-4]', "stop_token_ids"),
+        ('"logprobs": 21', "logprobs"),
+        ('"max_tokens": 0', "max_tokens"),  # 0 only with echo (prompt logprobs)
+    ],
+)
+def test_sampling_fields_out_of_range_are_named(fields: str, param: str) -> None:
+    req = decode(f'{{"model": "m", "prompt": "x", {fields}}}')
+    with pytest.raises(ApiError) as info:
+        schemas.sampling(req, max_tokens=req.max_tokens, default_max=16)
+    assert info.value.body()["error"]["param"] == param
+
+
+def test_sampling_fields_reach_the_daemons_parameters() -> None:
+    req = decode(
+        '{"model": "m", "prompt": "x", "echo": true, "logprobs": 3, "max_tokens": 0, '
+        '"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, '
+        '"min_tokens": 2, "stop_token_ids": [7, 9], "seed": 4}'
+    )
+    p = schemas.sampling(req, max_tokens=req.max_tokens, default_max=16)
+    assert (p.max_tokens, p.logprobs, p.prompt_logprobs) == (0, 3, 3)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -1, 1.2)
+    assert (p.min_tokens, p.stop_token_ids) == (2, (7, 9))
+    assert [schemas.seeded(p, j).seed for j in range(3)] == [4, 5, 6]
+    echo_only = decode('{"model": "m", "prompt": "x", "echo": true, "max_tokens": 0}')
+    p = schemas.sampling(echo_only, max_tokens=0, default_max=16)
+    assert (p.logprobs, p.prompt_logprobs) == (None, 0)  # the prompt's tokens, no logprobs shown
+    chat = schemas.decode(
+        schemas.ChatRequest,
+        b'{"model": "m", "messages": [], "logprobs": true, "top_logprobs": 5}',
+    )
+    p = schemas.sampling(chat, max_tokens=None, default_max=16)
+    assert (p.logprobs, p.prompt_logprobs) == (5, None)

@@ -110,6 +110,30 @@ async def test_a_link_ending_leaves_another_links_read_from_the_same_prefill_alo
         old.child.stop()
 
 
+async def test_a_push_awaited_when_its_link_ends_holds_its_blocks_until_the_write_lands(
+    decode_side,
+):
+    """The decode frees a sequence's blocks right after its pull's `done`: a push the prefill
+    has not written yet when the link ends may still land (the prefill aborts it only once it
+    sees the loss), so `done` must wait for the WRITE (or the grace), never come at drain."""
+    local, agent = decode_side
+    link = await Link.connect("push", SEED, local, agent)
+    try:
+        link.child.pause()  # a prefill that has not run the WRITE yet
+        seen: list[BaseException | None] = []
+        link.consumer.pull([1, 2, 3], [7, 8, 9], -1, seen.append)
+        await link.consumer.drain()
+        link.consumer.close()  # what the decode does next
+        await asyncio.sleep(0.2)
+        assert seen == [] and link.consumer.pulls_in_flight == 1  # blocks 7-9 still held
+        link.child.resume()  # the WRITE runs after all
+        await _until(lambda: seen, "the push never reported")
+        assert seen == [None]
+        assert torch.equal(local.tensor[[7, 8, 9]], pattern(LAYOUT, SEED)[[1, 2, 3]])
+    finally:
+        link.child.stop()
+
+
 async def test_a_push_in_flight_when_the_link_drops_is_aborted_by_the_prefill():
     loop = asyncio.get_running_loop()
     pool = KVPool.create(BIG)

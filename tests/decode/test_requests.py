@@ -102,6 +102,18 @@ def test_a_bad_handoff_is_refused_without_taking_blocks(side: Side, link, table,
     side.producer.allocator.free("r")
 
 
+def test_a_handoff_with_max_tokens_0_is_refused(side: Side, link, table, rt):
+    """max_tokens 0 (prompt logprobs only) is answered by the prefill alone: a HANDOFF of it
+    would reserve fewer blocks than its prompt holds."""
+    h = side.prefill("r0", [1, 2, 3, 4, 5], GREEDY)
+    scored = SamplingParams(max_tokens=0, prompt_logprobs=1)
+    bad = type(h)(**{**{f: getattr(h, f) for f in h.__struct_fields__}, "sampling": scored})
+    table.handoff(link, bad)
+    assert _errors(link) == [(ErrorCode.BAD_REQUEST, "r0")]
+    assert link.of(Release) == [] and len(table) == 0
+    side.producer.allocator.free("r0")
+
+
 async def test_a_sequence_aborted_mid_step_keeps_its_blocks_until_the_step_returns(
     side: Side, link, table, rt
 ):

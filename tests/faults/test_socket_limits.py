@@ -221,8 +221,10 @@ def test_idle_client_connections_are_closed(lpair):
 
 
 def test_a_client_that_does_not_read_its_stream_has_its_request_aborted(lpair):
+    # more output than the socket's buffer and the 256 KiB the prefill queues for a client
+    # before its requests wait for it (prefill_server/client_writer.py): ~80 bytes a token
     gen = Generate(
-        sampling=SamplingParams(max_tokens=1500, ignore_eos=True),
+        sampling=SamplingParams(max_tokens=7000, ignore_eos=True),
         prompt_tokens=[5, 6, 7],
         request_id="never-read",
         stream=True,

@@ -34,10 +34,10 @@ def _arm() -> None:
 
         real_prefill = LlamaModel.prefill_batch
 
-        def prefill_batch(self, prompts, slot_mappings, kv):  # type: ignore[no-untyped-def]
+        def prefill_batch(self, prompts, slot_mappings, kv, *rest):  # type: ignore[no-untyped-def]
             if any(int(poison) in p.tolist() for p in prompts):
                 raise RuntimeError("injected failure of the prefill forward")
-            return real_prefill(self, prompts, slot_mappings, kv)
+            return real_prefill(self, prompts, slot_mappings, kv, *rest)
 
         LlamaModel.prefill_batch = prefill_batch  # type: ignore[method-assign]
 

@@ -174,3 +174,69 @@ def test_api_chat_answer_equals_transformers(
     expected = hf_tokenizer.decode(hf_greedy(hf_model, ids), skip_special_tokens=True)
     assert chat.choices[0].message.content == expected
     assert chat.usage.prompt_tokens == len(ids)
+
+
+def test_api_echo_prompt_logprobs_equal_transformers(
+    pair: Pair, checkpoint: Path, hf_model, hf_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    """lm-evaluation-harness's log-likelihood request (token-id prompts, echo, logprobs,
+    max_tokens 0 and 1) on the real checkpoint: the prompt's logprobs are transformers'
+    log_softmax at each position, the first one null."""
+    from tests.api.conftest import start_api
+
+    prompts = [hf_tokenizer.encode(p) for p in PROMPTS[:2]]
+    api = start_api(pair.runtime, "--model", str(checkpoint))
+    try:
+        outs = [
+            api.sync_client().completions.create(
+                model=checkpoint.name,
+                prompt=prompts,
+                echo=True,
+                logprobs=2,
+                max_tokens=n,
+                temperature=0,
+            )
+            for n in (0, 1)
+        ]
+    finally:
+        assert api.stop() == 0
+    for n, out in zip((0, 1), outs, strict=True):
+        for ids, choice in zip(prompts, out.choices, strict=True):
+            with torch.no_grad():
+                logits = hf_model(torch.tensor([ids])).logits[0].float()
+            lsm = torch.log_softmax(logits, dim=-1)
+            got = choice.logprobs.token_logprobs
+            assert len(got) == len(ids) + n and got[0] is None
+            want = [float(lsm[t - 1, ids[t]]) for t in range(1, len(ids))]
+            assert got[1 : len(ids)] == pytest.approx(want, abs=2e-3)
+            if n:  # the generated token is the greedy one, and its logprob the top one
+                assert got[-1] == pytest.approx(float(lsm[-1].max()), abs=2e-3)
+            assert choice.text.startswith(hf_tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def test_daemons_repetition_penalty_equals_transformers_generate(
+    pair: Pair, hf_model, hf_tokenizer
+) -> None:  # type: ignore[no-untyped-def]
+    """transformers' generate with repetition_penalty (its RepetitionPenaltyLogitsProcessor over
+    prompt + generated) gives the same greedy tokens as the daemons."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.3)
+    prompts = [hf_tokenizer.encode(p) for p in PROMPTS]
+
+    async def run() -> list[client.Result]:
+        return await asyncio.gather(
+            *(
+                client.generate(pair.client_socket, prompt_tokens=p, sampling=params)
+                for p in prompts
+            )
+        )
+
+    for ids, result in zip(prompts, asyncio.run(run()), strict=True):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                repetition_penalty=1.3,
+            )
+        assert result.tokens == out[0, len(ids) :].tolist()

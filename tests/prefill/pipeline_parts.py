@@ -15,6 +15,8 @@ from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import Generate, Message
 from common.transfer import KVProducer
+from prefill_server.decode_links import DecodeLinks
+from prefill_server.link import DecodeLoad
 from prefill_server.pipeline import RequestPipeline
 
 __all__ = ["SLOTS", "FakeLink", "Setup", "cancelled"]
@@ -27,13 +29,16 @@ class FakeLink:
 
     tcp = None
 
-    def __init__(self) -> None:
-        self.link_id = "link-1"
+    def __init__(self, link_id: str = "link-1") -> None:
+        self.link_id = link_id
+        self.address = f"fake-{link_id}"
+        self.last_error = ""
+        self.load = DecodeLoad()
         self.ready = asyncio.Event()
         self.ready.set()
         self.sent: list[Message] = []
 
-    async def wait_up(self, timeout: float) -> None:
+    async def wait_up(self, timeout: float, *, patient: bool = True) -> None:
         if not self.ready.is_set():
             raise ConnectionError("no link to the decode daemon")
 
@@ -51,13 +56,19 @@ class FakeLink:
 
 
 class Setup:
-    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime) -> None:
+    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, decodes: int = 1) -> None:
         self.rt = rt
         self.producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=SLOTS)
         self.producer.events = CpuEventRing(SLOTS)  # slots as on CUDA: quarantine applies
-        self.link = FakeLink()
-        self.pipeline = RequestPipeline(cfg, rt, self.producer, self.link)  # type: ignore[arg-type]
+        self.links = [FakeLink(f"link-{i + 1}") for i in range(decodes)]
+        self.link = self.links[0]
+        links = DecodeLinks(self.links)  # type: ignore[arg-type]
+        self.pipeline = RequestPipeline(cfg, rt, self.producer, links)
         self.batcher_task: asyncio.Task[None] | None = None
+
+    def sent(self, kind: type, rid: str) -> list[tuple[str, Message]]:
+        """(link id, frame) of every `kind` frame for `rid`, on any link, in link order."""
+        return [(link.link_id, m) for link in self.links for m in link.of(kind, rid)]
 
     def start(
         self, rid: str, max_tokens: int = 4, prompt: list[int] | None = None

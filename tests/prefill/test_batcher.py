@@ -63,7 +63,7 @@ def test_queued_prompts_share_forwards_within_the_budget(rt) -> None:  # type: i
     sizes = [shared for _, shared in results]
     assert sizes == [2, 2, 1, 2, 2]
     for (first, _), p in zip(results, texts, strict=True):
-        assert first == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
 
 
 def test_a_request_cancelled_while_queued_never_runs(rt) -> None:  # type: ignore[no-untyped-def]
@@ -83,4 +83,23 @@ def test_chunked_prompts_equal_the_reference(rt, chunk: int) -> None:  # type: i
     assert batcher.prompts == 3
     assert batcher.forwards >= sum(-(-len(p) // chunk) for p in texts) - 2  # chunks ran apart
     for (first, _), p in zip(results, texts, strict=True):
-        assert first == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+
+
+def test_a_prompt_that_asks_for_prompt_logprobs_is_never_chunked() -> None:
+    """Its logits at every position come from one forward: its one piece is the whole prompt
+    (past the chunk and the budget), and it may not start after a cached prefix."""
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    async def go():  # type: ignore[no-untyped-def]
+        batcher = PrefillBatcher(None, None, 16, 16)  # type: ignore[arg-type]  # _take: no model
+        batcher.submit("a", [1] * 70, [], scored, -1)
+        batcher.submit("b", [1] * 70, [], GREEDY, -1)
+        with pytest.raises(ValueError, match="prompt logprobs"):
+            batcher.submit("c", [1] * 70, [], scored, -1, 16)
+        return batcher._take(), batcher._take()
+
+    first, second = asyncio.run(go())
+    assert [(job.request_id, p.start, p.end) for job, p in first] == [("a", 0, 70)]
+    assert [(job.request_id, p.start, p.end) for job, p in second] == [("b", 0, 16)]
+    assert first[0][1].sampling is scored and second[0][1].sampling is None  # a chunk: no draw

@@ -25,7 +25,7 @@ class _Listener:
         pass
 
 
-def _link(tmp_path) -> DecodeLink:  # type: ignore[no-untyped-def]
+def _link(tmp_path, address=None) -> DecodeLink:  # type: ignore[no-untyped-def]
     layout = PoolLayout(
         num_blocks=4, num_layers=1, num_kv_heads=1, head_dim=8, block_size=2, dtype="float32"
     )
@@ -34,6 +34,7 @@ def _link(tmp_path) -> DecodeLink:  # type: ignore[no-untyped-def]
     cfg = PrefillConfig(runtime_dir=tmp_path, link_socket=tmp_path / "absent.sock")
     return DecodeLink(
         cfg,
+        address,
         fingerprint="x",
         compat={},
         backend="shm",
@@ -63,8 +64,7 @@ async def test_a_frame_the_handler_fails_on_drops_the_link_and_it_reconnects(tmp
     from tests.faults.fakes import FakeDecode
 
     fake = FakeDecode(tmp_path / "d.sock").start()
-    link = _link(tmp_path)
-    link.cfg = PrefillConfig(runtime_dir=tmp_path, link_socket=fake.path)
+    link = _link(tmp_path, str(fake.path))
     allocator = link.producer.allocator
     allocator.allocate("held", 1)  # allocated, not leased: still being prefilled
     link.start(_Listener(lambda m: link.producer.released(m.request_id, -1)))

@@ -31,7 +31,7 @@ def cfg_rt(
 async def test_a_release_before_the_handoff_frees_nothing_and_does_not_raise(cfg_rt):  # type: ignore[no-untyped-def]
     cfg, rt = cfg_rt
     producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=1)
-    pipeline = RequestPipeline(cfg, rt, producer, link=None)  # type: ignore[arg-type]
+    pipeline = RequestPipeline(cfg, rt, producer, links=None)  # type: ignore[arg-type]
     blocks = rt.allocator.allocate("x", 2)
     pipeline.requests["x"] = PrefillRequest("x", [1, 2, 3], SamplingParams(max_tokens=4))
     try:

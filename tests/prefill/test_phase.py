@@ -47,9 +47,13 @@ PATHS = {
         [E.QUEUE, E.OFFER, E.ABORT, E.LINK_LOST],
         [P.QUEUED, P.LEASED, P.ABORTING, P.ENDED],
     ),
-    "link lost during the forward": (
+    "link lost during the forward, offered again": (
+        [E.QUEUE, E.OFFER_EARLY, E.LINK_LOST, E.OFFER, E.RELEASE],
+        [P.QUEUED, P.OFFERED, P.REFUSED, P.LEASED, P.RELEASED],
+    ),
+    "link lost during the forward, no other": (
         [E.QUEUE, E.OFFER_EARLY, E.LINK_LOST, E.END],
-        [P.QUEUED, P.OFFERED, P.DONE, P.ENDED],
+        [P.QUEUED, P.OFFERED, P.REFUSED, P.ENDED],
     ),
     "the HANDOFF's write failed": ([E.QUEUE, E.OFFER, E.UNSENT], [P.QUEUED, P.LEASED, P.DONE]),
     "ended before its forward": ([E.END], [P.ENDED]),

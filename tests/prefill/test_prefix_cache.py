@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from common import client
 from common.model import reference
@@ -174,4 +175,45 @@ def test_a_request_aborted_while_another_shares_its_blocks(new_pair, tiny) -> No
     assert result.finish is not None and result.finish.usage.cached_tokens == 48
     st = asyncio.run(client.status(pair.client_socket))
     assert st.pool["free"] == st.pool["total"] and st.inflight == 0
+    assert pair.stop_all() == {"prefill": 0, "decode": 0}
+
+
+def test_prompt_logprobs_get_no_cached_prefix_and_no_chunks(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+    """A request that asks for prompt logprobs needs the logits at every prompt position: it takes
+    no cached block (cached_tokens 0, a repeat scores the same) and is not chunked (chunks of 16
+    here, a 50-token prompt); its blocks are cached after all, so a request without prompt
+    logprobs still hits them. The hit rate counts only the requests that looked."""
+    model, _ = tiny
+    pair = new_pair
+    pair.start("decode")
+    pair.start("prefill", "--max-prefill-tokens", "16")
+    prompt = prompts(1, [50], seed=31)[0]
+    scored = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    echo = SamplingParams(max_tokens=0, prompt_logprobs=2)  # only the prompt scored
+
+    first = _run(pair, prompt, scored)
+    lsm = torch.log_softmax(model.forward_dense(torch.tensor(prompt)), -1)
+    want = [float(lsm[t - 1, prompt[t]]) for t in range(1, len(prompt))]
+    assert [e.token for e in first.prompt_logprobs] == prompt[1:]  # every position
+    assert [e.logprob for e in first.prompt_logprobs] == pytest.approx(want, abs=1e-4)
+    assert first.tokens == reference.generate(model, prompt, scored, block_size=BLOCK)
+    repeat = _run(pair, prompt, scored)
+    plain = _run(pair, prompt)  # no prompt logprobs: the scored requests' blocks are cached
+    scored_again = _run(pair, prompt, echo)
+    for res in (first, repeat, scored_again):
+        assert res.finish is not None and res.finish.usage.cached_tokens == 0
+    for res in (repeat, scored_again):
+        assert [(e.token, e.top) for e in res.prompt_logprobs] == [
+            (e.token, e.top) for e in first.prompt_logprobs
+        ]
+        assert [e.logprob for e in res.prompt_logprobs] == pytest.approx(
+            [e.logprob for e in first.prompt_logprobs], abs=1e-6
+        )
+    assert repeat.tokens == first.tokens and scored_again.tokens == []
+    assert plain.finish is not None and plain.finish.usage.cached_tokens == 48
+    assert plain.tokens == reference.generate(model, prompt, GREEDY, block_size=BLOCK)
+    st = asyncio.run(client.status(pair.client_socket))
+    assert st.prefix_cache["queried_tokens"] == len(prompt)  # the plain request alone looked
+    assert st.prefix_cache["hit_tokens"] == 48
+    assert st.pool["free"] == st.pool["total"]
     assert pair.stop_all() == {"prefill": 0, "decode": 0}

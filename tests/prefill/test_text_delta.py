@@ -24,6 +24,18 @@ def test_text_deltas_concatenate_to_the_full_decode_and_never_split_a_character(
             req.generated.append(t)
             deltas.append(out.text_delta(req, final=False))
         deltas.append(out.text_delta(req, final=True))
-        assert "".join(deltas) == tok.decode(gen)
-        # a delta never ends inside a multi-byte character that more bytes would complete
-        assert all(not d.endswith("\ufffd") for d in deltas[:-1] if d)
+        full = tok.decode(gen)
+        assert "".join(deltas) == full
+        # a delta is never taken back (a character split across tokens is held until it
+        # completes, not sent as U+FFFD): every text so far is a prefix of the whole
+        assert all(full.startswith("".join(deltas[:k])) for k in range(len(deltas)))
+
+
+def test_a_request_that_never_streamed_is_decoded_once_at_the_end():
+    tok = ByteTokenizer()
+    out = RequestOutput(tok)
+    req = PrefillRequest("r", [1], SamplingParams(), stream=False)
+    req.generated.extend("€ and 🚀".encode())
+    assert out.tokens(req, req.generated).text == ""
+    assert out.text_delta(req, final=True) == "€ and 🚀"
+    assert req.text is None  # no detokenizer was made for it

@@ -44,6 +44,7 @@ from common.protocol import (
     Usage,
     read_frame,
 )
+from common.sampling_params import TokenLogprob
 
 HEADER = struct.Struct("!4sHHIII")
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,7 +76,35 @@ sampling_params = st.builds(
     top_p=st.floats(0.0, 1.0, exclude_min=True),
     seed=st.none() | nonneg,
     ignore_eos=st.booleans(),
+    logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
+    presence_penalty=st.floats(-2.0, 2.0),
+    frequency_penalty=st.floats(-2.0, 2.0),
+    repetition_penalty=st.floats(0.0, 4.0, exclude_min=True),
+    min_tokens=st.integers(0, 64),
+    stop_token_ids=st.lists(token_ids, max_size=8).map(tuple),
 )
+
+
+@st.composite
+def tokens_messages(draw: st.DrawFn) -> Tokens:
+    """TOKENS with or without one logprob entry per token, and prompt logprobs."""
+    tokens = draw(token_lists)
+    entry = st.builds(
+        TokenLogprob,
+        token_ids,
+        finite,
+        st.lists(st.tuples(token_ids, finite), max_size=20),
+    )
+    logprobs = draw(st.none() | st.lists(entry, min_size=len(tokens), max_size=len(tokens)))
+    prompt = draw(st.none() | st.lists(entry, max_size=8))
+    return Tokens(
+        request_id=draw(request_ids),
+        tokens=tokens,
+        text=draw(texts),
+        logprobs=logprobs,
+        prompt_logprobs=prompt,
+    )
 
 
 @st.composite
@@ -134,7 +163,7 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
         KvReady, request_id=request_ids, first_token=token_ids, sent_ns=nonneg
     ),
     MsgType.RELEASE: st.builds(Release, request_id=request_ids, event_slot=event_slots),
-    MsgType.TOKENS: st.builds(Tokens, request_id=request_ids, tokens=token_lists, text=texts),
+    MsgType.TOKENS: tokens_messages(),
     MsgType.FINISH: st.builds(
         Finish,
         request_id=request_ids,

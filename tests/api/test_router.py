@@ -1,0 +1,92 @@
+"""One API in front of two prefill daemons (`--client-socket` twice), each linked to both of two
+decode daemons: real processes, the official `openai` client. Requests reach both prefills and
+both decodes, repeats of one prompt go to one prefill, and a prefill killed under the API leaves
+the other serving every request after it; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from common import client
+from tests.api.conftest import MODEL, start_api
+from tests.integration.conftest import Pair, wait_ready
+
+
+def _dir(factory: pytest.TempPathFactory, name: str) -> Path:
+    path = Path(factory.mktemp(name, numbered=True))  # short: AF_UNIX paths ≤ 108 bytes
+    os.chmod(path, 0o700)
+    return path
+
+
+def _status(path: Path | str):  # type: ignore[no-untyped-def]
+    return asyncio.run(client.status(str(path), timeout=5))
+
+
+@pytest.fixture
+def fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """Decodes d0, d1; prefills p0, p1 (each linked to both); the API in front of p0 and p1."""
+    pairs = {n: Pair(_dir(tmp_path_factory, f"rt{n}")) for n in ("d0", "d1", "p0", "p1")}
+    decodes = [pairs[n].start("decode") for n in ("d0", "d1")]
+    links = [a for d in decodes for a in ("--decode", str(d.socket))]
+    prefills = [pairs[n].start("prefill", *links, wait=False) for n in ("p0", "p1")]
+    for p in prefills:
+        wait_ready(p, linked=True)
+    api = start_api(
+        pairs["p0"].runtime,
+        *[a for p in prefills for a in ("--client-socket", str(p.socket))],
+        "--link-socket",
+        str(decodes[0].socket),
+    )
+    yield decodes, prefills, api
+    api.stop()
+    for pair in pairs.values():
+        pair.kill_all()
+
+
+def _complete(api, prompt: str) -> str:  # type: ignore[no-untyped-def]
+    out = api.sync_client().completions.create(
+        model=MODEL, prompt=prompt, max_tokens=4, temperature=0
+    )
+    return out.choices[0].text
+
+
+def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) -> None:  # type: ignore[no-untyped-def]
+    decodes, prefills, api = fleet
+    texts = {f"prompt number {i}: " + "x" * (i % 7): None for i in range(16)}
+    for prompt in texts:
+        texts[prompt] = _complete(api, prompt)
+    served = [_status(p.socket).served for p in prefills]
+    assert sum(served) == 16 and min(served) > 0, f"one prefill got everything: {served}"
+    assert min(_status(d.socket).served for d in decodes) > 0
+    # the same prompt again, 6 times: all on one prefill, and the same greedy text
+    before = [_status(p.socket).served for p in prefills]
+    prompt = next(iter(texts))
+    assert all(_complete(api, prompt) == texts[prompt] for _ in range(6))
+    after = [_status(p.socket).served for p in prefills]
+    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 6]
+    status, _, body = api.get("/health")
+    assert status == 200 and b'"ok"' in body
+    status, _, body = api.get("/metrics")
+    for d in decodes:
+        assert f'pdkv_decode_link_up{{decode="{d.socket}"}} 1.0'.encode() in body
+    assert f'pdkv_daemon_up{{role="prefill@{prefills[1].socket}"}} 1.0'.encode() in body
+
+
+def test_a_killed_prefill_leaves_the_other_serving(fleet) -> None:  # type: ignore[no-untyped-def]
+    decodes, prefills, api = fleet
+    prefills[0].stop(signal.SIGKILL)
+    time.sleep(1.2)  # the API's last STATUS of it goes stale (1 s): it asks again and leaves it out
+    texts = [_complete(api, f"after the kill {i}") for i in range(8)]
+    assert all(isinstance(t, str) for t in texts)
+    assert _status(prefills[1].socket).served == 8
+    status, _, body = api.get("/health")
+    assert status == 200 and b"degraded" in body and str(prefills[0].socket).encode() in body
+    for d in (prefills[1], *decodes):
+        st = _status(d.socket)
+        assert st.inflight == 0 and st.pool["free"] == st.pool["total"], d.role
