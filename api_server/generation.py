@@ -76,6 +76,7 @@ class Done:
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of prompt_tokens, reused from the prefill's prefix cache
 
 
 class StopCutter:
@@ -163,7 +164,8 @@ async def run(
                     if handoff_us := msg.timings.get("handoff_us"):  # 0: ended before a handoff
                         metrics.handoff.observe(handoff_us / 1e6)
                     reason = "length" if msg.reason == "length" else "stop"
-                    yield Done(reason, msg.usage.prompt_tokens, msg.usage.completion_tokens)
+                    u = msg.usage
+                    yield Done(reason, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                     return
     except client.RequestFailed as exc:
         raise from_daemon(

@@ -3,8 +3,9 @@
 Per request (measured at the HTTP layer, from the request's arrival): outcomes by endpoint, time
 to first token, inter-token latency (per token), end-to-end duration, the prefill's handoff
 latency (its FINISH timing `handoff_us`), token counts and requests in flight. Per daemon, read
-from STATUS_REPLY at each scrape: up, pool blocks (total, used, free, owned, leased), requests in
-flight, and the prefill's link state, round trip and reconnects (`connects` − 1).
+from STATUS_REPLY at each scrape: up, pool blocks (total, used, free, cached, owned, leased),
+requests in flight, the prefix cache's counters (queried and hit tokens, evictions) and cached
+blocks, and the prefill's link state, round trip and reconnects (`connects` − 1).
 """
 
 from __future__ import annotations
@@ -49,7 +50,31 @@ class DaemonCollector(Collector):
                 blocks.add_metric([role, state], n)
             inflight.add_metric([role], st.inflight)
         yield from (up, blocks, inflight)
+        yield from self._prefix_cache()
         yield from self._link()
+
+    def _prefix_cache(self) -> Iterator[Metric]:
+        """The prefix cache's counters, from STATUS_REPLY's `prefix_cache` of each daemon."""
+        counters = {
+            "queried_tokens": "prompt tokens looked up in the prefix cache",
+            "hit_tokens": "prompt tokens whose KV came from the prefix cache",
+            "evictions": "cached blocks evicted to make room",
+        }
+        families = {
+            key: CounterMetricFamily(f"pdkv_prefix_cache_{key}", text, labels=["role"])
+            for key, text in counters.items()
+        }
+        cached = GaugeMetricFamily(
+            "pdkv_prefix_cache_blocks", "blocks holding cached KV (free ones only)", labels=["role"]
+        )
+        for role, st in self.statuses.items():
+            cache = st.prefix_cache if st is not None else {}
+            if not cache.get("enabled"):
+                continue
+            for key, family in families.items():
+                family.add_metric([role], cache.get(key, 0))
+            cached.add_metric([role], cache.get("cached_blocks", 0))
+        yield from (*families.values(), cached)
 
     def _link(self) -> Iterator[Metric]:
         prefill, decode = self.statuses["prefill"], self.statuses["decode"]

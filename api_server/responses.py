@@ -112,14 +112,17 @@ class Reply:
         }
 
 
-def usage(dones: list[Done]) -> dict[str, int]:
-    """OpenAI's usage of a request: its prompts' counts summed."""
+def usage(dones: list[Done]) -> dict[str, Any]:
+    """OpenAI's usage of a request: its prompts' counts summed; `prompt_tokens_details`'s
+    `cached_tokens` are the prompt tokens the prefill's prefix cache supplied (0 for a prompt the
+    API ended at a stop string before its FINISH)."""
     prompt = sum(d.prompt_tokens for d in dones)
     completion = sum(d.completion_tokens for d in dones)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones)},
     }
 
 

@@ -30,6 +30,17 @@ each target and are not counted. Exit status 1 when any request failed.
     python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 1,2,4,8,16 --json serve.json
     python bench/serve.py --model ~/llama-1b --device cuda:0 --sweep 2,4,8,16,32,64 \
         --slo-ttft-ms 200 --slo-itl-ms 25                                  # goodput, both targets
+
+Workloads with repeats (bench/serve_workloads.py), for the prefix cache: `--shared-prefix N` (every
+prompt starts with the same N tokens, then --prompt-len of its own), `--turns T` (conversations of
+T turns, each re-sending the one before; the summary then has TTFT per turn). Target `cache` runs
+the daemons with the prefix cache and a second pair without it (`--no-prefix-cache`) on the same
+workload; FINISH's `cached_tokens` is among each request's server timings.
+
+    python bench/serve.py --model ~/tinyllama --device cuda:0 --target cache --requests 200 \
+        --rate 20 --shared-prefix 1536 --prompt-len 128:128
+    python bench/serve.py --model ~/tinyllama --device cuda:0 --target cache --requests 64 \
+        --rate 4 --turns 8 --prompt-len 200:200 --output-len 32:32
 """
 
 from __future__ import annotations
@@ -52,6 +63,7 @@ sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current direc
 
 import serve_goodput as goodput  # noqa: E402
 import serve_load as load  # noqa: E402
+import serve_workloads  # noqa: E402
 from serve_api import api_stream, model_id, own_api  # noqa: E402
 from serve_daemons import (  # noqa: E402
     PairFailed,
@@ -73,6 +85,7 @@ TARGETS = {
     "local": ["local"],
     "both": ["daemons", "local"],
     "all": ["daemons", "api", "local"],
+    "cache": ["daemons", "daemons-no-cache"],  # the prefix cache on, then off, one workload
 }
 
 
@@ -92,6 +105,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
     ap.add_argument("--output-len", type=load.parse_range, default=(8, 64), metavar="MIN:MAX")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="N",
+        help="every prompt starts with N same tokens",
+    )
+    ap.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="T",
+        help="conversations of T turns (default 1: none)",
+    )
     ap.add_argument("--target", choices=list(TARGETS), default="both", help="default both")
     ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda:N (every target)")
@@ -151,6 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.num_blocks = max(args.num_blocks, need)
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests must be >= 1 and --rate > 0")
+    if args.shared_prefix < 0 or args.turns < 1:
+        ap.error("--shared-prefix must be >= 0 and --turns >= 1")
     if (args.slo_ttft_ms is None) != (args.slo_itl_ms is None):
         ap.error("goodput needs both --slo-ttft-ms and --slo-itl-ms")
     args.rates = args.sweep or [args.rate]
@@ -201,9 +230,7 @@ def run_target(name: str, open_stream: load.OpenStream, args: argparse.Namespace
         asyncio.run(load.run_load([spec], open_stream, label=f"{name} warm-up"))
     results = []
     for rate in args.rates:
-        specs = load.make_workload(
-            args.requests, rate, args.prompt_len, args.output_len, vocab, args.seed
-        )
+        specs = workload(args, rate, vocab)
         label = f"{name} @ {rate:g}/s"
         print(f"  {label}: {len(specs)} requests", file=sys.stderr, flush=True)
         records, duration = asyncio.run(
@@ -220,8 +247,20 @@ def run_target(name: str, open_stream: load.OpenStream, args: argparse.Namespace
     return results
 
 
+def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[load.RequestSpec]:
+    """The measured requests of one rate: drawn, then with a shared prefix and in turns."""
+    specs = load.make_workload(
+        args.requests, rate, args.prompt_len, args.output_len, vocab, args.seed
+    )
+    if args.shared_prefix:
+        specs = serve_workloads.shared_prefix(specs, args.shared_prefix, vocab, args.seed)
+    if args.turns > 1:
+        specs = serve_workloads.multi_turn(specs, args.turns, vocab, args.seed)
+    return specs
+
+
 @contextlib.contextmanager
-def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
+def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[str]:
     """The prefill's client socket: the given running daemons, or a pair of our own."""
     if args.client_socket or args.runtime_dir:
         sock = args.client_socket or str(Path(args.runtime_dir) / "prefill.sock")
@@ -240,9 +279,9 @@ def daemons_socket(args: argparse.Namespace) -> Iterator[str]:
     decode = ["--max-batch", str(args.max_batch)]
     if args.decode_device:  # the last --device on the command line wins
         decode += ["--device", args.decode_device]
-    prefill = []
+    prefill = [] if cache else ["--no-prefix-cache"]
     if args.max_prefill_tokens:
-        prefill = ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+        prefill += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     with own_pair(common, decode, prefill) as sock:
         yield sock
 
@@ -277,6 +316,15 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                 lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
                 args,
             )
+        if "daemons-no-cache" in names:
+            if args.client_socket or args.runtime_dir:
+                raise PairFailed("target cache starts its own pairs: no --client-socket")
+            with daemons_socket(args, cache=False) as plain:
+                runs += run_target(
+                    "daemons-no-cache",
+                    lambda s: daemon_stream(plain, s.prompt, s.output_len, text=args.text),
+                    args,
+                )
         if "api" in names:
             url = args.api_url or stack.enter_context(api_for(sock, args))
             try:
@@ -346,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch", "max_prefill_tokens")}
     header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
     header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
+    header |= {"shared_prefix": args.shared_prefix, "turns": args.turns}
     print(
         f"serve bench: {args.requests} requests per rate, prompt {args.prompt_len[0]}:"
         f"{args.prompt_len[1]}, output {args.output_len[0]}:{args.output_len[1]} tokens, "

@@ -128,4 +128,4 @@ async def daemon_stream(
         if isinstance(msg, client.Tokens) and msg.tokens:
             yield msg.tokens
         elif isinstance(msg, client.Finish) and msg.timings:
-            yield ServerTimings(dict(msg.timings))
+            yield ServerTimings({**msg.timings, "cached_tokens": msg.usage.cached_tokens})

@@ -36,6 +36,8 @@ class RequestSpec:
     arrival_s: float
     prompt: list[int]
     output_len: int
+    after: int | None = None  # a later turn: sent once request `after` (its previous turn) ended
+    turn: int = 0  # its turn in a multi-turn conversation (0: the first, or no conversation)
 
 
 @dataclass
@@ -45,7 +47,8 @@ class RequestRecord:
     index: int
     prompt_len: int
     output_len: int
-    start: float = 0.0
+    start: float = 0.0  # when it was sent (its arrival, or its previous turn's end)
+    turn: int = 0
     token_times: list[float] = field(default_factory=list)  # one per frame of tokens or text
     tokens: list[int] = field(default_factory=list)
     text: str = ""  # what a text target streamed
@@ -79,6 +82,7 @@ class RequestRecord:
             "ok": self.ok,
             "error": self.error,
             "start_s": self.start,
+            "turn": self.turn,
             "ttft_ms": self.ttft() * 1e3 if ok else None,
             "e2e_ms": (self.end - self.start) * 1e3,
             "itl_ms": [x * 1e3 for x in self.itls()],
@@ -150,11 +154,16 @@ async def run_load(
     `progress_s` seconds a progress line goes to stderr."""
     t0 = time.perf_counter()
     records = [
-        RequestRecord(s.index, len(s.prompt), s.output_len, start=s.arrival_s) for s in specs
+        RequestRecord(s.index, len(s.prompt), s.output_len, start=s.arrival_s, turn=s.turn)
+        for s in specs
     ]
+    ended = {s.index: asyncio.Event() for s in specs}
 
     async def one(spec: RequestSpec, rec: RequestRecord) -> None:
         await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
+        if spec.after is not None:  # a later turn waits for the one before
+            await ended[spec.after].wait()
+            rec.start = time.perf_counter() - t0
         try:
             async for chunk in open_stream(spec):
                 if isinstance(chunk, Usage):
@@ -171,6 +180,7 @@ async def run_load(
         except Exception as e:  # a failed request is a result, not a crash of the bench
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = time.perf_counter() - t0
+        ended[spec.index].set()
 
     tasks = [asyncio.create_task(one(s, r)) for s, r in zip(specs, records, strict=True)]
     reporter = asyncio.create_task(_progress(records, tasks, t0, label, progress_s))
@@ -240,8 +250,17 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict:
         "e2e_ms": _dist([r.end - r.start for r in ok]),
         "second_token_ms": _dist([r.itls()[0] for r in ok if len(r.token_times) > 1]),
         "server_timings": _server_timings(ok),
+        "ttft_ms_by_turn": _by_turn(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
+
+
+def _by_turn(records: Sequence[RequestRecord]) -> dict[int, dict[str, float | None]]:
+    """TTFT (ms) per turn of multi-turn conversations ({} for other workloads)."""
+    turns = sorted({r.turn for r in records})
+    if turns in ([], [0]):
+        return {}
+    return {t: _dist([r.ttft() for r in records if r.turn == t]) for t in turns}
 
 
 def _server_timings(records: Sequence[RequestRecord]) -> dict[str, dict[str, float | None]]:

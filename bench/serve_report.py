@@ -31,6 +31,10 @@ def print_table(runs: list[dict]) -> None:
         if server:
             parts = [f"{k} {d['p50']:.1f}/{d['p99']:.1f}" for k, d in server.items()]
             print("    server's own timings p50/p99: " + ", ".join(parts))
+        by_turn = s.get("ttft_ms_by_turn") or {}
+        if by_turn:
+            parts = [f"{t}: {d['p50']:.1f}" for t, d in by_turn.items() if d["p50"] is not None]
+            print("    TTFT p50 by turn, ms: " + ", ".join(parts))
         for err in s["errors"]:
             print(f"    error: {err}")
 
@@ -43,10 +47,14 @@ def same_output(runs: list[dict], *, tiny: bool) -> None:
 
     by_key = {(r["target"], r["rate"]): r["requests"] for r in runs}
     for rate in dict.fromkeys(r["rate"] for r in runs):
-        d, loc = by_key.get(("daemons", rate)), by_key.get(("local", rate))
-        if d and loc:
-            same = sum(a["tokens"] == b["tokens"] for a, b in zip(d, loc, strict=True))
-            print(f"same tokens from daemons and local at {rate:g}/s: {same}/{len(d)} requests")
+        d = by_key.get(("daemons", rate))
+        for other in ("local", "daemons-no-cache"):
+            theirs = by_key.get((other, rate))
+            if d and theirs:
+                same = sum(a["tokens"] == b["tokens"] for a, b in zip(d, theirs, strict=True))
+                print(
+                    f"same tokens from daemons and {other} at {rate:g}/s: {same}/{len(d)} requests"
+                )
         api = by_key.get(("api", rate))
         if d and api and tiny:
             decode = ByteTokenizer().decode

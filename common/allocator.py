@@ -1,34 +1,48 @@
-"""Block allocator: which KV block belongs to whom. Pure bookkeeping, no I/O, no clock.
+"""Block allocator: which KV block belongs to whom, and which cached KV it still names. Pure
+bookkeeping, no I/O, no clock.
 
 Every block is in exactly one state:
 
-    FREE --allocate--> OWNED --lease--> LEASED --release / release_holder--> FREE
-                         |                 |
-                         +------free-------+--------------------------------> FREE
+    FREE ----allocate----> OWNED --lease--> LEASED --release / release_holder / free--+
+     ^  ^                    |                                                        |
+     |  |                    +--free------------------------------------------------+|
+     |  +--evict (allocate)--+ CACHED <--last holder gone, block named--------------+|
+     +---------------------------------last holder gone, block unnamed---------------+
 
-OWNED blocks belong to a request this daemon is computing; LEASED blocks still hold a request's KV
+OWNED blocks belong to requests this daemon is computing; LEASED blocks still hold a request's KV
 for a peer (a link) that has not copied them yet. A lease ends when the peer releases it, when the
 peer dies (`release_holder`), or when the caller finds it past its deadline (`expired`) and
 releases it. Deadlines are plain floats chosen by the caller; the allocator never reads a clock.
 
+The prefix cache: a full block whose KV is written may be named by its hash (`publish`;
+common/blockhash.py) and then shared by several requests (`allocate(..., reuse=...)`); it is
+LEASED while any leased request holds it, OWNED while only others do, and CACHED (free, still
+named, evicted least recently freed first only when no FREE block is left) once nobody holds it.
+docs/architecture.md ("Block allocator") has the rules.
+
+Counts: `num_free` includes the CACHED blocks (`num_cached` of them), so
+free + owned + leased == total always.
+
 Cost: every verb is O(blocks it touches) (O(1) per block), never a pass over the whole pool.
-Free blocks are handed out lowest id first and reused last-freed first, so a fresh pool gives a
+FREE blocks are handed out lowest id first and reused last-freed first, so a fresh pool gives a
 request adjacent blocks and a pull can copy them as one run.
 """
 
 from __future__ import annotations
 
 import enum
-import heapq
-import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.block_names import BlockNames
 from common.errors import AllocatorError, OutOfBlocks
+from common.leases import Entry, LeaseBook
 
 
 class BlockState(enum.Enum):
     FREE = "free"
+    CACHED = "cached"  # free, but still names cached KV (evicted LRU when FREE runs out)
     OWNED = "owned"
     LEASED = "leased"
 
@@ -57,13 +71,12 @@ class BlockAllocator:
         self._total = num_blocks
         # A stack whose top is the lowest id: allocate pops ascending ids.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._owner: list[str | None] = [None] * num_blocks
+        self._names = BlockNames(num_blocks)  # the named blocks and the CACHED ones' LRU order
+        self._users: list[set[str]] = [set() for _ in range(num_blocks)]
+        self._lease_refs = [0] * num_blocks  # leased requests holding the block
         self._requests: dict[str, _Request] = {}
-        self._holders: dict[str, set[str]] = {}
-        self._deadlines: list[tuple[float, int, str]] = []  # heap, stale entries skipped
-        self._seq = itertools.count()
+        self._deadlines = LeaseBook(self._live)  # holders' requests, deadlines
         self._num_leased = 0
-        self._num_deadlines = 0  # live leases with a deadline, to size the heap's garbage
 
     # -- counters ---------------------------------------------------------------------------
 
@@ -73,7 +86,23 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """FREE and CACHED blocks: what an allocation may take."""
+        return len(self._free) + self._names.num_parked
+
+    @property
+    def num_cached(self) -> int:
+        """Free blocks that still name cached KV."""
+        return self._names.num_parked
+
+    @property
+    def num_named(self) -> int:
+        """Blocks named by a hash, held or CACHED."""
+        return len(self._names)
+
+    @property
+    def evictions(self) -> int:
+        """CACHED blocks an allocation took (and so unnamed) since start."""
+        return self._names.evictions
 
     @property
     def num_leased(self) -> int:
@@ -81,21 +110,24 @@ class BlockAllocator:
 
     @property
     def num_owned(self) -> int:
-        return self._total - len(self._free) - self._num_leased
+        return self._total - self.num_free - self._num_leased
 
     # -- allocate / free --------------------------------------------------------------------
 
-    def can_allocate(self, n: int) -> bool:
-        """True if `allocate(_, n)` would succeed now."""
+    def can_allocate(self, n: int, reuse: Sequence[int] = ()) -> bool:
+        """True if `allocate(_, n, reuse=reuse)` would succeed now."""
         _check_count(n)
-        return n <= len(self._free)
+        return n <= self.num_free - sum(1 for b in reuse if self._names.is_parked(b))
 
-    def allocate(self, request_id: str, n: int) -> list[int]:
-        """Give `request_id` n more FREE blocks (OWNED from now on) and return their ids.
+    def allocate(self, request_id: str, n: int, *, reuse: Sequence[int] = ()) -> list[int]:
+        """Give `request_id` the named blocks `reuse` (shared with their other holders; from
+        `lookup`) and then n more blocks, FREE ones first, then CACHED ones least recently freed
+        first (evicting their names); return them in that order. All are OWNED from now on.
 
         A request may allocate again later; its blocks_of() grows in allocation order. n == 0
-        registers the request with no blocks. Raises OutOfBlocks (and changes nothing) when fewer
-        than n blocks are free, AllocatorError when the request is leased.
+        and no reuse registers the request with no blocks. Raises OutOfBlocks (and changes
+        nothing) when fewer than n blocks are free besides `reuse`, AllocatorError when the
+        request is leased or a reused block is unnamed or already its own.
         """
         _check_count(n)
         req = self._requests.get(request_id)
@@ -104,26 +136,78 @@ class BlockAllocator:
                 f"request {request_id!r} is leased to {req.lease.holder!r}; "
                 "a leased request cannot grow — release or free it first"
             )
-        if n > len(self._free):
-            raise OutOfBlocks(n, len(self._free), self._total)
+        self._check_reuse(request_id, reuse)
+        if not self.can_allocate(n, reuse):
+            raise OutOfBlocks(n, self.num_free, self._total)
         if req is None:
             if not isinstance(request_id, str) or not request_id:
                 raise AllocatorError(f"request id must be a non-empty str, got {request_id!r}")
             req = self._requests[request_id] = _Request()
-        blocks = self._free[len(self._free) - n :][::-1]
-        del self._free[len(self._free) - n :]
+        for block in reuse:
+            self._names.unpark(block)
+        take = min(n, len(self._free))
+        blocks = [*reuse, *self._free[len(self._free) - take :][::-1]]
+        del self._free[len(self._free) - take :]
+        for _ in range(n - take):
+            blocks.append(self._names.evict())
         for block in blocks:
-            self._owner[block] = request_id
+            self._users[block].add(request_id)
         req.blocks.extend(blocks)
         return blocks
 
     def free(self, request_id: str) -> int:
-        """Free every block of `request_id`, OWNED or LEASED; return how many; forget it."""
+        """Let go of every block of `request_id`, OWNED or LEASED; return how many; forget it.
+        A block another request still holds stays theirs; a named one becomes CACHED."""
         req = self._pop_request(request_id)
         if req.lease is not None:
             self._end_lease(request_id, req)
-        self._give_back(req.blocks)
+        unnamed = []
+        for block in reversed(req.blocks):  # a chain's deepest blocks are evicted first
+            users = self._users[block]
+            users.discard(request_id)
+            if users:
+                continue
+            if self._names.name_of(block) is None:
+                unnamed.append(block)
+            else:
+                self._names.park(block)
+        self._free.extend(unnamed)  # next allocate gets them back in the same order
         return len(req.blocks)
+
+    # -- names (the prefix cache) -------------------------------------------------------------
+
+    def publish(self, request_id: str, names: Sequence[bytes]) -> int:
+        """Name the request's first len(names) blocks, whose KV is written, `names[i]` each;
+        return how many got a new name. A block already named keeps its name (it must be the
+        same); a name already on another block stays there and this block stays unnamed (two
+        requests computed the same prefix at once: one copy is kept)."""
+        req = self._get(request_id)
+        if len(names) > len(req.blocks):
+            raise AllocatorError(
+                f"request {request_id!r} has {len(req.blocks)} blocks, cannot name {len(names)}"
+            )
+        named = 0
+        for block, name in zip(req.blocks, names, strict=False):
+            if (old := self._names.name_of(block)) is not None:
+                if old != name:
+                    raise AllocatorError(f"block {block} is already named otherwise")
+                continue
+            named += self._names.name(block, name)
+        return named
+
+    def lookup(self, names: Sequence[bytes]) -> list[int]:
+        """The blocks named names[0], names[1], ... up to the first name not cached (the
+        longest cached prefix of a chain). Changes nothing."""
+        return self._names.lookup(names)
+
+    def block_named(self, name: bytes) -> int | None:
+        """The block holding the KV named `name`, or None."""
+        return self._names.block_named(name)
+
+    def name_of(self, block_id: int) -> bytes | None:
+        """The name of a block (None: unnamed)."""
+        self.state_of(block_id)  # range check
+        return self._names.name_of(block_id)
 
     # -- lease / release --------------------------------------------------------------------
 
@@ -140,19 +224,12 @@ class BlockAllocator:
             )
         if not isinstance(holder, str) or not holder:
             raise AllocatorError(f"lease holder must be a non-empty str, got {holder!r}")
-        if deadline is not None and (
-            isinstance(deadline, bool)
-            or not isinstance(deadline, int | float)
-            or math.isnan(deadline)
-        ):
-            raise AllocatorError(f"lease deadline must be a number or None, got {deadline!r}")
+        _check_deadline(deadline)
         req.lease = Lease(holder, deadline)
-        req.lease_seq = next(self._seq)
-        self._holders.setdefault(holder, set()).add(request_id)
-        self._num_leased += len(req.blocks)
-        if deadline is not None:
-            self._num_deadlines += 1
-            heapq.heappush(self._deadlines, (deadline, req.lease_seq, request_id))
+        req.lease_seq = self._deadlines.add(request_id, holder, deadline)
+        for block in req.blocks:
+            self._lease_refs[block] += 1
+            self._num_leased += self._lease_refs[block] == 1
 
     def unlease(self, request_id: str) -> None:
         """LEASED → OWNED: the holder refused the request (NO_CAPACITY) and reads none of its
@@ -176,7 +253,7 @@ class BlockAllocator:
 
         An unknown holder (or one with no leases left) frees nothing and returns [].
         """
-        request_ids = sorted(self._holders.get(holder, ()))
+        request_ids = self._deadlines.of_holder(holder)
         for request_id in request_ids:
             self.free(request_id)
         return request_ids
@@ -187,21 +264,7 @@ class BlockAllocator:
         The caller decides what to do (usually `release` each). Cost: O(expired + stale entries
         popped) — only the part of the deadline heap that is already due is visited.
         """
-        heap = self._deadlines
-        while heap and not self._live(heap[0]):
-            heapq.heappop(heap)
-        due: list[tuple[float, int, str]] = []
-        stack = [0] if heap else []
-        while stack:  # walk the heap tree down to the entries past now; children >= parent
-            i = stack.pop()
-            entry = heap[i]
-            if entry[0] > now:
-                continue
-            if self._live(entry):
-                due.append(entry)
-            stack.extend(c for c in (2 * i + 1, 2 * i + 2) if c < len(heap))
-        due.sort()
-        return [request_id for _, _, request_id in due]
+        return self._deadlines.due(now)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -219,15 +282,29 @@ class BlockAllocator:
             raise AllocatorError(f"block id must be an int, got {block_id!r}")
         if not 0 <= block_id < self._total:
             raise AllocatorError(f"block id {block_id} out of range [0, {self._total})")
-        owner = self._owner[block_id]
-        if owner is None:
-            return BlockState.FREE
-        return BlockState.OWNED if self._requests[owner].lease is None else BlockState.LEASED
+        if self._lease_refs[block_id]:
+            return BlockState.LEASED
+        if self._users[block_id]:
+            return BlockState.OWNED
+        return BlockState.CACHED if self._names.is_parked(block_id) else BlockState.FREE
 
     def owner_of(self, block_id: int) -> str | None:
-        """Request id holding the block, or None when it is FREE."""
+        """A request holding the block (the lowest id when several share it), or None when it is
+        FREE or CACHED."""
         self.state_of(block_id)  # range check
-        return self._owner[block_id]
+        users = self._users[block_id]
+        return min(users) if users else None
+
+    def holders_of(self, block_id: int) -> list[str]:
+        """Every request holding the block, sorted."""
+        self.state_of(block_id)  # range check
+        return sorted(self._users[block_id])
+
+    def lease_holders(self, block_id: int) -> set[str]:
+        """The peers (lease holders) that may read the block now."""
+        self.state_of(block_id)  # range check
+        leases = (self._requests[r].lease for r in self._users[block_id])
+        return {lease.holder for lease in leases if lease is not None}
 
     def requests(self) -> list[str]:
         """Ids of all requests holding blocks (or registered with none), OWNED or LEASED."""
@@ -239,7 +316,7 @@ class BlockAllocator:
     def __repr__(self) -> str:
         return (
             f"BlockAllocator(total={self._total}, free={self.num_free}, "
-            f"owned={self.num_owned}, leased={self.num_leased})"
+            f"cached={self.num_cached}, owned={self.num_owned}, leased={self.num_leased})"
         )
 
     # -- internals --------------------------------------------------------------------------
@@ -257,35 +334,35 @@ class BlockAllocator:
         del self._requests[request_id]
         return req
 
+    def _check_reuse(self, request_id: str, reuse: Sequence[int]) -> None:
+        for block in reuse:
+            self.state_of(block)  # range check
+            if self._names.name_of(block) is None:
+                raise AllocatorError(f"block {block} is not named: only cached KV can be reused")
+            if request_id in self._users[block]:
+                raise AllocatorError(f"block {block} is already held by {request_id!r}")
+        if len(set(reuse)) != len(reuse):
+            raise AllocatorError(f"reused blocks repeat: {list(reuse)}")
+
     def _end_lease(self, request_id: str, req: _Request) -> None:
         assert req.lease is not None
-        holder_set = self._holders[req.lease.holder]
-        holder_set.discard(request_id)
-        if not holder_set:
-            del self._holders[req.lease.holder]
-        self._num_leased -= len(req.blocks)
-        if req.lease.deadline is not None:
-            self._num_deadlines -= 1
-        req.lease = None
-        req.lease_seq = -1  # its heap entry, if any, is now stale
-        self._maybe_compact()
+        for block in req.blocks:
+            self._lease_refs[block] -= 1
+            self._num_leased -= self._lease_refs[block] == 0
+        lease, req.lease, req.lease_seq = req.lease, None, -1  # its heap entry is now stale
+        self._deadlines.end(request_id, lease.holder, lease.deadline is not None)
 
-    def _give_back(self, blocks: list[int]) -> None:
-        for block in blocks:
-            self._owner[block] = None
-        self._free.extend(reversed(blocks))  # next allocate gets them back in the same order
-
-    def _live(self, entry: tuple[float, int, str]) -> bool:
+    def _live(self, entry: Entry) -> bool:
         req = self._requests.get(entry[2])
         return req is not None and req.lease_seq == entry[1]
 
-    def _maybe_compact(self) -> None:
-        # Stale heap entries are dropped lazily; rebuild when they outnumber the live ones so the
-        # heap stays O(live leases). Amortized O(1) per lease.
-        heap = self._deadlines
-        if len(heap) > 64 and len(heap) > 2 * self._num_deadlines:
-            self._deadlines = [e for e in heap if self._live(e)]
-            heapq.heapify(self._deadlines)
+
+def _check_deadline(deadline: float | None) -> None:
+    bad = (
+        isinstance(deadline, bool) or not isinstance(deadline, int | float) or math.isnan(deadline)
+    )
+    if deadline is not None and bad:
+        raise AllocatorError(f"lease deadline must be a number or None, got {deadline!r}")
 
 
 def _check_count(n: int) -> None:

@@ -9,6 +9,9 @@ over the daemons' own transfer objects.
     mgr.push_blocks(my_cache, peer_cache, src_ids, dst_ids)      # write into the peer's blocks
     task = mgr.transfer_cache_async(src, dst, src_ids, dst_ids, layer_sync)
     task.synchronize()                                           # layer by layer, paced
+    names = mgr.block_names(my_cache, tokens)                    # cache keys of full blocks
+    mgr.name_blocks(my_cache, block_ids, names)                  # their KV is written there
+    mgr.lookup_blocks(my_cache, names)                           # the longest cached run
 
 A cache is *local* (this process owns the memory: registered) or *remote* (imported from a peer's
 export: the same memory, mapped here). Blocks caches are KVPools (block-major, one block's K and V
@@ -21,6 +24,12 @@ consumer's pull, through `KVPool.copy_blocks_from` like every copy. A payload fr
 daemon's producer imports here, and an export from here opens in a bare KVConsumer. Nothing here
 touches a socket: how payload and fds travel is the caller's choice (common.ipc.fdpass, or the
 daemons' FrameChannel).
+
+Cache keys, as LLM-DataDist's: a local blocks cache can name the blocks holding a token sequence's
+full blocks by the prefix cache's names (common.blockhash: chained over the tokens, seeded with
+the `model` given at registration and the pool's dtype and layout, so they equal a prefill
+daemon's names for the same model and layout) and find them again by name. The names are an
+index only: the caller allocates and writes the blocks, and unnames a block before reusing it.
 """
 
 from __future__ import annotations
@@ -32,13 +41,18 @@ import msgspec
 import torch
 
 from common.allocator import BlockAllocator
+from common.block_names import BlockNames
+from common.blockhash import block_names, hash_seed
+from common.blockids import check_block_ids
+from common.cache_links import open_link as _open_link
+from common.cache_links import pull as _pull
 from common.errors import IpcError, PdkvError
 from common.ipc.base import RegionDescriptor, SharedRegion
 from common.kvpool import KVPool, PoolLayout
 from common.layerwise import LayerSynchronizer, TransferTask, start_layerwise
-from common.protocol import ErrorCode, Register, decode, encode
+from common.protocol import encode
 from common.protocol.version import MAGIC
-from common.transfer import KVConsumer, KVProducer, TransferRefused
+from common.transfer import KVConsumer, KVProducer
 from common.transfer.regions import close_fds, default_backend, export_region, open_region
 
 _ids = itertools.count(1)
@@ -65,6 +79,8 @@ class Cache:
     pool: KVPool | None = field(default=None, repr=False)
     producer: KVProducer | None = field(default=None, repr=False)
     consumer: KVConsumer | None = field(default=None, repr=False)
+    names: BlockNames | None = field(default=None, repr=False)  # a local blocks cache's keys
+    seed: bytes = b""  # the root of its block names
 
     def blocks(self) -> KVPool:
         if self.pool is None:
@@ -79,9 +95,17 @@ class CacheManager:
         self._caches: dict[int, Cache] = {}
 
     # ---- registration ----------------------------------------------------------------------------
-    def register_blocks_cache(self, pool: KVPool) -> Cache:
-        """A local blocks cache over `pool` (on CPU its tensor must live in shm: KVPool.create)."""
-        return self._add(Cache(next(_ids), pool.tensor, pool.layout, remote=False, pool=pool))
+    def register_blocks_cache(self, pool: KVPool, *, model: str = "") -> Cache:
+        """A local blocks cache over `pool` (on CPU its tensor must live in shm: KVPool.create).
+        `model` identifies the model whose KV it holds (a daemon's model fingerprint): it seeds
+        the cache's block names."""
+        cache = Cache(next(_ids), pool.tensor, pool.layout, remote=False, pool=pool)
+        cache.names = BlockNames(pool.num_blocks)
+        layout = pool.layout
+        cache.seed = hash_seed(
+            model=model, dtype=layout.dtype, block_size=layout.block_size, layout=layout.to_wire()
+        )
+        return self._add(cache)
 
     def register_cache(self, tensor: torch.Tensor) -> Cache:
         """A local plain cache (moved whole by pull_cache/push_cache)."""
@@ -153,6 +177,37 @@ class CacheManager:
         region = open_region(exp.region, fds, device)
         return self._add(Cache(next(_ids), region.to_tensor(), None, remote=True, region=region))
 
+    # ---- cache keys: blocks named by the prefix cache's hashes ------------------------------------
+    def block_names(self, cache: Cache, tokens: list[int]) -> list[bytes]:
+        """The names of the full blocks of `tokens` in a local blocks cache's layout."""
+        _keys(cache)
+        return block_names(tokens, cache.blocks().layout.block_size, cache.seed)
+
+    def name_blocks(self, cache: Cache, block_ids: list[int], names: list[bytes]) -> int:
+        """Name block_ids[i] names[i] (their KV written); return how many got the name. A name
+        already on another block stays there (one copy is found by lookup)."""
+        keys = _keys(cache)
+        if len(block_ids) != len(names):
+            raise IpcError(f"{len(block_ids)} block ids but {len(names)} names")
+        check_block_ids(block_ids, cache.blocks().num_blocks, "block", distinct=True)
+        named = 0
+        for block, name in zip(block_ids, names, strict=True):
+            if keys.name_of(block) != name:
+                keys.unname(block)
+                named += keys.name(block, name)
+        return named
+
+    def lookup_blocks(self, cache: Cache, names: list[bytes]) -> list[int]:
+        """The blocks named names[0], names[1], ... up to the first name not found."""
+        return _keys(cache).lookup(names)
+
+    def unname_blocks(self, cache: Cache, block_ids: list[int]) -> None:
+        """Forget the names of blocks whose KV is about to be overwritten."""
+        keys = _keys(cache)
+        check_block_ids(block_ids, cache.blocks().num_blocks, "block")
+        for block in block_ids:
+            keys.unname(block)
+
     # ---- transfers -------------------------------------------------------------------------------
     def pull_blocks(self, src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int]) -> None:
         """Copy src's blocks src_ids into dst's dst_ids (dst local); complete on return. From a
@@ -195,6 +250,12 @@ class CacheManager:
         return start_layerwise(src.blocks(), dst.blocks(), src_ids, dst_ids, layer_sync, timeout_s)
 
 
+def _keys(cache: Cache) -> BlockNames:
+    if cache.names is None:
+        raise IpcError(f"cache {cache.cache_id} has no block names: only a local blocks cache does")
+    return cache.names
+
+
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise PdkvError(message)
@@ -205,47 +266,6 @@ def _copy_blocks(src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int])
     d_pool.copy_blocks_from(src.blocks(), src_ids, dst_ids)
     if d_pool.device.type == "cuda":
         torch.cuda.current_stream(d_pool.device).synchronize()
-
-
-def _pull(link: KVConsumer, src_ids: list[int], dst_ids: list[int]) -> None:
-    """The facade's one call of KVConsumer.pull (adapt here if its signature moves). The link
-    has no pull stream, so the copy runs at once on the caller's current stream, ordered after
-    the caller's own work; on CUDA this waits for it, so the pull is complete on return."""
-    outcome: list[BaseException | None] = []
-    link.pull(src_ids, dst_ids, -1, outcome.append)
-    if outcome and outcome[0] is not None:
-        raise outcome[0]
-    if link.local.device.type == "cuda":
-        torch.cuda.current_stream(link.local.device).synchronize()
-
-
-def _open_link(payload: bytes, fds: list[int], device: torch.device) -> KVConsumer:
-    """A KVConsumer over the peer pool a REGISTER frame names. It is opened into a one-block
-    landing pool of the peer's layout (a consumer needs a local pool; CacheManager names the
-    real destination per pull, through `into`). Every fd not taken over is closed."""
-    taken = 0
-
-    def take(n: int) -> list[int]:
-        nonlocal taken
-        if n > len(fds):
-            raise TransferRefused(
-                ErrorCode.BAD_REQUEST, f"REGISTER names {n} fds, {len(fds)} came with it"
-            )
-        taken = n
-        return fds[:n]
-
-    try:
-        try:
-            reg = decode(payload)
-            if not isinstance(reg, Register):
-                raise PdkvError(f"a {type(reg).__name__} frame, not a REGISTER")
-            one = PoolLayout(**{**reg.layout, "num_blocks": 1})  # type: ignore[arg-type]
-        except (PdkvError, TypeError) as exc:
-            raise TransferRefused(ErrorCode.BAD_REQUEST, f"not a cache export: {exc}") from None
-        landing = KVPool(one, torch.empty(one.shape, dtype=one.torch_dtype, device=device))
-        return KVConsumer.open(reg, take, landing)
-    finally:
-        close_fds(fds[taken:])  # taken ones: the mapping's, or closed by a refusing open
 
 
 def _copy_whole(src: Cache, dst: Cache) -> None:

@@ -153,6 +153,17 @@ class DaemonConfig:
             "required with --listen / --decode tcp://.",
         ),
     )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=opt(
+            "--prefix-cache",
+            negatable=True,
+            help="Keep the KV of full prompt blocks after their request and reuse it for prompts "
+            "that start the same way: the prefill then computes only the rest, the decode pulls "
+            "only the blocks it lacks. Cached blocks count as free and are evicted least recently "
+            "used first when the pool needs room.",
+        ),
+    )
     max_prompt_tokens: int = field(
         default=8192,
         metadata=opt(
@@ -256,8 +267,10 @@ class PrefillConfig(DaemonConfig):
             min=1,
             show_default="8192 on CUDA, 1 on CPU",
             help="Most prompt tokens prefilled in one forward: prompts that arrive while a forward "
-            "runs share the next one up to this (a longer prompt runs alone). 1: one prompt per "
-            "forward, the CPU default (a forward there costs about its tokens).",
+            "runs share the next one up to this. 1: one prompt per forward, the CPU default (a "
+            "forward there costs about its tokens). Set, it is also the chunk size: a prompt "
+            "with more tokens to compute runs in chunks of this many, each attending to the ones "
+            "before (unset: chunks of 8192).",
         ),
     )
     event_slots: int = field(
@@ -310,6 +323,11 @@ class PrefillConfig(DaemonConfig):
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
         return 8192 if device_type == "cuda" else 1
+
+    def prefill_chunk(self) -> int:
+        """Most positions of one prompt computed in one forward (chunked prefill):
+        --max-prefill-tokens when set, else 8192 on any device."""
+        return self.max_prefill_tokens or 8192
 
     @property
     def decode_addresses(self) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
+from common.prefix_cache import PrefixCache
 from common.protocol import ModelCard, compat_fields, fingerprint
 from common.throughput import Throughput
 from common.transfer.regions import default_backend
@@ -95,20 +96,25 @@ def _capture_runner(
 def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, budget: int, max_prompt: int) -> None:
     """Run the prefill's kernels once per shape class before serving (torch thread, its
     stream; common.model.warmup), so that no request waits for Triton to compile them or for
-    a GEMM kernel's first load. Measured without it: a fresh prefill daemon's first forward of
-    several prompts took 0.9 s instead of 0.05 s. Nothing is written into the pool."""
+    a GEMM kernel's first load: the prefill's forwards, then the paged-context ones of a prefix
+    cache hit or a chunk (`warm_context`), then the sampler. Measured without it: a fresh
+    prefill daemon's first forward of several prompts took 0.9 s instead of 0.05 s. Nothing is
+    written into the pool."""
     from common.model import warmup
 
     buckets = warmup.prefill_token_buckets(budget, max_prompt)
     groups = warmup.prefill_groups(buckets, budget, max_prompt)
+    contexts = warmup.context_groups(kv.shape[3])
     start = time.perf_counter()
     with torch.cuda.stream(stream):
-        warmup.warm_sampling(warmup.warm_prefill(model, kv, groups))
+        logits = warmup.warm_prefill(model, kv, groups)
+        warmup.warm_context(model, kv, contexts)
+        warmup.warm_sampling(logits)
         stream.synchronize()
     log.info(
         "kernels_warmed",
         role="prefill",
-        shapes=len(groups) + 1,
+        shapes=len(groups) + len(contexts) + 1,
         token_buckets=buckets,
         seconds=round(time.perf_counter() - start, 3),
     )
@@ -139,6 +145,7 @@ class ModelRuntime:
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
     runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
     card: ModelCard | None = None  # the model as clients see it (STATUS_REPLY)
+    prefix: PrefixCache | None = None  # the prefix cache over `allocator` (load() makes it)
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -197,19 +204,21 @@ class ModelRuntime:
             num_blocks=cfg.num_blocks,
             pool_mib=round(layout.nbytes / 2**20, 1),
         )
+        allocator = BlockAllocator(cfg.num_blocks)
         return cls(
             model,
             tokenizer,
             device,
             layout,
             pool,
-            BlockAllocator(cfg.num_blocks),
+            allocator,
             backend,
             fp,
             executor,
             stream,
             runner,
             model_card(cfg.model, model.config.max_position_embeddings),
+            PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
@@ -225,7 +234,13 @@ class ModelRuntime:
 
     def pool_stats(self) -> dict[str, int]:
         a = self.allocator
-        return {"total": a.total, "free": a.num_free, "owned": a.num_owned, "leased": a.num_leased}
+        return {
+            "total": a.total,
+            "free": a.num_free,  # the cached ones included: an allocation may take them
+            "cached": a.num_cached,
+            "owned": a.num_owned,
+            "leased": a.num_leased,
+        }
 
     def status_fields(self, throughput: Throughput) -> dict[str, Any]:
         """STATUS_REPLY's model, dtype, requests served and tokens/s."""

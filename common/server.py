@@ -165,5 +165,10 @@ class DaemonServer:
             links=self.links(),
             device=str(self.rt.device),
             backend=self.rt.backend,
+            prefix_cache=self.prefix_cache_stats(),
             **self.rt.status_fields(self.throughput),
         )
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """STATUS_REPLY's `prefix_cache` ({}: this daemon keeps none)."""
+        return self.rt.prefix.stats() if self.rt.prefix is not None else {}

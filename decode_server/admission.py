@@ -1,5 +1,9 @@
 """A HANDOFF's way into the decode: checked against the link, and its blocks reserved for the
-request's whole life, or refused with the ERROR the protocol names (BAD_REQUEST, NO_CAPACITY)."""
+request's whole life, or refused with the ERROR the protocol names (BAD_REQUEST, NO_CAPACITY).
+
+The decode's prefix cache (common.prefix_cache, the prefill's rules): the blocks start with the
+cached blocks of the prompt's prefix, named from the HANDOFF's prompt tokens as the prefill names
+them, and only the rest are pulled; they are published once the pull wrote them."""
 
 from __future__ import annotations
 
@@ -37,8 +41,13 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
             h.request_id,
         )
         return None
+    cache = rt.prefix
+    names = cache.names(h.prompt_tokens) if cache is not None else []
+    hit = cache.hit(names, h.num_tokens) if cache is not None else []
     try:
-        blocks = rt.allocator.allocate(seq_key(peer.link_id, h.request_id), need)
+        blocks = rt.allocator.allocate(
+            seq_key(peer.link_id, h.request_id), need - len(hit), reuse=hit
+        )
     except OutOfBlocks as exc:
         log.info(
             "handoff_no_capacity",
@@ -49,6 +58,8 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         )
         peer.post_error(ErrorCode.NO_CAPACITY, str(exc), h.request_id)
         return None
+    if cache is not None:
+        cache.counted(h.num_tokens, len(hit))
     return Sequence(
         request_id=h.request_id,
         link=peer,
@@ -59,6 +70,8 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         stop_ids=stop_ids,
         block_size=block_size,
         event_slot=h.event_slot,
+        names=names,
+        cached_blocks=len(hit),
         prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
     )
 

@@ -112,19 +112,24 @@ class DecodeRequests:
         marks.stamp("admitted")
         if marks.stamp("handoff_sent", h.sent_ns):  # P's clock: same host only
             marks.stamp("handoff_rx", int(peer.channel.last_rx * 1e9))
+        hit = seq.cached_blocks  # those are in our pool already: the pull copies the rest
         log.debug(
-            "handoff_accepted", request_id=h.request_id, link=peer.link_id, blocks=len(h.block_ids)
+            "handoff_accepted",
+            request_id=h.request_id,
+            link=peer.link_id,
+            blocks=len(h.block_ids),
+            cached=hit,
         )
-        consumer, dst = peer.consumer, seq.blocks[: len(h.block_ids)]
+        consumer, src, dst = peer.consumer, h.block_ids[hit:], seq.blocks[hit : len(h.block_ids)]
         if h.first_token is not None:
             marks.stamp("kv_sent", h.sent_ns)
             marks.stamp("kv_read", read)
             assert consumer is not None  # admit checked
-            self._start_pull(seq, lambda done: consumer.pull(h.block_ids, dst, h.event_slot, done))
+            self._start_pull(seq, lambda done: consumer.pull(src, dst, h.event_slot, done))
             return
         assert consumer is not None  # admit checked; it refuses an early one without early_handoff
         try:  # all but the enqueue now, while the prefill computes
-            seq.plan = consumer.plan(h.block_ids, dst, h.event_slot)
+            seq.plan = consumer.plan(src, dst, h.event_slot)
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
             self._fail(seq, exc)
 
@@ -171,6 +176,8 @@ class DecodeRequests:
             self._fail(seq, exc)
             return
         seq.marks.stamp("pulled")
+        if self.rt.prefix is not None:  # its prompt blocks are written: reusable from now on
+            self.rt.prefix.publish(seq.key, seq.names)
         seq.link.post(Release(request_id=seq.request_id, event_slot=seq.event_slot))
         if self._yield_after_release:
             # CPU: the RELEASE wakes the prefill onto the CPU this loop runs on, and this loop

@@ -78,6 +78,21 @@ def healthy(out: dict[str, Any]) -> bool:
     return any(link.get("state") == "up" for link in out["prefill"].get("links") or [])
 
 
+def _prefix_cache_text(cache: dict[str, int]) -> str:
+    """The prefix cache's part of a status line: its hit rate over the prompt tokens that looked,
+    and the blocks it holds ("" for a daemon without one)."""
+    if not cache:
+        return ""
+    if not cache.get("enabled"):
+        return "  prefix cache off"
+    queried = cache.get("queried_tokens", 0)
+    rate = f"{100 * cache.get('hit_tokens', 0) / queried:.1f}%" if queried else "-"
+    return (
+        f"  prefix cache hit {rate} of {queried} tokens ({cache.get('named_blocks', 0)} blocks, "
+        f"{cache.get('evictions', 0)} evicted)"
+    )
+
+
 def _status_line(role: str, st: dict[str, Any]) -> str:
     if "down" in st:
         return f"{role:8} down  {st['down']}  socket {st['socket']}"
@@ -88,6 +103,7 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
         f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
         f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"
     )
+    line += _prefix_cache_text(st.get("prefix_cache") or {})
     if role == "prefill" and len(st["links"]) == 1:
         line += "  link " + _link_text(st["links"][0])
     elif role == "prefill" and st["links"]:

@@ -4,7 +4,15 @@ one task runs everything queued, up to a token budget, as one varlen forward on 
 There is no waiting window: a forward starts as soon as something is queued and the previous
 forward has returned, so at low load a prompt runs alone at once, and under a burst the prompts
 that arrive while one forward runs share the next. The queue is served in arrival order; a batch
-takes prompts while their tokens fit `max_tokens`, and a prompt longer than that runs alone.
+takes prompts while their tokens fit `max_tokens` (the first always goes).
+
+What a prompt computes starts after its cached prefix (`start`: the pipeline found those blocks
+in the prefix cache). Chunked prefill: a prompt with more than `chunk` tokens left to compute runs
+one chunk per forward, each attending to the ones before it through the pool, and goes back to
+the end of the queue between chunks, so it neither needs one giant forward nor holds the prompts
+behind it back for its whole length. A prompt that asks for prompt logprobs (its logits at every
+position) is the exception: it has no cached prefix and is never chunked, one forward computes it
+whole.
 
 Contract with the pipeline: `submit` queues a prompt and returns a future of its first token (or
 of RequestFailed for that request only: NUMERIC_ERROR when its logits are not finite, INTERNAL
@@ -12,7 +20,9 @@ when the batch's forward failed, SHUTTING_DOWN when the batcher stopped with the
 queued). A request whose future is cancelled while queued is dropped from
 the queue and never runs, so its blocks, freed by the pipeline, can go to a new request at once;
 one cancelled while its batch runs is written anyway, and its blocks can only go to a later
-batch, which the single torch thread (and stream) orders after this one.
+batch, which the single torch thread (and stream) orders after this one. The future resolves
+only once the prompt's last chunk is written: then (and not before) its blocks may be named in
+the prefix cache.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from common.model.sampling import SamplingError, SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
 from common.transfer import Producer
-from prefill_server.forward import FirstToken, run_prefill_batch
+from prefill_server.forward import FirstToken, Piece, run_prefill_batch
 from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
@@ -43,15 +53,31 @@ class _Job:
     sampling: SamplingParams
     event_slot: int
     future: asyncio.Future[tuple[FirstToken, int]]  # (first token, requests in its forward)
+    start: int = 0  # positions whose K/V is in the pool: its cached prefix, then its chunks
+
+    def piece(self, most: int) -> Piece:
+        """The next at most `most` positions to compute (its last piece samples). A prompt that
+        asks for prompt logprobs is never chunked: its one piece is the whole prompt, so its
+        logits at every position come from one forward."""
+        if self.sampling.prompt_logprobs is not None:
+            most = len(self.prompt)
+        end = min(len(self.prompt), self.start + most)
+        last = end == len(self.prompt)
+        sampling = self.sampling if last else None
+        slot = self.event_slot if last else -1
+        return Piece(self.prompt, self.start, end, self.blocks, sampling, slot)
 
 
 class PrefillBatcher:
     """Created by the pipeline; the server runs `run()` as a task for the daemon's life."""
 
-    def __init__(self, rt: ModelRuntime, producer: Producer, max_tokens: int) -> None:
+    def __init__(
+        self, rt: ModelRuntime, producer: Producer, max_tokens: int, chunk: int | None = None
+    ) -> None:
         self.rt = rt
         self.producer = producer
         self.max_tokens = max_tokens
+        self.chunk = chunk or max_tokens  # most positions of one prompt in one forward
         self.forwards = 0  # batches run since start
         self.prompts = 0  # prompts prefilled since start
         self._queue: deque[_Job] = deque()
@@ -64,12 +90,21 @@ class PrefillBatcher:
         blocks: list[int],
         sampling: SamplingParams,
         event_slot: int,
+        start: int = 0,
     ) -> asyncio.Future[tuple[FirstToken, int]]:
         """Queue the prompt for the next batch: a future of (its first token, the number of
-        requests that shared its forward) once that batch has run, or of RequestFailed for this
-        request. Cancel it if the request goes away: a prompt not yet run is then skipped."""
+        requests that shared its (last) forward) once its last chunk has run, or of
+        RequestFailed for this request. Its blocks already hold the K/V of its first `start`
+        positions (< len(prompt): one position at least is computed, to sample from; 0 for a
+        prompt that asks for prompt logprobs, whose every position is computed). Cancel the
+        future if the request goes away: a prompt not yet run is then skipped."""
+        if not 0 <= start < len(prompt):
+            raise ValueError(f"start {start} outside a prompt of {len(prompt)} tokens")
+        if start and sampling.prompt_logprobs is not None:
+            raise ValueError("a prompt that asks for prompt logprobs is computed from position 0")
         future: asyncio.Future[tuple[FirstToken, int]] = asyncio.get_running_loop().create_future()
-        self._queue.append(_Job(request_id, prompt, blocks, sampling, event_slot, future))
+        job = _Job(request_id, prompt, blocks, sampling, event_slot, future, start)
+        self._queue.append(job)
         self._wake.set()
         return future
 
@@ -88,59 +123,64 @@ class PrefillBatcher:
                 )
             self._queue.clear()
 
-    def _take(self) -> list[_Job]:
-        """The queue's head in order while the prompts fit `max_tokens` (the first always goes);
-        jobs whose request was cancelled are dropped."""
-        batch: list[_Job] = []
+    def _take(self) -> list[tuple[_Job, Piece]]:
+        """The queue's head in order while their next pieces (at most `chunk` positions each)
+        fit `max_tokens` (the first always goes); jobs whose request was cancelled are dropped."""
+        batch: list[tuple[_Job, Piece]] = []
         used = 0
         while self._queue:
             job = self._queue[0]
             if job.future.done():
                 self._queue.popleft()
                 continue
-            n = len(job.prompt)
+            piece = job.piece(self.chunk)
+            n = piece.end - piece.start
             if batch and used + n > self.max_tokens:
                 break
-            batch.append(self._queue.popleft())
+            batch.append((self._queue.popleft(), piece))
             used += n
         return batch
 
-    async def _run_batch(self, batch: list[_Job]) -> None:
-        tokens = sum(len(j.prompt) for j in batch)
-        ids = [j.request_id for j in batch]
+    async def _run_batch(self, taken: list[tuple[_Job, Piece]]) -> None:
+        pieces = [p for _, p in taken]
+        tokens = sum(p.end - p.start for p in pieces)
+        ids = [j.request_id for j, _ in taken]
         start = time.perf_counter()
         try:
             firsts = await self.rt.run(
                 run_prefill_batch,
                 self.rt,
-                [j.prompt for j in batch],
-                [j.blocks for j in batch],
-                [j.sampling for j in batch],
+                pieces,
                 self.producer,
-                [j.event_slot for j in batch],
                 token_budget=max(self.max_tokens, tokens),
             )
         except Exception as exc:  # the forward failed: its requests fail, the daemon goes on
             log.exception(
-                "prefill_batch_failed", requests=len(batch), request_ids=ids[:_LOGGED_IDS]
+                "prefill_batch_failed", requests=len(taken), request_ids=ids[:_LOGGED_IDS]
             )
             why = f"prefill forward failed: {type(exc).__name__}: {exc}"
-            for job in batch:
+            for job, _ in taken:
                 _answer(job, RequestFailed(ErrorCode.INTERNAL, why))
             return
         self.forwards += 1
-        self.prompts += len(batch)
         forward_ms = round((time.perf_counter() - start) * 1000, 3)
-        for job, first in zip(batch, firsts, strict=True):
-            if isinstance(first, SamplingError):
+        for (job, piece), first in zip(taken, firsts, strict=True):
+            if first is None:  # a chunk: the rest of the prompt waits its turn again
+                job.start = piece.end
+                if not job.future.done():
+                    self._queue.append(job)
+                    self._wake.set()
+            elif isinstance(first, SamplingError):
                 _answer(job, RequestFailed(ErrorCode.NUMERIC_ERROR, str(first)))
             else:
-                _answer(job, (first, len(batch)))
+                self.prompts += 1
+                _answer(job, (first, len(taken)))
         await asyncio.sleep(0)  # the first tokens go out before this line is written (~30 µs)
         log.info(
             "prefill_batch",
-            requests=len(batch),
+            requests=len(taken),
             tokens=tokens,
+            context_tokens=sum(p.start for p in pieces),
             forward_ms=forward_ms,
             request_ids=ids[:_LOGGED_IDS],
         )

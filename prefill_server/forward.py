@@ -1,5 +1,6 @@
-"""Prefill on the torch thread: one varlen forward over several prompts, scatter into the pool,
-each prompt's first token."""
+"""Prefill on the torch thread: one varlen forward over pieces of several prompts (a whole prompt,
+the part after its cached prefix, or one chunk of a long one), scatter into the pool, the first
+token of each prompt whose last piece it is."""
 
 from __future__ import annotations
 
@@ -28,32 +29,53 @@ class FirstToken:
     prompt_logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """Positions start .. end-1 of a prompt whose `blocks` already hold the K/V of positions
+    0 .. start-1 (a cached prefix, earlier chunks). `sampling` None: not the prompt's last piece,
+    nothing is sampled; `slot`: the event recorded once its last piece is written (-1: none)."""
+
+    prompt: list[int]
+    start: int
+    end: int
+    blocks: list[int]
+    sampling: SamplingParams | None
+    slot: int = -1
+
+
 def run_prefill_batch(
     rt: ModelRuntime,
-    prompts: Sequence[list[int]],
-    blocks: Sequence[list[int]],
-    sampling: Sequence[SamplingParams],
+    pieces: Sequence[Piece],
     producer: Producer | None = None,
-    slots: Sequence[int] = (),
     *,
     token_budget: int,
-) -> list[FirstToken | SamplingError]:
-    """Write each prompt's K/V into its `blocks` of the pool; each prompt's first token (with
-    its logprobs and the prompt's when its params ask), or a SamplingError in its place when
-    that prompt's logits are not finite or its draw fails (the other prompts keep theirs).
+) -> list[FirstToken | SamplingError | None]:
+    """Write each piece's K/V into its blocks of the pool; for each piece that ends its prompt,
+    the prompt's first token (with its logprobs and the prompt's when its params ask), or a
+    SamplingError in its place when that prompt's logits are not finite or its draw fails (the
+    other prompts keep theirs); None for the other pieces.
 
-    The prompts run in as few forwards as `token_budget` allows (one, when the caller keeps their
+    The pieces run in as few forwards as `token_budget` allows (one, when the caller keeps their
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
     token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
-    Runs on the torch thread, on the daemon's stream. On CUDA, the producer records every event
-    `slots[i]` right after the batch's scatter on that stream, so a peer stream that waits on it
-    sees every write of prompt i's K/V (slot -1: no event, the CPU case). A failure of the forward
-    itself raises, for the whole batch.
+    A prompt whose params ask for prompt logprobs comes whole, as one piece from position 0 (the
+    pipeline gives it no cached prefix and the batcher does not chunk it): its logits at every
+    position are then all computed here.
+    Runs on the torch thread, on the daemon's stream. On CUDA, the producer records the slot of
+    every last piece right after the batch's scatter on that stream, so a peer stream that waits
+    on it sees every write of that prompt's K/V, earlier chunks' and cached blocks' included
+    (written by earlier forwards on this stream). A failure of the forward itself raises, for
+    the whole batch.
     """
     bs = rt.layout.block_size
-    tokens = [torch.tensor(p, dtype=torch.long) for p in prompts]
-    mappings = [slots_for(b, 0, len(p), bs) for p, b in zip(prompts, blocks, strict=True)]
-    every = [p.prompt_logprobs is not None for p in sampling]
+    tokens = [torch.tensor(p.prompt[p.start : p.end], dtype=torch.long) for p in pieces]
+    mappings = [slots_for(p.blocks, p.start, p.end - p.start, bs) for p in pieces]
+    starts = [p.start for p in pieces]
+    tables = [p.blocks for p in pieces]
+    every = [p.sampling is not None and p.sampling.prompt_logprobs is not None for p in pieces]
+    for p, want in zip(pieces, every, strict=True):
+        if want and p.start != 0:
+            raise ValueError("prompt logprobs need the whole prompt in one piece")
     with rt.on_stream():
         out = prefill_many(
             rt.model,
@@ -62,34 +84,41 @@ def run_prefill_batch(
             rt.pool.tensor,
             token_budget=token_budget,
             every_position=every,
+            starts=starts,
+            block_tables=tables,
         )
+        last = [i for i, p in enumerate(pieces) if p.sampling is not None]
         if producer is not None:
-            for slot in slots:
-                producer.record(slot, rt.stream)
-        logits, full = split_rows(out, [len(p) for p in prompts], every)
+            for i in last:
+                producer.record(pieces[i].slot, rt.stream)
+        answers: list[FirstToken | SamplingError | None] = [None] * len(pieces)
+        if not last:
+            return answers
+        rows, full = split_rows(out, [int(t.numel()) for t in tokens], every)
+        logits = rows[last]
+        params = [p.sampling for p in pieces if p.sampling is not None]  # those of `last`
         vocab, dev = logits.shape[-1], logits.device
         histories = [
-            TokenHistory.start(pr, [], vocab, dev) if p.penalized else None
-            for pr, p in zip(prompts, sampling, strict=True)
+            TokenHistory.start(pieces[i].prompt, [], vocab, dev) if p.penalized else None
+            for i, p in zip(last, params, strict=True)
         ]
-        generators = [make_generator(p, 0) for p in sampling]
+        generators = [make_generator(p, 0) for p in params]
         firsts, lps = draw(
             logits,
-            sampling,
+            params,
             generators,
-            steps=[0] * len(prompts),
+            steps=[0] * len(last),
             histories=histories,
             eos_ids=rt.model.config.stop_token_ids,
         )
-        answers: list[FirstToken | SamplingError] = []
-        for s, (first, lp) in enumerate(zip(firsts, lps, strict=True)):
+        for i, p, first, lp in zip(last, params, firsts, lps, strict=True):
             if isinstance(first, SamplingError):
-                answers.append(first)
+                answers[i] = first
                 continue
-            k = sampling[s].prompt_logprobs
-            scored = None if k is None else logits_mod.prompt_logprobs(full[s], prompts[s], k)
-            if sampling[s].max_tokens == 0:
-                answers.append(FirstToken(None, None, scored))
+            k = p.prompt_logprobs
+            scored = None if k is None else logits_mod.prompt_logprobs(full[i], pieces[i].prompt, k)
+            if p.max_tokens == 0:  # only the prompt is scored
+                answers[i] = FirstToken(None, None, scored)
             else:
-                answers.append(FirstToken(first, lp, scored))
+                answers[i] = FirstToken(first, lp, scored)
         return answers

@@ -81,12 +81,17 @@ class RequestOutput:
             link=req.link_id or None,  # link-N@DECODE: the decode it was handed to
             prompt_tokens=len(req.prompt_tokens),
             completion_tokens=len(req.generated),
+            cached_tokens=req.cached_tokens,
             **timings,
         )
         return Finish(
             request_id=req.request_id,
             reason=reason,
-            usage=Usage(prompt_tokens=len(req.prompt_tokens), completion_tokens=len(req.generated)),
+            usage=Usage(
+                prompt_tokens=len(req.prompt_tokens),
+                completion_tokens=len(req.generated),
+                cached_tokens=req.cached_tokens,
+            ),
             timings=timings,
             text=self.text_delta(req, final=True),
         )

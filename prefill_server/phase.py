@@ -7,7 +7,7 @@ ADMITTED ─QUEUE─▶ QUEUED ─OFFER_EARLY─▶ OFFERED ─READY─▶ LEASE
 
 OFFERED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED    OFFERED, REFUSED ─LINK_LOST─▶ REFUSED
 ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE
-OFFERED, LEASED ─UNSENT─▶ DONE          LEASED … ANSWERED ─LINK_LOST─▶ DONE
+OFFERED, LEASED, REFUSED ─UNSENT─▶ DONE LEASED … ANSWERED ─LINK_LOST─▶ DONE
 it ends:  LEASED, with an event slot ─ABORT─▶ ABORTING ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
           any other phase ─END─▶ ENDED
 ```
@@ -78,8 +78,9 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
     Event.OFFER_EARLY: {P.QUEUED: P.OFFERED},
     Event.OFFER: {P.QUEUED: P.LEASED, P.REFUSED: P.LEASED},
     Event.READY: {P.OFFERED: P.LEASED},
-    # in DONE: the link was lost while the write was blocked
-    Event.UNSENT: {P.OFFERED: P.DONE, P.LEASED: P.DONE, P.DONE: P.DONE},
+    # in DONE or REFUSED: the link was lost while the write was blocked (LINK_LOST moves an
+    # early offer to REFUSED); the decode holds nothing either way
+    Event.UNSENT: {P.OFFERED: P.DONE, P.LEASED: P.DONE, P.DONE: P.DONE, P.REFUSED: P.DONE},
     Event.RELEASE: {P.LEASED: P.RELEASED, P.ANSWERED: P.DONE},
     Event.TOKENS: {P.LEASED: P.LEASED, P.RELEASED: P.RELEASED},
     Event.FINISH: {P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},

@@ -31,6 +31,7 @@ import structlog
 from common.config import PrefillConfig
 from common.model.sampling import finish_reason
 from common.modelrt import ModelRuntime
+from common.prefix_cache import PrefixCache
 from common.protocol import Error, ErrorCode, Finish, Generate, Message, Release, Tokens
 from common.throughput import Throughput
 from common.transfer import Producer
@@ -56,8 +57,10 @@ class RequestPipeline:
         self.rt = rt
         self.producer = producer
         self.links = links
-        self.batcher = PrefillBatcher(rt, producer, cfg.prefill_budget(rt.device.type))
-        self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size)
+        budget = cfg.prefill_budget(rt.device.type)
+        self.batcher = PrefillBatcher(rt, producer, budget, cfg.prefill_chunk())
+        self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
+        self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
         self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}  # in flight
@@ -186,7 +189,15 @@ class RequestPipeline:
         timeout_s = self.cfg.handoff_timeout_s
         try:
             await self.handoff.link_up(time.monotonic() + timeout_s)
-            req.blocks = await self.capacity.blocks(rid, len(req.prompt_tokens), timeout_s)
+            req.names = self.prefix.names(req.prompt_tokens)
+            n = len(req.prompt_tokens)
+            # prompt logprobs want the logits at every position: no cached prefix (nor chunks,
+            # the batcher's side), the whole prompt is computed; its blocks are named after all
+            lookup = req.sampling.prompt_logprobs is None
+            req.blocks, hit = await self.capacity.blocks(
+                rid, n, timeout_s, req.names, lookup=lookup
+            )
+            req.cached_tokens = hit * self.rt.layout.block_size
             req.event_slot = await self.capacity.slot(timeout_s)
             answer, shared = await self._prefill(req)
             req.marks.stamp("first_token")
@@ -239,9 +250,15 @@ class RequestPipeline:
 
     async def _prefill(self, req: PrefillRequest) -> tuple[FirstToken, int]:
         """Its forward (queued to the batcher; the early HANDOFF goes out meanwhile): its first
-        token and the number of requests in that forward."""
+        token and the number of requests in that forward. Its blocks are named in the prefix
+        cache once written, not before."""
         future = self.batcher.submit(
-            req.request_id, req.prompt_tokens, req.blocks, req.sampling, req.event_slot
+            req.request_id,
+            req.prompt_tokens,
+            req.blocks,
+            req.sampling,
+            req.event_slot,
+            req.cached_tokens,
         )
         req.advance(Event.QUEUE)
         try:
@@ -249,7 +266,9 @@ class RequestPipeline:
             if early and req.sampling.max_tokens > 1:
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
-            return await future
+            result = await future
+            self.prefix.publish(req.request_id, req.names)
+            return result
         finally:
             future.cancel()  # the request went away while queued: skip its prompt
 

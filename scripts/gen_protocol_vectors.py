@@ -119,7 +119,7 @@ def examples() -> list[Message]:
         Finish(
             request_id="req-7",
             reason="length",
-            usage=Usage(prompt_tokens=20, completion_tokens=8),
+            usage=Usage(prompt_tokens=20, completion_tokens=8, cached_tokens=16),
             timings={"prefill_ms": 1.5, "handoff_ms": 0.25},
             text="",
         ),
@@ -140,6 +140,7 @@ def examples() -> list[Message]:
             links=[{"peer": "decode", "pid": 4343, "rtt_ms": 0.125}],
             device="cpu",
             backend="shm",
+            prefix_cache={"enabled": 1, "queried_tokens": 640, "hit_tokens": 480},
         ),
     ]
 

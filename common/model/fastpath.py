@@ -16,7 +16,10 @@ import torch.nn.functional as F
 
 from common.model.kernels.attention import paged_decode_attention
 from common.model.kernels.fused import rms_norm, rope_and_store, silu_mul
-from common.model.kernels.varlen_attention import varlen_causal_attention
+from common.model.kernels.varlen_attention import (
+    varlen_causal_attention,
+    varlen_context_attention,
+)
 
 # common.model.llama.LlamaModel, which calls into this module: typed loosely here so that the two
 # modules do not import each other (tests/test_layers.py)
@@ -108,6 +111,29 @@ def prefill_forward(
         if single:  # one sequence: torch's flash kernel is as fast and needs no varlen
             return model._causal_attention(q, k, v)
         return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+
+    residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
+    return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)
+
+
+def prefill_context_forward(
+    model: LlamaModel,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    starts: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_seqlen: int,
+    kv: torch.Tensor,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`LlamaModel.prefill_batch` with `starts` (a cached or earlier-chunk context) by kernels ->
+    logits [R, vocab] of the token rows `rows` (default: each sequence's last token). The new
+    tokens' K/V is stored first (RoPE + store), then attention reads every key from the pool."""
+
+    def attend(q, k, v, layer):
+        return varlen_context_attention(q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
     return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)

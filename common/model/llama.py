@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from common.model.config import LlamaConfig
 from common.model.kernels import kernels_usable
-from common.model.paged import paged_attention, scatter_kv
+from common.model.paged import context_attention, paged_attention, scatter_kv
 
 
 @dataclass
@@ -134,6 +134,9 @@ class LlamaModel:
         slot_mappings: Sequence[torch.Tensor],
         kv: torch.Tensor,
         every_position: Sequence[bool] = (),
+        *,
+        starts: Sequence[int] | None = None,
+        block_tables: Sequence[Sequence[int]] | None = None,
     ) -> torch.Tensor:
         """`prefill` of several prompts in one forward (varlen: tokens concatenated) -> [R, vocab].
 
@@ -141,10 +144,20 @@ class LlamaModel:
         `every_position[s]` (prompt logprobs: only then, it costs vocab x length), in order.
         Each prompt attends only to itself, so its logits and K/V are those of `prefill` alone,
         up to the kernels' blocking.
+
+        With `starts`, prompt s holds positions starts[s] .. starts[s]+len-1 of a sequence whose
+        first starts[s] positions' K/V are already in `kv` (a cached prefix, earlier chunks), in
+        its blocks `block_tables[s]` (which cover the new positions too); its tokens attend to
+        those positions as well, read from the pool. The result is that of prefilling the whole
+        sequence, up to rounding (`every_position` then gives the rows of the new positions only).
         """
         lengths = [int(p.numel()) for p in prompts]
+        offsets = list(starts) if starts is not None else [0] * len(lengths)
         tokens, slots = self._on_device(torch.cat(list(prompts)), torch.cat(list(slot_mappings)))
-        positions = torch.cat([torch.arange(n) for n in lengths]).to(self.device)
+        positions = torch.cat(
+            [torch.arange(a, a + n) for a, n in zip(offsets, lengths, strict=True)]
+        )
+        positions = positions.to(self.device)
         cu = torch.tensor([0, *itertools.accumulate(lengths)], device=self.device)
         rows = cu[1:] - 1
         if any(every_position):
@@ -159,6 +172,12 @@ class LlamaModel:
                 ],
                 device=self.device,
             )
+        if any(offsets):
+            if block_tables is None:
+                raise ValueError("a prefill with a cached context needs the block tables")
+            return self._prefill_context(
+                tokens, positions, slots, cu, offsets, block_tables, kv, lengths, rows
+            )
         if self.use_kernels:
             from common.model.fastpath import prefill_forward
 
@@ -170,6 +189,33 @@ class LlamaModel:
             parts = [
                 self._causal_attention(q[a:b], k[a:b], v[a:b])
                 for a, b in itertools.pairwise(bounds)
+            ]
+            return torch.cat(parts)
+
+        h = self._run_layers(tokens, positions, attend)
+        return self._logits(h[rows])
+
+    def _prefill_context(
+        self, tokens, positions, slots, cu, starts, block_tables, kv, lengths, rows
+    ):  # type: ignore[no-untyped-def]
+        """prefill_batch of prompts some of whose K/V is already in the pool (see there)."""
+        width = max(len(t) for t in block_tables)
+        table = torch.tensor(
+            [list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long
+        ).to(self.device)
+        if self.use_kernels:
+            from common.model.fastpath import prefill_context_forward
+
+            start_t = torch.tensor(starts, dtype=torch.int32, device=self.device)
+            args = (cu, start_t, table, max(lengths), kv, rows)
+            return prefill_context_forward(self, tokens, positions, slots, *args)
+        bounds = cu.tolist()
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+            scatter_kv(kv, layer, slots, k, v)  # first: the new tokens read their own K/V back
+            parts = [
+                context_attention(q[a:b], kv, layer, table[s], starts[s])
+                for s, (a, b) in enumerate(itertools.pairwise(bounds))
             ]
             return torch.cat(parts)
 

@@ -125,3 +125,38 @@ def paged_attention(
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bhgl,blhd->bhgd", probs, vf)
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+def context_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    layer: int,
+    block_table: torch.Tensor,
+    start: int,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of one sequence's new tokens over its whole paged cache: q [L, Hq, D] holds
+    positions start .. start+L-1, whose K/V (and the `start` positions before them: a cached
+    prefix, or earlier chunks) are already in `kv` through `block_table` [M] -> [L, Hq, D].
+
+    Query i attends to positions 0 .. start+i (grouped-query: head h reads KV head h // group);
+    computed by torch's SDPA in q's dtype, as the dense prefill computes it.
+    """
+    n = q.shape[0]
+    end = start + n
+    k, v = gather_kv(kv, layer, block_table[None, : blocks_for(end, kv.shape[3])])
+    k, v = k[0, :end].to(q.dtype), v[0, :end].to(q.dtype)
+    allowed = (
+        torch.arange(end, device=q.device)[None, :]
+        <= torch.arange(start, end, device=q.device)[:, None]
+    )
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=allowed,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)

@@ -11,6 +11,10 @@ The classes, and where each comes from:
   most tokens one forward can hold — the batcher's budget, or one prompt as long as the daemon
   accepts — since cuBLAS picks its GEMM kernels by the token count and loads each on first use;
   counts that are and are not multiples of 16 (Triton specializes integer arguments on that);
+- prefill after a context (a prefix cache hit, a chunk of a long prompt: the paged-context
+  kernel), `context_groups`: one prompt and two after one cached block, with block tables whose
+  width is and is not a multiple of 16 (the table's row stride is specialized the same way); its
+  GEMMs are the prefill's, warmed above;
 - sampling: a greedy and a random row (temperature, top-k, top-p, a seeded generator) through
   `sample_batch_isolated` on the device.
 The model's head dim, dtype and layer count are fixed per daemon, so they add no class.
@@ -87,6 +91,29 @@ def warm_prefill(model: Any, kv: torch.Tensor, groups: Sequence[Sequence[int]]) 
     return logits
 
 
+def context_groups(block_size: int) -> list[tuple[list[int], int]]:
+    """The paged-context warm-up forwards: (prompt lengths, block-table width) each, every
+    prompt starting after one cached block of `block_size` positions."""
+    return [(group, width) for width in (2, 16) for group in ([block_size], [block_size, 1])]
+
+
+def warm_context(
+    model: Any, kv: torch.Tensor, groups: Sequence[tuple[Sequence[int], int]]
+) -> torch.Tensor:
+    """Run one prefill forward after a cached block per group (caller: the torch thread, on the
+    daemon's stream), its context read through a block table of the group's width (block 0
+    throughout: whatever it holds, the logits are thrown away). Every slot is -1, so nothing is
+    written into the pool `kv`. Returns the last logits."""
+    block_size = kv.shape[3]
+    logits = torch.empty(0)
+    for group, width in groups:
+        prompts = [torch.ones(n, dtype=torch.long) for n in group]
+        slots = [torch.full((n,), -1, dtype=torch.long) for n in group]
+        starts, tables = [block_size] * len(group), [[0] * width] * len(group)
+        logits = model.prefill_batch(prompts, slots, kv, starts=starts, block_tables=tables)
+    return logits
+
+
 def warm_sampling(logits: torch.Tensor) -> None:
     """A greedy and a random row drawn from `logits` [>=1, vocab] on its device."""
     rows = logits[:1].float().expand(2, -1).contiguous()
@@ -100,8 +127,10 @@ def warm_sampling(logits: torch.Tensor) -> None:
 __all__ = [
     "batch_buckets",
     "bucket_of",
+    "context_groups",
     "prefill_groups",
     "prefill_token_buckets",
+    "warm_context",
     "warm_prefill",
     "warm_sampling",
 ]

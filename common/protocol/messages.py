@@ -114,6 +114,7 @@ class Tokens(Message, frozen=True):
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prompt_tokens: NonNeg
     completion_tokens: NonNeg
+    cached_tokens: NonNeg = 0  # of prompt_tokens, those whose K/V came from the prefix cache (v8)
 
 
 class Finish(Message, frozen=True):
@@ -214,6 +215,9 @@ class StatusReply(Message, frozen=True):
     served: NonNeg = 0  # requests finished since start
     tokens_per_s: float = 0.0  # generated tokens per second over the last minute
     model_card: ModelCard | None = None
+    # the prefill's prefix cache (v8): enabled, queried_tokens, hit_tokens, evictions,
+    # cached_blocks, named_blocks; {} from a daemon without one
+    prefix_cache: dict[str, int] = {}
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

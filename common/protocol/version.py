@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -31,6 +31,8 @@ HISTORY: dict[int, str] = {
     "`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `min_tokens`, "
     "`stop_token_ids`, and max_tokens may be 0 with prompt_logprobs; TOKENS has `logprobs` (one "
     "[token, logprob, top] entry per token) and `prompt_logprobs` (P → C, up to 512 per frame)",
+    8: "the prefix cache: FINISH's `usage` has `cached_tokens` (prompt tokens whose KV was reused), "
+    "STATUS_REPLY has `prefix_cache` (its counters) and its `pool` a `cached` count",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -142,11 +142,10 @@ class Producer(ABC):
         for block in block_ids:
             if not 0 <= block < self.allocator.total:
                 return f"block {block} is outside the pool of {self.allocator.total}"
-            owner = self.allocator.owner_of(block)
-            lease = self.allocator.lease_of(owner) if owner is not None else None
-            if lease is None:
+            holders = self.allocator.lease_holders(block)  # a cached block may be shared
+            if not holders:
                 return f"block {block} is not leased"
-            if link_id is not None and lease.holder != link_id:
+            if link_id is not None and link_id not in holders:
                 return f"block {block} is leased to another link"
         return None
 

@@ -4,6 +4,7 @@ fast) and that nothing of the pair or the API is left behind."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -153,3 +154,28 @@ def test_nano_is_nano_vllms_shape_and_sizes_the_pool_for_it() -> None:
     assert args.max_batch == 256 and args.num_blocks >= 256 * 2048 // 16
     with pytest.raises(SystemExit):
         serve.parse_args(["--nano", "--sweep", "1,2"])
+
+
+def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
+    """Target cache: one workload of conversations behind a shared prefix on a pair with the
+    prefix cache and one without; the same tokens from both, and every later turn reused at
+    least its previous turn's full blocks."""
+    out = tmp_path / "cache.json"
+    argv = [sys.executable, str(SERVE), "--requests", "6", "--rate", "50", "--warmup", "0"]
+    argv += ["--prompt-len", "5:9", "--output-len", "3:3", "--seed", "2", "--target", "cache"]
+    argv += ["--shared-prefix", "40", "--turns", "3", "--device", "cpu", "--json", str(out)]
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "same tokens from daemons and daemons-no-cache at 50/s: 6/6 requests" in proc.stdout
+    report = json.loads(out.read_text())
+    on, off = report["runs"]
+    assert (on["target"], off["target"]) == ("daemons", "daemons-no-cache")
+    turns = [q["turn"] for q in on["requests"]]
+    assert turns == [0, 1, 2, 0, 1, 2]
+    assert set(on["summary"]["ttft_ms_by_turn"]) == {"0", "1", "2"}
+    reqs = on["requests"]
+    for prev, q in itertools.pairwise(reqs):
+        if q["turn"]:  # sent after its previous turn ended: that prompt's full blocks are cached
+            assert q["server_timings"]["cached_tokens"] >= prev["prompt_len"] // 16 * 16, q
+    assert all(q["server_timings"]["cached_tokens"] == 0 for q in off["requests"])

@@ -42,9 +42,14 @@ def test_json_from_stdin_has_ids_text_reason_and_timings(pair: Pair, tiny) -> No
     assert out["tokens"] == expected  # the whole prompt came through stdin, newline included
     assert out["text"] == tok.decode(expected)  # exact, control characters and all
     assert out["finish_reason"] == "length" and out["request_id"]
-    assert out["usage"] == {"prompt_tokens": len(tok.encode(prompt)), "completion_tokens": 40}
+    n = len(tok.encode(prompt))
+    assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 40, "cached_tokens": 0}
     t = out["timings"]
     assert t["ttft_ms"] > 0 and t["handoff_us"] > 0 and t["total_ms"] >= t["ttft_ms"]
+    args = ("-", "--json", "--max-tokens", "40", "--ignore-eos")
+    again = json.loads(_generate(pair, *args, stdin=prompt).stdout)
+    assert again["usage"]["cached_tokens"] == (n - 1) // 16 * 16 > 0  # from the prefix cache
+    assert again["tokens"] == expected
 
 
 def test_plain_output_escapes_control_characters(pair: Pair) -> None:

@@ -56,7 +56,9 @@ def test_mismatched_pair_is_unhealthy_and_requests_fail_fast(pair_factory: Pair)
 def test_healthy_pair_status_exit_0_shows_model_and_throughput(pair: Pair) -> None:
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     for _ in range(3):
-        asyncio.run(client.generate(pair.client_socket, prompt="count me", sampling=params))
+        # 1 + 29 tokens: one full block, cached after the first request and reused by the others
+        prompt = "count me, count me, count me."
+        asyncio.run(client.generate(pair.client_socket, prompt=prompt, sampling=params))
     proc = _status(pair)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in proc.stdout.splitlines():
@@ -68,6 +70,11 @@ def test_healthy_pair_status_exit_0_shows_model_and_throughput(pair: Pair) -> No
         assert out[role]["dtype"] == "float32"
         assert out[role]["model"].startswith("tiny-seed0-")  # the fingerprint, in --json
         assert out[role]["model_card"]["name"] == "pdkv-tiny"
+    for role in ("prefill", "decode"):  # each daemon's own cache: the prefill computed, the
+        cache = out[role]["prefix_cache"]  # decode pulled, one block less for each repeat
+        assert (cache["queried_tokens"], cache["hit_tokens"]) == (90, 32)
+        line = next(line for line in proc.stdout.splitlines() if line.startswith(role))
+        assert "prefix cache hit 35.6% of 90 tokens" in line, line
 
 
 def test_status_probes_do_not_log_on_the_decode(pair: Pair) -> None:

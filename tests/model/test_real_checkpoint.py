@@ -152,6 +152,13 @@ def test_daemons_greedy_tokens_equal_transformers(pair: Pair, hf_model, hf_token
         assert result.tokens == hf_greedy(hf_model, prompt_ids)
     answer = results[len(PROMPTS)].text
     assert "Paris" in answer, answer  # a real model: it knows
+    # again, each prompt's full blocks but its last now from the prefix cache: still transformers'
+    again = asyncio.run(run())
+    for prompt_ids, result in zip(prompts, again, strict=True):
+        assert result.finish is not None
+        assert result.finish.usage.cached_tokens == (len(prompt_ids) - 1) // 16 * 16
+        assert result.tokens == hf_greedy(hf_model, prompt_ids)
+    assert any(r.finish.usage.cached_tokens for r in again)  # type: ignore[union-attr]
 
 
 def test_api_chat_answer_equals_transformers(

@@ -11,7 +11,14 @@ import random
 import pytest
 
 from common.config import PrefillConfig
-from common.model.warmup import batch_buckets, bucket_of, prefill_groups, prefill_token_buckets
+from common.model.sampling import SamplingParams
+from common.model.warmup import (
+    batch_buckets,
+    bucket_of,
+    context_groups,
+    prefill_groups,
+    prefill_token_buckets,
+)
 from prefill_server.batcher import PrefillBatcher
 
 CASES = [  # (budget, longest prompt): CUDA's default budget, CPU's, one prompt longer than it
@@ -29,14 +36,20 @@ def test_every_forward_the_batcher_forms_has_a_warmed_class(budget: int, longest
     seen: set[tuple[int, bool]] = set()
 
     async def drain_queues() -> None:
-        batcher = PrefillBatcher(None, None, budget)  # type: ignore[arg-type]  # _take: no model
+        chunk = PrefillConfig().prefill_chunk()  # the daemon's: a longer prompt is chunked
+        batcher = PrefillBatcher(None, None, budget, chunk)  # type: ignore[arg-type]  # no model
         rng = random.Random(budget)
+        plain, scored = (
+            SamplingParams(max_tokens=1),
+            SamplingParams(max_tokens=1, prompt_logprobs=0),
+        )
         for _ in range(300):
             for _ in range(rng.randrange(1, 40)):
                 n = rng.choice([rng.randrange(1, 64), rng.randrange(1, longest + 1), longest])
-                batcher.submit("r", [1] * n, [], None, -1)  # type: ignore[arg-type]
+                sampling = scored if rng.random() < 0.2 else plain  # prompt logprobs: whole
+                batcher.submit("r", [1] * n, [], sampling, -1)
             while batch := batcher._take():
-                tokens = sum(len(j.prompt) for j in batch)
+                tokens = sum(piece.end - piece.start for _, piece in batch)
                 bucket = bucket_of(tokens, buckets)
                 seen.add((bucket, len(batch) > 1))
                 assert (bucket, len(batch) > 1) in warmed, (tokens, len(batch))
@@ -55,6 +68,20 @@ def test_warm_up_groups_are_forwards_the_daemon_could_run(budget: int, longest: 
     buckets = prefill_token_buckets(budget, longest)
     assert buckets == sorted(set(buckets)) and buckets[-1] == max(budget, longest)
     assert all(n % 16 == 0 or n in (budget, longest) for n in buckets)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_context_warm_up_covers_both_table_stride_classes(block_size: int) -> None:
+    """The paged-context kernel (a prefix cache hit, a chunk) is warmed alone and varlen, with
+    block tables whose width is and is not a multiple of 16 (Triton specializes the stride)."""
+    groups = context_groups(block_size)
+    assert {(len(g) > 1, w % 16 == 0) for g, w in groups} == {
+        (False, False),
+        (False, True),
+        (True, False),
+        (True, True),
+    }
+    assert all(w >= 2 for _, w in groups)  # one cached block, then the new positions' block
 
 
 @pytest.mark.parametrize("max_batch", [1, 3, 16, 64, 100, 256])

@@ -70,11 +70,13 @@ class Setup:
         """(link id, frame) of every `kind` frame for `rid`, on any link, in link order."""
         return [(link.link_id, m) for link in self.links for m in link.of(kind, rid)]
 
-    def start(self, rid: str, max_tokens: int = 4) -> asyncio.Task[list]:
+    def start(
+        self, rid: str, max_tokens: int = 4, prompt: list[int] | None = None
+    ) -> asyncio.Task[list]:
         """One request, as the server runs it: its frames collected, or its RequestFailed."""
         msg = Generate(
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-            prompt_tokens=[3] * 20,
+            prompt_tokens=prompt or [3] * 20,
         )
 
         async def consume() -> list:

@@ -30,13 +30,13 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
     runtime.close()
 
 
-def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int]):  # type: ignore[no-untyped-def]
+def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int], chunk=None):  # type: ignore[no-untyped-def]
     """Queue every prompt (blocks from the runtime's allocator), cancel those in `cancel` while
     they are queued, then let the batcher run; (batcher, results by index)."""
 
     async def go():  # type: ignore[no-untyped-def]
         producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=1)
-        batcher = PrefillBatcher(rt, producer, budget)
+        batcher = PrefillBatcher(rt, producer, budget, chunk)
         tasks = []
         for i, p in enumerate(texts):
             blocks = rt.allocator.allocate(f"r{i}", -(-len(p) // BLOCK))
@@ -57,10 +57,11 @@ def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int]
 def test_queued_prompts_share_forwards_within_the_budget(rt) -> None:  # type: ignore[no-untyped-def]
     texts = prompts(5, [30, 30, 30, 100, 10], seed=9)
     batcher, results = _run(rt, 64, texts, set())
-    # in order while they fit: [30, 30] [30] [100 alone, past the budget] [10]
+    # in order while they fit: [30, 30] [30] [64 of the 100: a chunk, past the budget], then
+    # the queue is [10, the 100's last 36]: one forward (chunked prefill; it was [100] [10])
     assert (batcher.forwards, batcher.prompts) == (4, 5)
     sizes = [shared for _, shared in results]
-    assert sizes == [2, 2, 1, 1, 1]
+    assert sizes == [2, 2, 1, 2, 2]
     for (first, _), p in zip(results, texts, strict=True):
         assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
 
@@ -71,3 +72,34 @@ def test_a_request_cancelled_while_queued_never_runs(rt) -> None:  # type: ignor
     assert isinstance(results[1], asyncio.CancelledError)
     assert (batcher.forwards, batcher.prompts) == (1, 2)
     assert [r[1] for i, r in enumerate(results) if i != 1] == [2, 2]
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 23, 64])
+def test_chunked_prompts_equal_the_reference(rt, chunk: int) -> None:  # type: ignore[no-untyped-def]
+    """Prompts longer than the chunk run a chunk per forward, interleaved with the others, each
+    chunk attending to the ones before through the pool: the first tokens are the reference's."""
+    texts = prompts(3, [70, 5, 48], seed=11)
+    batcher, results = _run(rt, chunk, texts, set(), chunk=chunk)
+    assert batcher.prompts == 3
+    assert batcher.forwards >= sum(-(-len(p) // chunk) for p in texts) - 2  # chunks ran apart
+    for (first, _), p in zip(results, texts, strict=True):
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+
+
+def test_a_prompt_that_asks_for_prompt_logprobs_is_never_chunked() -> None:
+    """Its logits at every position come from one forward: its one piece is the whole prompt
+    (past the chunk and the budget), and it may not start after a cached prefix."""
+    scored = SamplingParams(max_tokens=1, prompt_logprobs=0)
+
+    async def go():  # type: ignore[no-untyped-def]
+        batcher = PrefillBatcher(None, None, 16, 16)  # type: ignore[arg-type]  # _take: no model
+        batcher.submit("a", [1] * 70, [], scored, -1)
+        batcher.submit("b", [1] * 70, [], GREEDY, -1)
+        with pytest.raises(ValueError, match="prompt logprobs"):
+            batcher.submit("c", [1] * 70, [], scored, -1, 16)
+        return batcher._take(), batcher._take()
+
+    first, second = asyncio.run(go())
+    assert [(job.request_id, p.start, p.end) for job, p in first] == [("a", 0, 70)]
+    assert [(job.request_id, p.start, p.end) for job, p in second] == [("b", 0, 16)]
+    assert first[0][1].sampling is scored and second[0][1].sampling is None  # a chunk: no draw

@@ -1,0 +1,53 @@
+"""Names of full KV blocks for the prefix cache: a hash chained over the block's token ids and its
+parent block's name, seeded with everything the KV depends on besides the tokens.
+
+Block i of a prompt is named H(name of block i-1, tokens of block i), block 0's parent being the
+seed H(model fingerprint, dtype, block size, pool layout). So a name covers the tokens, their
+positions (the whole chain before them) and the model, dtype and block geometry: two blocks with
+one name hold the same KV. Only full blocks are named; a partial block is never shared.
+
+BLAKE2b with a 16-byte digest: a collision by chance is ~2**-64 per pair at a billion blocks, and
+nothing here trusts names from elsewhere (a peer's names are only ever compared with ours).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+NAME_BYTES = 16
+
+
+def hash_seed(*, model: str, dtype: str, block_size: int, layout: dict[str, Any]) -> bytes:
+    """The root of every chain: the model's fingerprint, the KV dtype, the block size and the rest
+    of the pool's block layout (num_blocks is left out: it does not change a block's KV)."""
+    shape = {k: v for k, v in sorted(layout.items()) if k != "num_blocks"}
+    canon = json.dumps(
+        {"model": model, "dtype": dtype, "block_size": block_size, "layout": shape},
+        sort_keys=True,
+    )
+    return hashlib.blake2b(canon.encode(), digest_size=NAME_BYTES, person=b"pdkv-seed").digest()
+
+
+def block_names(tokens: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
+    """Names of the full blocks of `tokens` in order (len(tokens) // block_size of them)."""
+    full = len(tokens) // block_size
+    if not full:
+        return []
+    ids = np.asarray(tokens[: full * block_size], dtype="<i8").tobytes()
+    step = block_size * 8
+    names = []
+    parent = seed
+    for i in range(full):
+        h = hashlib.blake2b(parent, digest_size=NAME_BYTES, person=b"pdkv-block")
+        h.update(ids[i * step : (i + 1) * step])
+        parent = h.digest()
+        names.append(parent)
+    return names
+
+
+__all__ = ["NAME_BYTES", "block_names", "hash_seed"]
