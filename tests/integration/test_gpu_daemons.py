@@ -105,3 +105,32 @@ def test_gpu_pair_across_two_gpus(pair_factory):
     for res, p in zip(results, prompts, strict=True):
         assert res.tokens == reference.generate(model, p, params)
     _assert_all_free(pair_factory)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_prefix_cache_repeats_give_the_first_requests_tokens(pair_factory, dtype):
+    """On CUDA the cached prefix's KV is read by the paged-context kernel: a repeated prompt,
+    a longer one sharing its blocks, and a multi-turn chain give the tokens of their first
+    (uncached) run; fp32 also equals the reference. In bf16 the cache must not change a repeated
+    prompt's first sampled token (issue 22)."""
+    args = ("--device", "cuda:0", "--dtype", dtype)
+    pair_factory.start("decode", *args)
+    pair_factory.start("prefill", *args)
+    rng = random.Random(11)
+    base = [rng.randrange(256) for _ in range(70)]  # 4 full blocks of 16 and 6 tokens
+    longer = base[:64] + [rng.randrange(256) for _ in range(40)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    (first,) = _run(pair_factory, [base], params)
+    assert first.finish.usage.cached_tokens == 0
+    again, shared = _run(pair_factory, [base, longer], params)
+    assert again.finish.usage.cached_tokens == 64 and again.tokens[0] == first.tokens[0]
+    assert shared.finish.usage.cached_tokens == 64
+    if dtype == "float32":
+        model, _ = load_model(None, device="cuda:0", dtype=torch.float32)
+        assert again.tokens == first.tokens == reference.generate(model, base, params)
+        assert shared.tokens == reference.generate(model, longer, params)
+        turn2 = base + first.tokens + [5, 6, 7]  # a multi-turn chain: the history comes back
+        (res,) = _run(pair_factory, [turn2], params)
+        assert res.finish.usage.cached_tokens >= 64
+        assert res.tokens == reference.generate(model, turn2, params)
+    _assert_all_free(pair_factory)
