@@ -18,9 +18,10 @@ from tests.faults.conftest import Daemon, FaultPair, all_free, poll, status, wai
 from tests.faults.fakes import FakeDecode
 
 
-@pytest.fixture(scope="module")
-def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultPair, FakeDecode]]:
-    path = Path(tmp_path_factory.mktemp("fd", numbered=True))
+def _fake_pair(
+    factory: pytest.TempPathFactory, *extra: str
+) -> Iterator[tuple[FaultPair, FakeDecode]]:
+    path = Path(factory.mktemp("fd", numbered=True))
     os.chmod(path, 0o700)
     fake = FakeDecode(path / "fake-decode.sock").start()
     pair = FaultPair(path)
@@ -34,12 +35,26 @@ def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fault
         "2",
         "--handoff-timeout",
         "2",
+        *extra,
         wait=False,
     )
     wait_ready(d, linked=True)
     yield pair, fake
     pair.kill_all()
     fake.stop()
+
+
+@pytest.fixture
+def fake_setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[FaultPair, FakeDecode]]:
+    yield from _fake_pair(tmp_path_factory)
+
+
+@pytest.fixture
+def fake_setup_late(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[FaultPair, FakeDecode]]:
+    """--no-early-handoff: every HANDOFF carries its first token (its blocks leased)."""
+    yield from _fake_pair(tmp_path_factory, "--no-early-handoff")
 
 
 def _prefill(pair: FaultPair) -> Daemon:
@@ -152,18 +167,17 @@ def test_handoff_written_to_a_just_dead_decode_gets_link_lost(fake_setup) -> Non
     poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link back up")
 
 
-def test_no_capacity_retry_after_a_link_loss_does_not_hand_off_freed_blocks(fake_setup) -> None:  # type: ignore[no-untyped-def]
-    """The decode answers NO_CAPACITY, so the prefill retries; meanwhile the link drops (its
-    leases and blocks are freed) and comes straight back. The retry must end the request with
-    LINK_LOST, never hand the freed blocks to the new link."""
-    pair, fake = fake_setup
+def _nocap_then_drop(pair: FaultPair, fake: FakeDecode, *, capacity_after: bool):  # type: ignore[no-untyped-def]
+    """nocap-1 is refused (NO_CAPACITY) and then the link drops and comes straight back; the
+    decode has capacity again after the drop when `capacity_after`. The request's result (or
+    its RequestFailed) and the links each HANDOFF of it came on."""
     fake.accept, fake.answer_pings, fake.deaf = True, True, False
     poll(lambda: status(pair.client_socket).links[0]["state"] == "up", what="link up")
     connects = status(pair.client_socket).links[0]["connects"]
-    fake.no_capacity = True
+    fake.no_capacity, fake.finish_on_first = True, True
     params = SamplingParams(max_tokens=5, ignore_eos=True)
 
-    async def run() -> None:
+    async def run():  # type: ignore[no-untyped-def]
         task = asyncio.create_task(
             client.generate(
                 pair.client_socket,
@@ -177,22 +191,45 @@ def test_no_capacity_retry_after_a_link_loss_does_not_hand_off_freed_blocks(fake
             assert not task.done(), task
             await asyncio.sleep(0.005)
         fake.drop_all()
-        with pytest.raises(client.RequestFailed) as info:
-            await task
-        assert info.value.code == "LINK_LOST", str(info.value)
+        fake.no_capacity = not capacity_after
+        return (await asyncio.gather(task, return_exceptions=True))[0]
 
     try:
-        asyncio.run(run())
+        result = asyncio.run(run())
     finally:
-        fake.no_capacity = False
+        fake.no_capacity = fake.finish_on_first = False
     poll(lambda: status(pair.client_socket).links[0]["connects"] > connects, what="reconnected")
-    first_link = fake.handoff_links[[h.request_id for h in fake.handoffs].index("nocap-1")]
-    again = [
-        link
-        for h, link in zip(fake.handoffs, fake.handoff_links, strict=True)
-        if h.request_id == "nocap-1" and link != first_link
-    ]
-    assert again == [], "the retry handed freed blocks to the new link"
+    mine = [(h, link) for h, link in zip(fake.handoffs, fake.handoff_links, strict=True)]
+    return result, [(h, link) for h, link in mine if h.request_id == "nocap-1"]
+
+
+def test_no_capacity_retry_after_a_link_loss_does_not_hand_off_freed_blocks(
+    fake_setup_late,  # type: ignore[no-untyped-def]
+) -> None:
+    """Handed off with its first token (its blocks leased), the request is refused, and the link
+    drops (its leases and blocks are freed) and comes straight back: the retry must end the
+    request with LINK_LOST, never hand the freed blocks to the new link."""
+    pair, fake = fake_setup_late
+    result, offers = _nocap_then_drop(pair, fake, capacity_after=True)
+    assert isinstance(result, client.RequestFailed) and result.code == "LINK_LOST", result
+    assert offers[0][0].first_token is not None  # leased when it was refused
+    first_link = offers[0][1]
+    assert [link for _, link in offers if link != first_link] == [], "freed blocks handed on"
+
+
+def test_an_early_offer_refused_then_its_link_lost_is_offered_again(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    """Refused while offered early (its KV not written, its blocks its own, never leased) and
+    then the link drops: no token of it has reached the decode, so it is offered again, with its
+    first token, on the link that came back, and completes."""
+    pair, fake = fake_setup
+    result, offers = _nocap_then_drop(pair, fake, capacity_after=True)
+    assert not isinstance(result, BaseException), result
+    assert result.finish is not None and result.finish.reason == "length"
+    assert offers[0][0].first_token is None  # the early offer
+    again = [(h, link) for h, link in offers if link != offers[0][1]]
+    assert again and all(h.first_token is not None for h, _ in again)
+    st = status(pair.client_socket)
+    assert st.pool["free"] == st.pool["total"]
     poll(lambda: all_free(pair.client_socket), what="prefill pool free")
 
 
