@@ -1,0 +1,187 @@
+"""What both daemons share of their settings (DaemonConfig); each daemon's own are in
+common.config (DecodeConfig, PrefillConfig), which re-exports this class.
+
+Each field a user sets declares its option here (common.settings.opt); `pdkv decode start`,
+`pdkv prefill start` and the tables in docs/operations.md are generated from the fields.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from common.rundir import default_runtime_dir
+from common.settings import int_tuple, opt
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    """What both daemons share. Paths default to files in the runtime dir."""
+
+    role: ClassVar[str | None] = None
+    runtime_dir: Path = field(default_factory=default_runtime_dir)
+    model: str | None = field(
+        default=None,
+        metadata=opt(
+            "--model",
+            metavar="DIR",
+            show_default="built-in tiny model",
+            help="Hugging Face checkpoint dir (config.json + *.safetensors).",
+        ),
+    )
+    device: str = field(
+        default="auto",
+        metadata=opt(
+            "--device", help="auto, cpu or cuda:N (auto: cuda:0 when CUDA works, else cpu)."
+        ),
+    )
+    dtype: str | None = field(
+        default=None,
+        metadata=opt(
+            "--dtype",
+            show_default="float32 on CPU, bfloat16 on CUDA",
+            help="Model and KV dtype: float32, bfloat16 or float16 (fp32, bf16, fp16 too).",
+        ),
+    )
+    allow_byte_tokenizer: bool = field(
+        default=False,
+        metadata=opt(
+            "--allow-byte-tokenizer",
+            help="Load a --model without tokenizer.json with UTF-8 bytes as token ids (its text is "
+            "garbage unless the model was trained on bytes); without this flag such a model is "
+            "refused.",
+        ),
+    )
+    ipc_backend: str = field(
+        default="auto",
+        metadata=opt(
+            "--ipc-backend",
+            choices=("auto", "shm", "cuda-raw", "cuda-torch"),
+            help="How the KV pool is shared: shm (CPU memfd), cuda-raw (the extension), cuda-torch "
+            "(torch storage IPC); auto picks by device.",
+        ),
+    )
+    num_blocks: int = field(
+        default=1024, metadata=opt("--num-blocks", min=1, help="KV pool size in blocks.")
+    )
+    block_size: int = field(
+        default=16,
+        metadata=opt(
+            "--block-size", min=1, help="Tokens per KV block (must match on both daemons)."
+        ),
+    )
+    link_socket: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--link-socket",
+            show_default="RUNTIME_DIR/decode.sock",
+            help="The decode daemon's link socket.",
+        ),
+    )
+    socket_group: str | None = field(
+        default=None,
+        metadata=opt(
+            "--socket-group", help="Make sockets 0660 owned by this group (default 0600)."
+        ),
+    )
+    allowed_uids: tuple[int, ...] = field(
+        default=(),
+        metadata=opt(
+            "--allowed-uids",
+            parse=int_tuple,
+            help="Comma-separated uids allowed to connect besides our own.",
+        ),
+    )
+    torch_threads: int = field(
+        default=0,
+        metadata=opt(
+            "--torch-threads",
+            min=0,
+            help="CPU threads for torch (0: 1 for the tiny model, torch's default otherwise).",
+        ),
+    )
+    kernel_cache_dir: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--kernel-cache-dir",
+            metavar="DIR",
+            show_default="$TRITON_CACHE_DIR, else $XDG_CACHE_HOME/pdkv/triton",
+            help="Where Triton keeps the kernels it compiles (CUDA): keep it on a persistent path "
+            "so that a restarted daemon loads them instead of compiling again.",
+        ),
+    )
+    spin_us: int = field(
+        default=0,
+        metadata=opt(
+            "--spin-us",
+            min=0,
+            max=100_000,
+            help="After a handoff, poll the link this many µs without sleeping: lower latency for "
+            "back-to-back handoffs on a host with idle cores, worse on a busy one (0: off).",
+        ),
+    )
+    drain_timeout_s: float = field(
+        default=10.0,
+        metadata=opt("--drain-timeout", help="Seconds to finish in-flight work on SIGTERM."),
+    )
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = field(
+        default=5.0, metadata=opt("--heartbeat-timeout", help="A link silent this long is dead.")
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata=opt(
+            "--max-connections",
+            min=1,
+            help="Most open connections on the daemon's socket; more are refused with NO_CAPACITY.",
+        ),
+    )
+    frame_timeout_s: float = field(
+        default=30.0,
+        metadata=opt(
+            "--frame-timeout",
+            min=0.1,
+            help="Seconds a frame may take to arrive whole; a slower sender is disconnected.",
+        ),
+    )
+    link_key_file: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--link-key-file",
+            help="Shared secret (mode 0600, ≥ 16 bytes) both daemons prove in HELLO on a TCP link; "
+            "required with --listen / --decode tcp://.",
+        ),
+    )
+    prefix_cache: bool = field(
+        default=True,
+        metadata=opt(
+            "--prefix-cache",
+            negatable=True,
+            help="Keep the KV of full prompt blocks after their request and reuse it for prompts "
+            "that start the same way: the prefill then computes only the rest, the decode pulls "
+            "only the blocks it lacks. Cached blocks count as free and are evicted least recently "
+            "used first when the pool needs room.",
+        ),
+    )
+    max_prompt_tokens: int = field(
+        default=8192,
+        metadata=opt(
+            "--max-prompt-tokens",
+            only="prefill",
+            min=1,
+            max=262_144,
+            help="Longest prompt accepted; longer ones get BAD_REQUEST.",
+        ),
+    )
+
+    @property
+    def link_path(self) -> Path:
+        return self.link_socket or self.runtime_dir / "decode.sock"
+
+    def uids(self) -> frozenset[int]:
+        return frozenset(self.allowed_uids) | {os.getuid()}
+
+
+__all__ = ["DaemonConfig"]
