@@ -176,3 +176,43 @@ def test_a_bad_decode_list_is_refused_at_start(tmp_path: Path, decodes: list[str
     )
     assert done.returncode != 0
     assert message in done.stderr + done.stdout
+
+
+def test_a_decode_killed_under_load_fails_only_what_it_held(trio, tiny):
+    """SIGKILL one decode while 24 requests stream: each request either completes with the
+    reference's tokens or ends with LINK_LOST (none hangs, none is wrong), every request after it
+    succeeds on the other decode, and the prefill's pool comes back whole."""
+    model, _ = tiny
+    a, b = trio["a"].start("decode"), trio["b"].start("decode")
+    prefill = _start_prefill(trio, str(a.socket), str(b.socket))
+    _until(lambda: all(lk["state"] == "up" for lk in _status(prefill.socket).links), "links up")
+    prompts = [[(11 * i + j) % 256 for j in range(8 + 5 * i)] for i in range(24)]
+    params = [SamplingParams(max_tokens=48, ignore_eos=True)] * 24
+
+    async def load_and_kill():  # type: ignore[no-untyped-def]
+        tasks = [
+            asyncio.create_task(
+                client.generate(str(prefill.socket), prompt_tokens=p, sampling=s, timeout=60)
+            )
+            for p, s in zip(prompts, params, strict=True)
+        ]
+        while (await client.status(str(a.socket))).inflight == 0:  # A holds some: kill it
+            await asyncio.sleep(0.01)
+        a.stop(signal.SIGKILL)
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(load_and_kill())
+    lost = [r for r in results if isinstance(r, BaseException)]
+    assert all(isinstance(r, client.RequestFailed) and r.code == ErrorCode.LINK_LOST for r in lost)
+    assert len(lost) < 24, "the other decode served none"  # 0 lost: A held only early offers
+    for res, p, s in zip(results, prompts, params, strict=True):
+        if not isinstance(res, BaseException):
+            assert res.tokens == reference.generate(model, p, s, block_size=BLOCK)
+    after = _run(str(prefill.socket), prompts[:6], params[:6])
+    assert all(not isinstance(r, BaseException) for r in after), after
+    _until(
+        lambda: (
+            (st := _status(prefill.socket)).pool["free"] == st.pool["total"] and not st.inflight
+        ),
+        "the prefill's pool did not come back whole",
+    )
