@@ -59,6 +59,7 @@ class DaemonCollector(Collector):
             "queried_tokens": "prompt tokens looked up in the prefix cache",
             "hit_tokens": "prompt tokens whose KV came from the prefix cache",
             "evictions": "cached blocks evicted to make room",
+            "pulled_blocks": "blocks the decode's pulls copied (those its cache lacked)",
         }
         families = {
             key: CounterMetricFamily(f"pdkv_prefix_cache_{key}", text, labels=["role"])

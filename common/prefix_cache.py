@@ -35,6 +35,7 @@ class PrefixCache:
         )
         self.queried_tokens = 0  # prompt tokens of every request that looked (the hit rate's base)
         self.hit_tokens = 0  # of those, tokens whose K/V came from the cache
+        self.pulled_blocks = 0  # the decode: blocks its pulls were given to copy (not cached)
 
     def names(self, prompt: Sequence[int]) -> list[bytes]:
         """Names of the prompt's full blocks ([] when the cache is off)."""
@@ -53,6 +54,11 @@ class PrefixCache:
             self.queried_tokens += num_tokens
             self.hit_tokens += hit_blocks * self.block_size
 
+    def pulled(self, blocks: int) -> None:
+        """The decode: a HANDOFF's pull copies `blocks` blocks (its prompt's, less the cached
+        ones); counted with the cache on or off, so the two can be compared."""
+        self.pulled_blocks += blocks
+
     def publish(self, request_id: str, names: Sequence[bytes]) -> None:
         """The request's forward wrote its blocks: its full ones may be reused from now on."""
         if names and request_id in self.allocator:
@@ -65,6 +71,7 @@ class PrefixCache:
             "enabled": int(self.enabled),
             "queried_tokens": self.queried_tokens,
             "hit_tokens": self.hit_tokens,
+            "pulled_blocks": self.pulled_blocks,
             "evictions": a.evictions,
             "cached_blocks": a.num_cached,
             "named_blocks": a.num_named,

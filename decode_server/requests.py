@@ -121,6 +121,8 @@ class DecodeRequests:
             cached=hit,
         )
         consumer, src, dst = peer.consumer, h.block_ids[hit:], seq.blocks[hit : len(h.block_ids)]
+        if self.rt.prefix is not None:
+            self.rt.prefix.pulled(len(src))
         if h.first_token is not None:
             marks.stamp("kv_sent", h.sent_ns)
             marks.stamp("kv_read", read)

@@ -32,12 +32,13 @@ def test_the_decode_pulls_only_the_blocks_it_lacks(new_pair, tiny) -> None:  # t
     a, b = prompts(2, [45, 20], seed=31)
     conv = prompts(1, [18], seed=32)[0]
     history: list[list[int]] = []
-    hit = queried = 0
+    hit = queried = pulled = 0
     for prompt in [a, a, a[:33] + b, a[:32]]:
         assert _run(pair.client_socket, prompt) == reference.generate(
             model, prompt, GREEDY, block_size=BLOCK
         )
         hit += _expected_hit(history, prompt)
+        pulled += -(-len(prompt) // BLOCK) - _expected_hit(history, prompt) // BLOCK
         queried += len(prompt)
         history.append(prompt)
     for turn in prompts(3, [9, 14, 21], seed=33):  # multi-turn: the conversation re-sent
@@ -45,12 +46,15 @@ def test_the_decode_pulls_only_the_blocks_it_lacks(new_pair, tiny) -> None:  # t
         tokens = _run(pair.client_socket, conv)
         assert tokens == reference.generate(model, conv, GREEDY, block_size=BLOCK)
         hit += _expected_hit(history, conv)
+        pulled += -(-len(conv) // BLOCK) - _expected_hit(history, conv) // BLOCK
         queried += len(conv)
         history.append(conv)
         conv = conv + tokens
     assert hit > 0
     decode = asyncio.run(client.status(pair.link_socket)).prefix_cache
     assert (decode["hit_tokens"], decode["queried_tokens"]) == (hit, queried)
+    # only the blocks it lacked were pulled: a repeat moves one block, a new turn its own
+    assert decode["pulled_blocks"] == pulled < -(-queried // BLOCK)
     assert decode["cached_blocks"] > 0
     prefill = asyncio.run(client.status(pair.client_socket)).prefix_cache
     assert prefill["enabled"] == 0 and prefill["hit_tokens"] == 0
