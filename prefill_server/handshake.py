@@ -67,6 +67,13 @@ def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> Producer:
         backend=rt.backend, event_slots=cfg.event_slots, transfer=cfg.transfer
     )
     kind = transport(link_kind(cfg.decode_addresses[0]))
+    if kind.kind == TCP and cfg.transfer == "pull":
+        log.warning(
+            "nixl_pull_is_slow_here",
+            hint="the decode READs over NIXL: where UCX has no RDMA transport (it fell back to "
+            "TCP) a READ ran at ~0.5 GB/s, a 2nd token 109 ms behind; --transfer push WRITEs "
+            "at hundreds of GB/s there (docs/operations.md, 'Across hosts')",
+        )
     return kind.producer(rt.pool, rt.allocator, settings, asyncio.get_running_loop())
 
 

@@ -145,6 +145,10 @@ def test_greedy_output_across_hosts_equals_the_reference(cross: CrossPair, tiny,
     assert [link["transport"] for link in links] == ["tcp"]
     assert links[0]["handoffs"] == len(prompts)
     assert f'"backend": "nixl-{transfer}"' in cross.daemons["decode"].log_text()
+    # pull is slow wherever UCX has no RDMA: the prefill says so at start, push says nothing
+    assert ('"nixl_pull_is_slow_here"' in cross.daemons["prefill"].log_text()) == (
+        transfer == "pull"
+    )
 
 
 def test_a_wrong_key_is_refused_and_logged_on_both_ends(cross: CrossPair):
