@@ -116,16 +116,26 @@ def stop(g: commands.Globals, which: str, timeout: float, port: int | None) -> N
     help="The decode daemon's link socket [default: RUNTIME_DIR/decode.sock].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.argument("dirs", nargs=-1, type=click.Path(path_type=Path, file_okay=False))
 @global_options
 @click.pass_obj
 def status(
-    g: commands.Globals, client_socket: Path | None, link_socket: Path | None, as_json: bool
+    g: commands.Globals,
+    client_socket: Path | None,
+    link_socket: Path | None,
+    as_json: bool,
+    dirs: tuple[Path, ...],
 ) -> None:
     """Show each daemon's model, pool use, requests and throughput, and the link between them.
 
     Exit 0 only when both daemons answer and the prefill's link to the decode is up; 1 otherwise
     (a daemon down, or the link down, e.g. mismatched --block-size): usable as a health check.
+
+    With DIRS (runtime dirs: one per daemon in a deployment of several), every daemon whose
+    socket is in one of them; exit 0 only when each answers and each prefill has a link up.
     """
+    if dirs:
+        raise SystemExit(client_commands.status_of_dirs(list(dirs), as_json=as_json))
     raise SystemExit(
         client_commands.status(
             g, client_socket=client_socket, link_socket=link_socket, as_json=as_json

@@ -48,6 +48,37 @@ def status(
     return EXIT_OK if healthy(out) else EXIT_FAIL
 
 
+def status_of_dirs(dirs: list[Path], *, as_json: bool = False) -> int:
+    """`pdkv status DIR...`: every daemon of several runtime dirs (one per daemon in an XpYd
+    deployment: a dir may hold a prefill, a decode or both). Exit 0 only when every dir holds a
+    daemon's socket, every socket answers, and every prefill has a decode link up."""
+    found: list[dict[str, Any]] = []
+    for d in dirs:
+        sockets = [
+            (r, d / f"{r}.sock") for r in ("prefill", "decode") if (d / f"{r}.sock").exists()
+        ]
+        if not sockets:  # a daemon stopped cleanly removes its socket: the dir is named, down
+            why = "no daemon: neither prefill.sock nor decode.sock here"
+            found.append({"runtime_dir": str(d), "role": "daemon", "down": why, "socket": str(d)})
+        for role, path in sockets:
+            try:
+                st = msgspec.to_builtins(asyncio.run(client.status(str(path))))
+            except (OSError, TimeoutError, PdkvError) as exc:
+                st = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+            found.append({"runtime_dir": str(d), **st})
+    ok = all(
+        "down" not in st
+        and (st["role"] != "prefill" or any(lk.get("state") == "up" for lk in st["links"]))
+        for st in found
+    )
+    if as_json:
+        click.echo(json.dumps({"daemons": found, "healthy": ok}, indent=2))
+    else:
+        for st in found:
+            click.echo(f"[{st['runtime_dir']}]\n{_status_line(st['role'], st)}")
+    return EXIT_OK if ok else EXIT_FAIL
+
+
 def why_down(role: str, exc: BaseException) -> str:
     """Why a daemon's socket did not answer, in words (no exception class for the usual ones)."""
     if isinstance(exc, FileNotFoundError):

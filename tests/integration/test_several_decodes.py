@@ -7,6 +7,7 @@ size) is refused and named while the others serve, and bad --decode lists are re
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -216,3 +217,29 @@ def test_a_decode_killed_under_load_fails_only_what_it_held(trio, tiny):
         ),
         "the prefill's pool did not come back whole",
     )
+
+
+def test_status_over_several_runtime_dirs_shows_every_daemon(trio):  # type: ignore[no-untyped-def]
+    """`pdkv status DIR...`: one line per daemon of each runtime dir; exit 1 once one is down."""
+    a, b = trio["a"].start("decode"), trio["b"].start("decode")
+    prefill = _start_prefill(trio, str(a.socket), str(b.socket))
+    _until(lambda: all(lk["state"] == "up" for lk in _status(prefill.socket).links), "links up")
+    dirs = [str(trio[n].runtime) for n in ("a", "b", "p")]
+
+    def status(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "pdkv.cli", "status", *args, *dirs]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+    done = status()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("decode   up") == 2 and "decodes 2/2 up" in done.stdout
+    a.stop(signal.SIGKILL)
+    done = status("--json")
+    assert done.returncode == 1
+    daemons = json.loads(done.stdout)["daemons"]
+    down = [d for d in daemons if "down" in d]
+    assert [d["runtime_dir"] for d in down] == [dirs[0]] and len(daemons) == 3
+    b.stop()  # stopped cleanly: its socket is gone, and its dir is still named, down
+    done = status("--json")
+    down = [d["runtime_dir"] for d in json.loads(done.stdout)["daemons"] if "down" in d]
+    assert done.returncode == 1 and down == dirs[:2]
