@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
+
 from api_server.errors import ApiError, bad_field, from_daemon, timed_out, unavailable
 from api_server.metrics import Metrics
 from api_server.prompts import MAX_PROMPTS, Prompt
@@ -25,6 +27,8 @@ from api_server.tokens import PromptCounter
 from common import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams, TokenLogprob
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,6 +169,14 @@ async def run(
                         metrics.handoff.observe(handoff_us / 1e6)
                     reason = "length" if msg.reason == "length" else "stop"
                     u = msg.usage
+                    log.info(
+                        "request_finished",
+                        request_id=job.request_id,
+                        prefill=conn.path,
+                        decode=msg.decode or None,
+                        reason=reason,
+                        completion_tokens=u.completion_tokens,
+                    )
                     yield Done(reason, u.prompt_tokens, u.completion_tokens, u.cached_tokens)
                     return
     except client.RequestFailed as exc:

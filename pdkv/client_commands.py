@@ -279,6 +279,7 @@ def _result_json(result: client.Result) -> dict[str, Any]:
         "finish_reason": finish.reason if finish else None,
         "usage": msgspec.to_builtins(finish.usage) if finish else None,
         "timings": dict(finish.timings) if finish else {},
+        "decode": finish.decode if finish else "",
     }
 
 

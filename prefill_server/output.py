@@ -94,4 +94,5 @@ class RequestOutput:
             ),
             timings=timings,
             text=self.text_delta(req, final=True),
+            decode=req.link_id,
         )

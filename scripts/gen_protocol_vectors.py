@@ -122,6 +122,7 @@ def examples() -> list[Message]:
             usage=Usage(prompt_tokens=20, completion_tokens=8, cached_tokens=16),
             timings={"prefill_ms": 1.5, "handoff_ms": 0.25},
             text="",
+            decode="link-3@/run/pdkv/decode-0/decode.sock",
         ),
         Abort(request_id="req-8"),
         Error(code=ErrorCode.NO_CAPACITY, message="decode pool is full", request_id="req-9"),

@@ -126,6 +126,9 @@ class Finish(Message, frozen=True):
     usage: Usage
     timings: dict[str, float] = {}
     text: str = ""
+    # v9, P → C: the link the request was handed to (link-N@DECODE: the decode daemon's address),
+    # "" when it was not handed off (or on D → P)
+    decode: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
 class Abort(Message, frozen=True):

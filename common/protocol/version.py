@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -33,6 +33,8 @@ HISTORY: dict[int, str] = {
     "[token, logprob, top] entry per token) and `prompt_logprobs` (P → C, up to 512 per frame)",
     8: "the prefix cache: FINISH's `usage` has `cached_tokens` (prompt tokens whose KV was reused), "
     "STATUS_REPLY has `prefix_cache` (its counters) and its `pool` a `cached` count",
+    9: "FINISH P → C has `decode`: the link (link-N@DECODE) the request was handed to, so a "
+    "client sees which decode daemon served it when a prefill has several",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -76,6 +76,12 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
     for d in decodes:
         assert f'pdkv_decode_link_up{{decode="{d.socket}"}} 1.0'.encode() in body
     assert f'pdkv_daemon_up{{role="prefill@{prefills[1].socket}"}} 1.0'.encode() in body
+    logged = api.log.read_text()  # each request's line names its prefill and decode
+    assert logged.count('"request_finished"') == 22
+    for p in prefills:
+        assert f'"prefill": "{p.socket}"' in logged
+    for d in decodes:
+        assert f'@{d.socket}"' in logged
 
 
 def test_a_killed_prefill_leaves_the_other_serving(fleet) -> None:  # type: ignore[no-untyped-def]

@@ -46,6 +46,7 @@ def test_json_from_stdin_has_ids_text_reason_and_timings(pair: Pair, tiny) -> No
     assert out["usage"] == {"prompt_tokens": n, "completion_tokens": 40, "cached_tokens": 0}
     t = out["timings"]
     assert t["ttft_ms"] > 0 and t["handoff_us"] > 0 and t["total_ms"] >= t["ttft_ms"]
+    assert out["decode"].endswith("@" + pair.link_socket)  # the decode it was handed to
     args = ("-", "--json", "--max-tokens", "40", "--ignore-eos")
     again = json.loads(_generate(pair, *args, stdin=prompt).stdout)
     assert again["usage"]["cached_tokens"] == (n - 1) // 16 * 16 > 0  # from the prefix cache

@@ -96,6 +96,10 @@ def test_requests_spread_over_two_decodes_and_equal_the_reference(trio, tiny):
         assert res.tokens == reference.generate(model, p, s, block_size=BLOCK), f"request {i}"
     served = [_status(d.socket).served for d in (a, b)]
     assert sum(served) == 12 and min(served) > 0, f"one decode got every request: {served}"
+    # FINISH names the decode each request went to (v9): both appear, as the counts say
+    named = [r.finish.decode.partition("@")[2] for r in results]
+    assert sorted(set(named)) == sorted([str(a.socket), str(b.socket)])
+    assert sorted(named.count(str(d.socket)) for d in (a, b)) == sorted(served)
     links = _status(prefill.socket).links
     assert sorted(lk["decode"] for lk in links) == sorted([str(a.socket), str(b.socket)])
     assert all(lk["requests"] == 0 for lk in links)  # every request ended: none counted
