@@ -137,3 +137,23 @@ def test_systemd_templates_are_the_units_with_an_instance_per_gpu() -> None:
         ]
         assert service(template) == service(plain)
     assert unit_values("pdkv-prefill@.service", "After") == ["pdkv-decode@%i.service"]
+
+
+def test_xpyd_k8s_pod_links_every_prefill_to_every_decode_in_one_ipc_and_pid_namespace() -> None:
+    (deployment, _service) = k8s_docs("pdkv-xpyd.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True and pod["hostIPC"] is False
+    containers = {c["name"]: c for c in pod["containers"]}
+    env = {n: {e["name"]: e.get("value") for e in c["env"]} for n, c in containers.items()}
+    decodes = sorted(n for n in containers if n.startswith("decode"))
+    prefills = sorted(n for n in containers if n.startswith("prefill"))
+    assert len(decodes) == len(prefills) == 2
+    dirs = {n: env[n]["PDKV_RUNTIME_DIR"] for n in (*decodes, *prefills, "api")}
+    assert len(set(dirs.values())) == 5  # a runtime dir each
+    for p in prefills:
+        assert env[p]["PDKV_DECODE"].split() == [f"{dirs[d]}/decode.sock" for d in decodes]
+        assert containers[p]["args"] == ["prefill", "start"]
+    assert env["api"]["PDKV_CLIENT_SOCKET"].split() == [f"{dirs[p]}/prefill.sock" for p in prefills]
+    for n in (*decodes, *prefills):  # each daemon's probe asks its own runtime dir
+        probe = containers[n]["readinessProbe"]["exec"]["command"]
+        assert probe == ["sh", "-c", 'pdkv status "$PDKV_RUNTIME_DIR"'], n
