@@ -37,6 +37,7 @@ import structlog
 from common.model.sampling import SamplingError, SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
+from common.timings import Marks
 from common.transfer import Producer
 from prefill_server.forward import FirstToken, Piece, run_prefill_batch
 from prefill_server.request import RequestFailed
@@ -54,6 +55,7 @@ class _Job:
     event_slot: int
     future: asyncio.Future[tuple[FirstToken, int]]  # (first token, requests in its forward)
     start: int = 0  # positions whose K/V is in the pool: its cached prefix, then its chunks
+    marks: Marks | None = None  # its request's: forward_started (first chunk), forward_done
 
     def piece(self, most: int) -> Piece:
         """The next at most `most` positions to compute (its last piece samples). A prompt that
@@ -91,19 +93,21 @@ class PrefillBatcher:
         sampling: SamplingParams,
         event_slot: int,
         start: int = 0,
+        marks: Marks | None = None,
     ) -> asyncio.Future[tuple[FirstToken, int]]:
         """Queue the prompt for the next batch: a future of (its first token, the number of
         requests that shared its (last) forward) once its last chunk has run, or of
         RequestFailed for this request. Its blocks already hold the K/V of its first `start`
         positions (< len(prompt): one position at least is computed, to sample from; 0 for a
         prompt that asks for prompt logprobs, whose every position is computed). Cancel the
-        future if the request goes away: a prompt not yet run is then skipped."""
+        future if the request goes away: a prompt not yet run is then skipped. `marks` get
+        forward_started (its first forward began) and forward_done (its last one returned)."""
         if not 0 <= start < len(prompt):
             raise ValueError(f"start {start} outside a prompt of {len(prompt)} tokens")
         if start and sampling.prompt_logprobs is not None:
             raise ValueError("a prompt that asks for prompt logprobs is computed from position 0")
         future: asyncio.Future[tuple[FirstToken, int]] = asyncio.get_running_loop().create_future()
-        job = _Job(request_id, prompt, blocks, sampling, event_slot, future, start)
+        job = _Job(request_id, prompt, blocks, sampling, event_slot, future, start, marks)
         self._queue.append(job)
         self._wake.set()
         return future
@@ -146,6 +150,10 @@ class PrefillBatcher:
         tokens = sum(p.end - p.start for p in pieces)
         ids = [j.request_id for j, _ in taken]
         start = time.perf_counter()
+        started_ns = time.monotonic_ns()
+        for job, _ in taken:
+            if job.marks is not None and "forward_started" not in job.marks:
+                job.marks.stamp("forward_started", started_ns)
         try:
             firsts = await self.rt.run(
                 run_prefill_batch,
@@ -164,6 +172,7 @@ class PrefillBatcher:
             return
         self.forwards += 1
         forward_ms = round((time.perf_counter() - start) * 1000, 3)
+        done_ns = time.monotonic_ns()
         for (job, piece), first in zip(taken, firsts, strict=True):
             if first is None:  # a chunk: the rest of the prompt waits its turn again
                 job.start = piece.end
@@ -174,6 +183,8 @@ class PrefillBatcher:
                 _answer(job, RequestFailed(ErrorCode.NUMERIC_ERROR, str(first)))
             else:
                 self.prompts += 1
+                if job.marks is not None:
+                    job.marks.stamp("forward_done", done_ns)
                 _answer(job, (first, len(taken)))
         await asyncio.sleep(0)  # the first tokens go out before this line is written (~30 µs)
         log.info(

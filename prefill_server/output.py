@@ -23,6 +23,11 @@ _MS = 1_000_000
 
 TIMINGS = (  # `always`: a stage the request skipped (no handoff, no RELEASE before FINISH) reads 0.0
     Span("ttft_ms", "arrived", "first_token", _MS, always=True),
+    # of it: arrival -> its blocks and event slot held, queued for a forward -> that forward
+    # (its first chunk's) starts -> its (last) forward back on the loop
+    Span("prefill_admit_us", "arrived", "queued"),
+    Span("prefill_queue_us", "queued", "forward_started"),
+    Span("prefill_forward_us", "forward_started", "forward_done"),
     # the KV ready to move -> RELEASE received
     Span("handoff_us", "kv_offered", "released", always=True),
     # the first token on the loop -> the (last) HANDOFF sent: negative for an early handoff

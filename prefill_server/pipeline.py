@@ -252,6 +252,7 @@ class RequestPipeline:
         """Its forward (queued to the batcher; the early HANDOFF goes out meanwhile): its first
         token and the number of requests in that forward. Its blocks are named in the prefix
         cache once written, not before."""
+        req.marks.stamp("queued")
         future = self.batcher.submit(
             req.request_id,
             req.prompt_tokens,
@@ -259,6 +260,7 @@ class RequestPipeline:
             req.sampling,
             req.event_slot,
             req.cached_tokens,
+            req.marks,
         )
         req.advance(Event.QUEUE)
         try:

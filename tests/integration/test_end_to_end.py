@@ -70,6 +70,10 @@ def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
     assert res.text == tok.decode(expected)
     t = res.finish.timings
     assert t["ttft_ms"] > 0 and t["handoff_us"] > 0 and t["total_ms"] >= t["ttft_ms"]
+    # the prefill's share of the TTFT: admission, queue and forward, each inside it
+    parts = [t["prefill_admit_us"], t["prefill_queue_us"], t["prefill_forward_us"]]
+    assert min(parts) >= 0 and t["prefill_forward_us"] > 0
+    assert sum(parts) <= t["ttft_ms"] * 1000 + 1
 
 
 def test_stream_flag_decides_where_the_text_travels(pair, tiny):

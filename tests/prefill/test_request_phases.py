@@ -22,7 +22,15 @@ from common.protocol import (
 from prefill_server.phase import Phase
 from tests.prefill.pipeline_parts import Setup
 
-PREFILL_KEYS = ["ttft_ms", "handoff_us", "handoff_after_first_us", "total_ms"]
+PREFILL_KEYS = [
+    "ttft_ms",
+    "prefill_admit_us",
+    "prefill_queue_us",
+    "prefill_forward_us",
+    "handoff_us",
+    "handoff_after_first_us",
+    "total_ms",
+]
 
 
 def _finish() -> Finish:
