@@ -12,14 +12,15 @@ nothing here trusts names from elsewhere (a peer's names are only ever compared 
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 NAME_BYTES = 16
+_BLOCK = hashlib.blake2b(digest_size=NAME_BYTES, person=b"pdkv-block")  # copied per block
 
 
 def hash_seed(*, model: str, dtype: str, block_size: int, layout: dict[str, Any]) -> bytes:
@@ -34,17 +35,25 @@ def hash_seed(*, model: str, dtype: str, block_size: int, layout: dict[str, Any]
 
 
 def block_names(tokens: Sequence[int], block_size: int, seed: bytes) -> list[bytes]:
-    """Names of the full blocks of `tokens` in order (len(tokens) // block_size of them)."""
+    """Names of the full blocks of `tokens` in order (len(tokens) // block_size of them).
+
+    On every prompt's way to its forward (both daemons), so kept cheap: the ids packed once as
+    little-endian int64, each block's hash a copy of one keyed-up BLAKE2b state (no per-block
+    parameter parsing): ~1 µs a block."""
     full = len(tokens) // block_size
     if not full:
         return []
-    ids = np.asarray(tokens[: full * block_size], dtype="<i8").tobytes()
+    packed = array.array("q", tokens[: full * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    ids = memoryview(packed).cast("B")
     step = block_size * 8
     names = []
     parent = seed
-    for i in range(full):
-        h = hashlib.blake2b(parent, digest_size=NAME_BYTES, person=b"pdkv-block")
-        h.update(ids[i * step : (i + 1) * step])
+    for start in range(0, full * step, step):
+        h = _BLOCK.copy()
+        h.update(parent)
+        h.update(ids[start : start + step])
         parent = h.digest()
         names.append(parent)
     return names
