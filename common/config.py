@@ -114,6 +114,16 @@ class PrefillConfig(DaemonConfig):
             help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
         ),
     )
+    prefill_graph_tokens: int = field(
+        default=1024,
+        metadata=opt(
+            "--prefill-graph-tokens",
+            min=0,
+            help="CUDA: forwards of at most this many tokens (and 8 prompts) replay a CUDA graph "
+            "captured at start instead of launching their ~200 kernels from Python, which costs "
+            "more than a small forward's GPU time (a cached prefix's few new tokens). 0: off.",
+        ),
+    )
     early_handoff: bool = field(  # Unix-socket links only
         default=True,
         metadata=opt(

@@ -120,6 +120,27 @@ def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, budget: int, max_pr
     )
 
 
+def _capture_prefill_graphs(
+    model: Any, kv: torch.Tensor, stream: Any, max_tokens: int, max_blocks: int
+) -> Any:
+    """The prefill's CUDA graphs (common.model.prefill_graphs), captured on the torch thread and
+    its stream after the kernels are warm."""
+    from common.model.prefill_graphs import PrefillGraphs
+
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        graphs = PrefillGraphs(model, kv, max_tokens=max_tokens, max_seqs=8, max_blocks=max_blocks)
+        count = graphs.capture()
+    log.info(
+        "prefill_graphs_captured",
+        graphs=count,
+        token_buckets=graphs.tokens,
+        seq_buckets=graphs.seqs,
+        seconds=round(time.perf_counter() - start, 3),
+    )
+    return graphs
+
+
 TINY_NAME = "pdkv-tiny"
 
 
@@ -146,6 +167,7 @@ class ModelRuntime:
     runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
     card: ModelCard | None = None  # the model as clients see it (STATUS_REPLY)
     prefix: PrefixCache | None = None  # the prefix cache over `allocator` (load() makes it)
+    prefill_graphs: Any = None  # the prefill daemon's PrefillGraphs; None on CPU / decode / off
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -180,7 +202,7 @@ class ModelRuntime:
         pool = KVPool.create(layout, device=device)
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdkv-{role}-torch")
-        stream = None
+        stream = prefill_graphs = None
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
@@ -188,6 +210,13 @@ class ModelRuntime:
             budget = cfg.prefill_budget(device.type)  # type: ignore[attr-defined]
             longest = min(cfg.max_prompt_tokens, model.config.max_position_embeddings)
             executor.submit(_warm_prefill, model, pool.tensor, stream, budget, longest).result()
+            graph_tokens = cfg.prefill_graph_tokens  # type: ignore[attr-defined]
+            if graph_tokens:
+                max_blocks = min(
+                    -(-model.config.max_position_embeddings // cfg.block_size), cfg.num_blocks
+                )
+                args = (model, pool.tensor, stream, min(graph_tokens, budget), max_blocks)
+                prefill_graphs = executor.submit(_capture_prefill_graphs, *args).result()
         runner = None
         if role == "decode" and stream is not None and model.use_kernels:
             max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
@@ -219,6 +248,7 @@ class ModelRuntime:
             runner,
             model_card(cfg.model, model.config.max_position_embeddings),
             PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
+            prefill_graphs,
         )
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:

@@ -55,7 +55,9 @@ def run_prefill_batch(
     SamplingError in its place when that prompt's logits are not finite or its draw fails (the
     other prompts keep theirs); None for the other pieces.
 
-    The pieces run in as few forwards as `token_budget` allows (one, when the caller keeps their
+    A batch that fits the daemon's prefill graphs (`rt.prefill_graphs`: few enough tokens and
+    prompts, none asking for prompt logprobs) replays one instead of launching its kernels.
+    Otherwise the pieces run in as few forwards as `token_budget` allows (one, when the caller keeps their
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
     token is drawn with the generator of (seed, step 0), as the single-process reference draws it.
     A prompt whose params ask for prompt logprobs comes whole, as one piece from position 0 (the
@@ -76,17 +78,25 @@ def run_prefill_batch(
     for p, want in zip(pieces, every, strict=True):
         if want and p.start != 0:
             raise ValueError("prompt logprobs need the whole prompt in one piece")
+    graphs = rt.prefill_graphs  # small forwards replay a CUDA graph (host-bound otherwise)
+    bucket = None
+    if graphs is not None and not any(every):
+        bucket = graphs.bucket_for([p.end - p.start for p in pieces], [len(t) for t in tables])
     with rt.on_stream():
-        out = prefill_many(
-            rt.model,
-            tokens,
-            mappings,
-            rt.pool.tensor,
-            token_budget=token_budget,
-            every_position=every,
-            starts=starts,
-            block_tables=tables,
-        )
+        if bucket is not None:
+            ids = [p.prompt[p.start : p.end] for p in pieces]
+            out = graphs.run(ids, mappings, starts, tables, bucket)
+        else:
+            out = prefill_many(
+                rt.model,
+                tokens,
+                mappings,
+                rt.pool.tensor,
+                token_budget=token_budget,
+                every_position=every,
+                starts=starts,
+                block_tables=tables,
+            )
         last = [i for i, p in enumerate(pieces) if p.sampling is not None]
         if producer is not None:
             for i in last:
