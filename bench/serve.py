@@ -34,8 +34,9 @@ each target and are not counted. Exit status 1 when any request failed.
 Workloads with repeats (bench/serve_workloads.py), for the prefix cache: `--shared-prefix N` (every
 prompt starts with the same N tokens, then --prompt-len of its own), `--turns T` (conversations of
 T turns, each re-sending the one before; the summary then has TTFT per turn). Target `cache` runs
-the daemons with the prefix cache and a second pair without it (`--no-prefix-cache`) on the same
-workload; FINISH's `cached_tokens` is among each request's server timings.
+the daemons with the prefix cache and a second pair without it (`--no-prefix-cache` on both
+daemons) on the same workload; FINISH's `cached_tokens` is among each request's server timings,
+and each daemons run reports the KV its decode pulled (blocks, MiB).
 
     python bench/serve.py --model ~/tinyllama --device cuda:0 --target cache --requests 200 \
         --rate 20 --shared-prefix 1536 --prompt-len 128:128
@@ -55,7 +56,7 @@ import platform
 import shutil
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +69,8 @@ from serve_api import api_stream, model_id, own_api  # noqa: E402
 from serve_daemons import (  # noqa: E402
     PairFailed,
     daemon_stream,
+    decode_pulled_blocks,
+    kv_block_bytes,
     own_pair,
     temp_runtime_dir,
     wait_linked,
@@ -279,7 +282,9 @@ def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[
     decode = ["--max-batch", str(args.max_batch)]
     if args.decode_device:  # the last --device on the command line wins
         decode += ["--device", args.decode_device]
-    prefill = [] if cache else ["--no-prefix-cache"]
+    if not cache:  # neither daemon: the decode's own cache would otherwise still save pulls
+        common += ["--no-prefix-cache"]
+    prefill: list[str] = []
     if args.max_prefill_tokens:
         prefill += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     with own_pair(common, decode, prefill) as sock:
@@ -311,19 +316,27 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
             sock = stack.enter_context(daemons_socket(args))
             print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
         if "daemons" in names:
-            runs += run_target(
-                "daemons",
-                lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
+            runs += with_pulls(
+                sock,
                 args,
+                lambda: run_target(
+                    "daemons",
+                    lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
+                    args,
+                ),
             )
         if "daemons-no-cache" in names:
             if args.client_socket or args.runtime_dir:
                 raise PairFailed("target cache starts its own pairs: no --client-socket")
             with daemons_socket(args, cache=False) as plain:
-                runs += run_target(
-                    "daemons-no-cache",
-                    lambda s: daemon_stream(plain, s.prompt, s.output_len, text=args.text),
+                runs += with_pulls(
+                    plain,
                     args,
+                    lambda: run_target(
+                        "daemons-no-cache",
+                        lambda s: daemon_stream(plain, s.prompt, s.output_len, text=args.text),
+                        args,
+                    ),
                 )
         if "api" in names:
             url = args.api_url or stack.enter_context(api_for(sock, args))
@@ -337,6 +350,20 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                 args,
             )
     return runs
+
+
+def with_pulls(sock: str, args: argparse.Namespace, run: Callable[[], list[dict]]) -> list[dict]:
+    """`run()`'s results, each (of a single rate) with the KV its decodes pulled meanwhile:
+    `pulled_blocks` and `pulled_mib` in its summary (warm-up included; with several rates, the
+    sum over them on each)."""
+    before = decode_pulled_blocks(sock)
+    results = run()
+    blocks = decode_pulled_blocks(sock) - before
+    size = kv_block_bytes(args.model, args.dtype, args.device, args.block_size)
+    for r in results:
+        r["summary"]["pulled_blocks"] = blocks
+        r["summary"]["pulled_mib"] = round(blocks * size / 2**20, 1)
+    return results
 
 
 def run_local(args: argparse.Namespace) -> list[dict]:

@@ -129,3 +129,32 @@ async def daemon_stream(
             yield msg.tokens
         elif isinstance(msg, client.Finish) and msg.timings:
             yield ServerTimings({**msg.timings, "cached_tokens": msg.usage.cached_tokens})
+
+
+def decode_pulled_blocks(prefill_sock: str) -> int:
+    """Blocks the decodes behind this prefill have pulled since they started (their prefix cache
+    counts every pull's copied blocks, with the cache on or off): summed over the prefill's links
+    to decodes on Unix sockets (a tcp:// decode is not asked)."""
+
+    async def ask() -> int:
+        st = await client.status(prefill_sock, timeout=10)
+        total = 0
+        for link in st.links:
+            decode = str(link.get("decode", ""))
+            if decode and not decode.startswith("tcp://"):
+                dst = await client.status(decode, timeout=10)
+                total += int((dst.prefix_cache or {}).get("pulled_blocks", 0))
+        return total
+
+    return asyncio.run(ask())
+
+
+def kv_block_bytes(model: str | None, dtype: str | None, device: str, block_size: int) -> int:
+    """Bytes of one KV block (K and V of every layer) of `model` in the daemons' dtype."""
+    from common.model.config import LlamaConfig
+    from common.model.loader import read_config
+
+    c = LlamaConfig.tiny() if model is None else read_config(Path(model).expanduser())
+    name = dtype or ("float32" if device == "cpu" else "bfloat16")
+    width = 4 if name in ("float32", "fp32") else 2
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * block_size * width

@@ -31,6 +31,10 @@ def print_table(runs: list[dict]) -> None:
         if server:
             parts = [f"{k} {d['p50']:.1f}/{d['p99']:.1f}" for k, d in server.items()]
             print("    server's own timings p50/p99: " + ", ".join(parts))
+        if "pulled_blocks" in s:
+            print(
+                f"    KV pulled by the decode: {s['pulled_blocks']} blocks, {s['pulled_mib']} MiB"
+            )
         by_turn = s.get("ttft_ms_by_turn") or {}
         if by_turn:
             parts = [f"{t}: {d['p50']:.1f}" for t, d in by_turn.items() if d["p50"] is not None]

@@ -179,3 +179,7 @@ def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
         if q["turn"]:  # sent after its previous turn ended: that prompt's full blocks are cached
             assert q["server_timings"]["cached_tokens"] >= prev["prompt_len"] // 16 * 16, q
     assert all(q["server_timings"]["cached_tokens"] == 0 for q in off["requests"])
+    # the decode pulls less with its cache: a later turn moves only its new blocks
+    pulled_on, pulled_off = on["summary"]["pulled_blocks"], off["summary"]["pulled_blocks"]
+    assert 0 < pulled_on < pulled_off, (pulled_on, pulled_off)
+    assert on["summary"]["pulled_mib"] < off["summary"]["pulled_mib"]
