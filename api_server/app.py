@@ -47,7 +47,7 @@ class Api:
     def __init__(self, cfg: ApiConfig) -> None:
         self.cfg = cfg
         self.daemons = Daemons(cfg)
-        self.metrics = Metrics()
+        self.metrics = Metrics(cfg.instance_name)
         self.created = int(time.time())
         self._key = cfg.api_key.encode() if cfg.api_key else None
 

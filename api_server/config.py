@@ -4,11 +4,12 @@ sets declares its option (common.settings.opt), from which the command's options
 from __future__ import annotations
 
 import ipaddress
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.rundir import StartupError, read_pid
-from common.settings import opt
+from common.settings import instance_name, opt
 
 #: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat
 #: (whose answers run longer) CHAT_DEFAULT_MAX_TOKENS; docs/operations.md documents both.
@@ -102,6 +103,16 @@ class ApiConfig:
             help="The decode daemon's socket (for health and metrics).",
         ),
     )
+    instance: str | None = field(
+        default=None,
+        metadata=opt(
+            "--instance",
+            env="PDKV_API_INSTANCE",
+            metavar="NAME",
+            show_default="api@HOSTNAME:PORT",
+            help="This API's name: the pdkv_instance label of its own series in /metrics.",
+        ),
+    )
     request_timeout_s: float = field(
         default=120.0,
         metadata=opt(
@@ -128,6 +139,12 @@ class ApiConfig:
             )
         if self.model is not None and not self.model.is_dir():
             raise StartupError(f"--model {self.model} is not a directory")
+
+    @property
+    def instance_name(self) -> str:
+        """--instance, else api@HOSTNAME:PORT (with --port 0: the pid, as the port is not known
+        until the server listens)."""
+        return instance_name(self.instance, "api", self.port or f"pid{os.getpid()}")
 
     @property
     def prefill_paths(self) -> tuple[Path, ...]:

@@ -6,6 +6,12 @@ latency (its FINISH timing `handoff_us`), token counts and requests in flight. P
 from STATUS_REPLY at each scrape: up, pool blocks (total, used, free, cached, owned, leased),
 requests in flight, the prefix cache's counters (queried and hit tokens, evictions) and cached
 blocks, and the prefill's link state, round trip and reconnects (`connects` − 1).
+
+Every series carries `pdkv_instance`: the daemon's own name (its `--instance`, sent in
+STATUS_REPLY's `instance`) on a daemon's series, the API's `--instance` on the API's. Not
+`instance`: Prometheus sets that label to the scrape target (this API's host:port) and, unless
+the job has honor_labels, renames an exposed `instance` to `exported_instance`; one API exposes
+several daemons, so their names need a label of their own (docs/operations.md, "Metrics").
 """
 
 from __future__ import annotations
@@ -21,34 +27,45 @@ from common.protocol import StatusReply
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _DURATION = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+INSTANCE_LABEL = "pdkv_instance"
 _HANDOFF = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
 class DaemonCollector(Collector):
-    """Gauges from the last STATUS_REPLY of each daemon (None: it did not answer)."""
+    """Gauges from the last STATUS_REPLY of each daemon (None: it did not answer), each series
+    labelled with the daemon's instance name (the last one it reported; before any, the name the
+    API gives it: prefill, prefill@PATH, decode)."""
 
     def __init__(self) -> None:
         self.statuses: dict[str, StatusReply | None] = {"prefill": None, "decode": None}
+        self._names: dict[str, str] = {}
+
+    def instance(self, role: str) -> str:
+        """The `pdkv_instance` of the daemon the API calls `role`."""
+        st = self.statuses.get(role)
+        if st is not None and st.instance:
+            self._names[role] = st.instance
+        return self._names.get(role, role)
 
     def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily(
-            "pdkv_daemon_up", "1 when the daemon answers STATUS", labels=["role"]
-        )
+        labels = ["role", INSTANCE_LABEL]
+        up = GaugeMetricFamily("pdkv_daemon_up", "1 when the daemon answers STATUS", labels=labels)
         blocks = GaugeMetricFamily(
-            "pdkv_pool_blocks", "KV pool blocks by state", labels=["role", "state"]
+            "pdkv_pool_blocks", "KV pool blocks by state", labels=[*labels, "state"]
         )
         inflight = GaugeMetricFamily(
-            "pdkv_daemon_requests_in_flight", "requests the daemon holds", labels=["role"]
+            "pdkv_daemon_requests_in_flight", "requests the daemon holds", labels=labels
         )
         for role, st in self.statuses.items():
-            up.add_metric([role], 0.0 if st is None else 1.0)
+            who = [role, self.instance(role)]
+            up.add_metric(who, 0.0 if st is None else 1.0)
             if st is None:
                 continue
             pool = dict(st.pool)
             pool["used"] = pool.get("total", 0) - pool.get("free", 0)
             for state, n in pool.items():
-                blocks.add_metric([role, state], n)
-            inflight.add_metric([role], st.inflight)
+                blocks.add_metric([*who, state], n)
+            inflight.add_metric(who, st.inflight)
         yield from (up, blocks, inflight)
         yield from self._prefix_cache()
         yield from self._link()
@@ -61,64 +78,96 @@ class DaemonCollector(Collector):
             "evictions": "cached blocks evicted to make room",
             "pulled_blocks": "blocks the decode's pulls copied (those its cache lacked)",
         }
+        labels = ["role", INSTANCE_LABEL]
         families = {
-            key: CounterMetricFamily(f"pdkv_prefix_cache_{key}", text, labels=["role"])
+            key: CounterMetricFamily(f"pdkv_prefix_cache_{key}", text, labels=labels)
             for key, text in counters.items()
         }
         cached = GaugeMetricFamily(
-            "pdkv_prefix_cache_blocks", "blocks holding cached KV (free ones only)", labels=["role"]
+            "pdkv_prefix_cache_blocks", "blocks holding cached KV (free ones only)", labels=labels
         )
         for role, st in self.statuses.items():
             cache = st.prefix_cache if st is not None else {}
             if not cache.get("enabled"):
                 continue
+            who = [role, self.instance(role)]
             for key, family in families.items():
-                family.add_metric([role], cache.get(key, 0))
-            cached.add_metric([role], cache.get("cached_blocks", 0))
+                family.add_metric(who, cache.get(key, 0))
+            cached.add_metric(who, cache.get("cached_blocks", 0))
         yield from (*families.values(), cached)
 
     def _link(self) -> Iterator[Metric]:
+        """The first prefill's links (labelled with its instance) and the decode's link count."""
         prefill, decode = self.statuses["prefill"], self.statuses["decode"]
         links = prefill.links if prefill is not None else []
         link = links[0] if links else None
-        state = GaugeMetricFamily("pdkv_link_up", "1 when a link of the prefill to a decode is up")
-        state.add_metric([], 1.0 if any(lk.get("state") == "up" for lk in links) else 0.0)
+        mine = [self.instance("prefill")]
+        state = GaugeMetricFamily(
+            "pdkv_link_up",
+            "1 when a link of the prefill to a decode is up",
+            labels=[INSTANCE_LABEL],
+        )
+        state.add_metric(mine, 1.0 if any(lk.get("state") == "up" for lk in links) else 0.0)
         yield state
         if links:
             each = GaugeMetricFamily(
                 "pdkv_decode_link_up",
                 "1 when the prefill's link to this decode is up",
-                labels=["decode"],
+                labels=[INSTANCE_LABEL, "decode"],
             )
             handed = GaugeMetricFamily(
                 "pdkv_decode_requests",
                 "requests the prefill has handed to this decode",
-                labels=["decode"],
+                labels=[INSTANCE_LABEL, "decode"],
             )
             for lk in links:
                 name = str(lk.get("decode", lk.get("link", "")))
-                each.add_metric([name], 1.0 if lk.get("state") == "up" else 0.0)
-                handed.add_metric([name], float(lk.get("requests", 0)))
+                each.add_metric([*mine, name], 1.0 if lk.get("state") == "up" else 0.0)
+                handed.add_metric([*mine, name], float(lk.get("requests", 0)))
             yield from (each, handed)
         if link is not None:
             reconnects = CounterMetricFamily(
-                "pdkv_link_reconnects", "times the prefill re-established its link to decode"
+                "pdkv_link_reconnects",
+                "times the prefill re-established its link to decode",
+                labels=[INSTANCE_LABEL],
             )
-            reconnects.add_metric([], max(int(link.get("connects", 0)) - 1, 0))
-            rtt = GaugeMetricFamily("pdkv_link_rtt_seconds", "last PING round trip")
-            rtt.add_metric([], float(link.get("rtt_us", 0.0)) / 1e6)
+            reconnects.add_metric(mine, max(int(link.get("connects", 0)) - 1, 0))
+            rtt = GaugeMetricFamily(
+                "pdkv_link_rtt_seconds", "last PING round trip", labels=[INSTANCE_LABEL]
+            )
+            rtt.add_metric(mine, float(link.get("rtt_us", 0.0)) / 1e6)
             yield from (reconnects, rtt)
         if decode is not None:
-            links = GaugeMetricFamily("pdkv_decode_links", "prefill links the decode daemon holds")
-            links.add_metric([], len(decode.links))
-            yield links
+            count = GaugeMetricFamily(
+                "pdkv_decode_links",
+                "prefill links the decode daemon holds",
+                labels=[INSTANCE_LABEL],
+            )
+            count.add_metric([self.instance("decode")], len(decode.links))
+            yield count
+
+
+class Labelled(Collector):
+    """Every series of `registry` with `pdkv_instance` = `instance` added (the API's own)."""
+
+    def __init__(self, registry: CollectorRegistry, instance: str) -> None:
+        self.registry = registry
+        self.instance = instance
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            family.samples = [
+                s._replace(labels={INSTANCE_LABEL: self.instance, **s.labels})
+                for s in family.samples
+            ]
+            yield family
 
 
 class Metrics:
     """Every metric of one API server, in its own registry (tests run several in one process)."""
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, instance: str = "api") -> None:
+        r = CollectorRegistry()  # the API's own series, labelled with `instance` when exposed
         self.requests = Counter(
             "pdkv_api_requests",
             "HTTP generation requests by endpoint and outcome (ok, bad_request, unauthorized, "
@@ -155,7 +204,9 @@ class Metrics:
             "pdkv_api_requests_in_flight", "requests the API is serving", registry=r
         )
         self.daemons = DaemonCollector()
-        r.register(self.daemons)
+        self.registry = CollectorRegistry()
+        self.registry.register(Labelled(r, instance))
+        self.registry.register(self.daemons)
 
     def finished(self, endpoint: str, outcome: str, seconds: float | None = None) -> None:
         """Count one request's outcome (once per request); `seconds` when it completed."""

@@ -78,7 +78,11 @@ async def _prefill(conn: Connection, args: argparse.Namespace, mode: str) -> Non
                 conn.send("ok")
             elif cmd == "push":
                 assert isinstance(producer, NixlProducer)
-                producer.push(decode(arg), lambda m: conn.send(("failed", m.message)))  # type: ignore[arg-type]
+                producer.push(
+                    decode(arg),  # type: ignore[arg-type]
+                    lambda m: conn.send(("failed", m.message)),  # type: ignore[attr-defined]
+                    "bench-link",
+                )
     finally:
         producer.close()
 

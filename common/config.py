@@ -145,7 +145,7 @@ class PrefillConfig(DaemonConfig):
             help="A decode daemon to hand requests to: its link socket, or tcp://HOST:PORT on "
             "another host (the KV moves with NIXL; needs --link-key-file and pdkv[nixl]). Give "
             "it once per decode daemon: each request goes to the least loaded one that is up "
-            "(all of one kind: Unix sockets or TCP).",
+            "(all of one kind: Unix sockets or TCP, several of either).",
         ),
     )
     transfer: str = field(

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from common.rundir import default_runtime_dir
-from common.settings import int_tuple, opt
+from common.settings import instance_name, int_tuple, opt
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +22,16 @@ class DaemonConfig:
 
     role: ClassVar[str | None] = None
     runtime_dir: Path = field(default_factory=default_runtime_dir)
+    instance: str | None = field(
+        default=None,
+        metadata=opt(
+            "--instance",
+            metavar="NAME",
+            show_default="ROLE@HOSTNAME:RUNTIME_DIR",
+            help="This daemon's name: shown by pdkv status (STATUS_REPLY's instance) and the "
+            "pdkv_instance label of its series in the API's /metrics.",
+        ),
+    )
     model: str | None = field(
         default=None,
         metadata=opt(
@@ -175,6 +185,10 @@ class DaemonConfig:
             help="Longest prompt accepted; longer ones get BAD_REQUEST.",
         ),
     )
+
+    @property
+    def instance_name(self) -> str:
+        return instance_name(self.instance, self.role or "daemon", self.runtime_dir)
 
     @property
     def link_path(self) -> Path:

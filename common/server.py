@@ -166,6 +166,7 @@ class DaemonServer:
             device=str(self.rt.device),
             backend=self.rt.backend,
             prefix_cache=self.prefix_cache_stats(),
+            instance=self.cfg.instance_name,
             **self.rt.status_fields(self.throughput),
         )
 

@@ -11,6 +11,7 @@ cli_options turns these into click options and settings_doc into docs/operations
 from __future__ import annotations
 
 import dataclasses
+import socket
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ def _value_type(hint: Any) -> type:
     if origin not in (int, float, str, bool, Path, tuple):
         raise TypeError(f"a declared setting cannot be of type {hint!r}")
     return origin
+
+
+def instance_name(given: str | None, role: str, where: object) -> str:
+    """A process's name in `pdkv status` and as /metrics' `pdkv_instance` label: `given` (its
+    --instance), else ROLE@HOSTNAME:WHERE (WHERE: the runtime dir of a daemon, the port of the
+    API), unique on a host and stable across restarts."""
+    return given or f"{role}@{socket.gethostname()}:{where}"
 
 
 def int_tuple(text: str) -> tuple[int, ...]:

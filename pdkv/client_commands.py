@@ -129,7 +129,8 @@ def _status_line(role: str, st: dict[str, Any]) -> str:
         return f"{role:8} down  {st['down']}  socket {st['socket']}"
     pool = st["pool"]
     line = (
-        f"{role:8} up    pid {st['pid']}  {st['device']}/{st['backend']}  "
+        f"{role:8} up    pid {st['pid']}  instance {st.get('instance') or '-'}  "
+        f"{st['device']}/{st['backend']}  "
         f"model {_model_name(st)} {st['dtype']}  uptime {st['uptime_s']:.0f}s  "
         f"pool {pool['total'] - pool['free']}/{pool['total']} blocks used ({pool['leased']} leased)  "
         f"in-flight {st['inflight']}  served {st['served']}  {st['tokens_per_s']:.1f} tokens/s"

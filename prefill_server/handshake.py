@@ -33,7 +33,8 @@ class LinkRefused(PdkvError):
 
 def check_decode_option(cfg: PrefillConfig) -> dict[str, TcpSettings | None]:
     """Every --decode checked (PdkvError saying what to do): its address → its TCP settings
-    (None for a Unix socket). One kind for all of them (one producer per process), none twice."""
+    (None for a Unix socket). One kind for all of them (one producer per process, with a peer
+    per link), none twice."""
     addresses = cfg.decode_addresses
     seen: set[str] = set()
     for address in addresses:
@@ -45,15 +46,12 @@ def check_decode_option(cfg: PrefillConfig) -> dict[str, TcpSettings | None]:
     if len(kinds) > 1:
         raise PdkvError(
             "--decode mixes Unix sockets and tcp:// addresses: one prefill daemon's decodes are "
-            "all on this host or all across hosts (run a second prefill daemon for the others)"
+            "all on this host or all across hosts, as its KV producer is one transport's (an "
+            "event ring and early handoffs on this host, NIXL across hosts); run a second "
+            "prefill daemon for the others"
         )
     for kind in kinds:
         transport(kind)  # PdkvError naming the kinds there are
-    if kinds == {TCP} and len(addresses) > 1:
-        raise PdkvError(
-            "--decode: one prefill daemon links to one decode daemon over TCP for now (its NIXL "
-            "producer has one peer); several decodes work over Unix sockets on one host"
-        )
     if kinds == {TCP}:
         targets = {a: tcp_settings(a, cfg.link_key_file, "--decode") for a in addresses}
         transport(TCP).check()

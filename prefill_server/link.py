@@ -249,7 +249,7 @@ class DecodeLink:
         elif isinstance(msg, Error) and msg.request_id is None:
             raise LinkRefused(f"decode reported {msg.code}: {msg.message}")
         elif msg.TYPE in self.producer.caps.frames:
-            self.producer.handle_frame(msg, self._post)
+            self.producer.handle_frame(msg, self._post, self.link_id)
         elif self.listener is not None:
             self.listener.deliver(msg)
 

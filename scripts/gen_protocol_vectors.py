@@ -142,6 +142,7 @@ def examples() -> list[Message]:
             device="cpu",
             backend="shm",
             prefix_cache={"enabled": 1, "queried_tokens": 640, "hit_tokens": 480},
+            instance="prefill@host-0:/run/pdkv/prefill-0",
         ),
     ]
 

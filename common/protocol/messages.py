@@ -221,6 +221,8 @@ class StatusReply(Message, frozen=True):
     # the prefill's prefix cache (v8): enabled, queried_tokens, hit_tokens, evictions,
     # cached_blocks, named_blocks; {} from a daemon without one
     prefix_cache: dict[str, int] = {}
+    # the daemon's --instance name (ROLE@HOSTNAME:RUNTIME_DIR by default); "" from an older one
+    instance: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
 ALL_MESSAGES: tuple[type[Message], ...] = (

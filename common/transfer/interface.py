@@ -77,7 +77,8 @@ class Producer(ABC):
       `lease(rid, link_id, deadline)` when its HANDOFF goes out; `released(rid, slot)` on the
       RELEASE; `quarantine(slot)` / `ack_late(slot)` / `drop_slot(slot)` for a slot of a
       request that ended otherwise.
-    - `handle_frame(msg, reply)` takes the frames in `caps.frames`; True when it took `msg`.
+    - `handle_frame(msg, reply, link_id)` takes the frames in `caps.frames` that came on link
+      `link_id` (`reply` answers on that link); True when it took `msg`.
     - `link_lost(link_id)` frees that link's leases and stops what still moves to its peer;
       `expired(now)` frees overdue leases; `close()` once, after the last link ended.
     """
@@ -96,8 +97,9 @@ class Producer(ABC):
         """The decode's REGISTERED on link `link_id`; PdkvError if the link cannot be used."""
         return None
 
-    def handle_frame(self, msg: Message, reply: Reply) -> bool:
-        """Take a frame of this transport's own (`caps.frames`); False for any other."""
+    def handle_frame(self, msg: Message, reply: Reply, link_id: str) -> bool:
+        """Take a frame of this transport's own (`caps.frames`) from link `link_id`; False for
+        any other."""
         return False
 
     # ---- event slots: none unless the transport has a ring ---------------------------------------

@@ -7,6 +7,11 @@ WRITEs that PUSH frames ask for (`handle_frame`):
 - A PUSH is written only when every source block is leased to the link it came on (the blocks
   of a HANDOFF on that link, not yet RELEASEd): anything else is refused with PUSH_FAILED, so a
   decode can never have the prefill send blocks that hold another request's KV, or none.
+- Each link has its own peer entry (`connected` adds the link's decode agent under the link's
+  id): a PUSH is written to the decode of the link it came on, so one prefill serves several
+  decodes across hosts, and a link's loss touches only its own entry. Two live links that reach
+  the same decode agent are refused (two --decode addresses of one daemon): aborting one link's
+  WRITEs would abort the other's.
 - When the link ends (`link_lost`) the WRITEs still in flight to its decode are aborted
   (`NixlAgent.cancel`, NIXL's release) before the decode's agent is let go: the decode may
   reuse those blocks for another request. A WRITE that fails on the live link answers
@@ -48,8 +53,7 @@ class NixlProducer(Producer):
         frames = frozenset({MsgType.PUSH}) if transfer == "push" else frozenset()
         self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
         self.agent = NixlAgent("prefill", pool.tensor, loop)
-        self._decode: tuple[str, NixlRegion] | None = None
-        self._link_id: str | None = None
+        self._decodes: dict[str, tuple[str, NixlRegion]] = {}  # link id -> (peer agent, pool)
 
     def register(self) -> tuple[Register, list[int]]:
         reg = Register(
@@ -62,11 +66,13 @@ class NixlProducer(Producer):
             stream.synchronize()  # type: ignore[attr-defined]  # no event crosses hosts
 
     def connected(self, ok: Registered, link_id: str | None = None) -> None:
-        """The decode's REGISTERED on link `link_id`: on a push link, load its agent (PdkvError
-        if unusable). PUSHes must then name blocks leased to `link_id` (to any link if None)."""
-        self._link_id = link_id
+        """The decode's REGISTERED on link `link_id`: on a push link, load its agent as that
+        link's peer (PdkvError if unusable or already another live link's). PUSHes on
+        `link_id` then go to this decode and must name blocks leased to `link_id`."""
         if self.transfer != "push":
             return
+        if link_id is None:
+            raise PdkvError("a NIXL push link needs its link id")
         if ok.nixl is None:
             raise PdkvError("the decode's REGISTERED names no NIXL pool for a push link")
         layout = self.pool.layout
@@ -75,54 +81,66 @@ class NixlProducer(Producer):
                 f"the decode's NIXL region is {ok.nixl.nbytes} bytes, "
                 f"{ok.num_blocks} blocks need {ok.num_blocks * layout.block_nbytes}"
             )
-        self._decode = (self.agent.add_peer(ok.nixl), ok.nixl)
+        if self._decodes.get(link_id) is not None:
+            self.link_lost(link_id)  # never two entries for one id (a missed loss)
+        for other, (agent, _) in self._decodes.items():
+            if agent == ok.nixl.agent:
+                raise PdkvError(
+                    f"this decode daemon is linked already as {other}: give --decode once per "
+                    "decode daemon (two addresses of one daemon are one decode)"
+                )
+        self._decodes[link_id] = (self.agent.add_peer(ok.nixl), ok.nixl)
 
-    def handle_frame(self, msg: Message, reply: Reply) -> bool:
+    @property
+    def peers(self) -> dict[str, str]:
+        """Each live push link's decode agent, by link id (status and tests)."""
+        return {link: agent for link, (agent, _) in self._decodes.items()}
+
+    def handle_frame(self, msg: Message, reply: Reply, link_id: str) -> bool:
         if isinstance(msg, Push):
-            self.push(msg, reply)
+            self.push(msg, reply, link_id)
             return True
         return False
 
-    def push(self, msg: Push, reply: Reply) -> None:
-        """WRITE the blocks PUSH names, notifying its tag; PUSH_FAILED through `reply` if the
-        WRITE fails or cannot start (ids outside a pool or not leased to this link included).
-        Never raises."""
+    def push(self, msg: Push, reply: Reply, link_id: str) -> None:
+        """WRITE the blocks PUSH names into the decode of link `link_id`, notifying its tag;
+        PUSH_FAILED through `reply` if the WRITE fails or cannot start (ids outside a pool or
+        not leased to this link included). Never raises."""
+        decode = self._decodes.get(link_id)
         try:
-            if self._decode is None:
+            if decode is None:
                 raise PdkvError("PUSH on a link without the decode's NIXL pool")
-            name, region = self._decode
+            name, region = decode
             bn = self.pool.layout.block_nbytes
             if len(msg.src_ids) != len(msg.dst_ids) or not msg.src_ids:
                 raise PdkvError("PUSH source and destination id lists differ in length")
             if max(msg.dst_ids) >= region.nbytes // bn:
                 raise PdkvError("PUSH names a block outside a pool (destination)")
-            if why := self.leased_to(msg.src_ids, self._link_id):
+            if why := self.leased_to(msg.src_ids, link_id):
                 raise PdkvError(f"PUSH refused: {why}")
             runs = byte_runs(msg.src_ids, msg.dst_ids, bn, self.agent.addr, region.addr)
         except PdkvError as exc:
-            log.warning("nixl_push_refused", tag=msg.tag, error=str(exc))
+            log.warning("nixl_push_refused", tag=msg.tag, link=link_id, error=str(exc))
             reply(PushFailed(tag=msg.tag, message=str(exc)))
             return
-        decode = self._decode
 
         def written(exc: BaseException | None) -> None:
             if exc is None or isinstance(exc, NixlTransferCancelled):
                 return
-            log.warning("nixl_push_failed", tag=msg.tag, error=str(exc))
-            if self._decode is decode:  # still the link that asked: tell it
+            log.warning("nixl_push_failed", tag=msg.tag, link=link_id, error=str(exc))
+            if self._decodes.get(link_id) is decode:  # still the link that asked: tell it
                 reply(PushFailed(tag=msg.tag, message=str(exc)))
 
         self.agent.transfer("WRITE", name, runs, push_tag(msg.tag), written)
 
     def link_lost(self, link_id: str) -> list[str]:
         """Abort the WRITEs still in flight to the link's decode, let its agent go (once they
-        are over), then free the link's leases."""
-        if self._decode is not None:
-            name = self._decode[0]
+        are over), then free the link's leases. Other links' decodes are not touched."""
+        decode = self._decodes.pop(link_id, None)
+        if decode is not None:
+            name = decode[0]
             self.agent.cancel(name)
             self.agent.remove_peer(name)
-            self._decode = None
-        self._link_id = None
         return super().link_lost(link_id)
 
     def close(self) -> None:

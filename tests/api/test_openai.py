@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import time
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from common import client
 from common.sampling_params import SamplingParams
@@ -35,14 +37,21 @@ def reference_text(stack: Stack, prompt: str, max_tokens: int) -> str:
     return asyncio.run(areference_text(stack, prompt, max_tokens))
 
 
-def metrics(stack: Stack) -> dict[str, float]:
+def samples(stack: Stack) -> list[Sample]:
+    """Every sample of the API's /metrics; each one names its process (`pdkv_instance`)."""
     status, _, body = stack.api.get("/metrics")
     assert status == 200
+    out = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
+    assert all(s.labels.get("pdkv_instance") for s in out), [s for s in out if not s.labels]
+    return out
+
+
+def metrics(stack: Stack) -> dict[str, float]:
+    """name{label=value,...} → value, the labels but `pdkv_instance` (samples() checks it)."""
     out = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = s.value
+    for s in samples(stack):
+        labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "pdkv_instance")
+        out[f"{s.name}{{{labels}}}"] = s.value
     return out
 
 
@@ -268,3 +277,30 @@ def test_health_models_and_daemon_metrics(stack: Stack) -> None:
     assert m["pdkv_pool_blocks{role=decode,state=total}"] == 1024
     assert m["pdkv_pool_blocks{role=prefill,state=used}"] == 0
     assert m["pdkv_handoff_seconds_count{}"] >= 1
+
+
+def test_every_series_names_its_process_as_pdkv_status_does(stack: Stack) -> None:
+    """pdkv_instance: each daemon's series carry the name its STATUS (and `pdkv status`)
+    reports, ROLE@HOSTNAME:RUNTIME_DIR by default, distinct for the two daemons of one runtime
+    dir; the API's own series carry api@HOSTNAME:PORT."""
+    st = stack.statuses()
+    host = socket.gethostname()
+    runtime = stack.pair.runtime
+    assert st["prefill"].instance == f"prefill@{host}:{runtime}"
+    assert st["decode"].instance == f"decode@{host}:{runtime}"
+    got = samples(stack)
+    for role in ("prefill", "decode"):
+        named = {s.labels["pdkv_instance"] for s in got if s.labels.get("role") == role}
+        assert named == {st[role].instance}, (role, named)
+    (link,) = [s for s in got if s.name == "pdkv_link_up"]
+    assert link.labels["pdkv_instance"] == st["prefill"].instance
+    api = {s.labels["pdkv_instance"] for s in got if s.name.startswith("pdkv_api_")}
+    assert api == {f"api@{host}:{stack.api.port}"}
+    shown = subprocess.run(
+        [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime), "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    for role in ("prefill", "decode"):
+        assert f"instance {st[role].instance} " in shown, shown

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from common import client
 from tests.api.conftest import MODEL, start_api
@@ -73,9 +74,19 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
     status, _, body = api.get("/health")
     assert status == 200 and b'"ok"' in body
     status, _, body = api.get("/metrics")
+    # each daemon's series carry its own name (pdkv_instance), the one its STATUS reports
+    names = [_status(p.socket).instance for p in prefills]
+    assert len(set(names)) == 2 and all(n.startswith("prefill@") for n in names)
+    got = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(body.decode())
+        for s in family.samples
+    }
     for d in decodes:
-        assert f'pdkv_decode_link_up{{decode="{d.socket}"}} 1.0'.encode() in body
-    assert f'pdkv_daemon_up{{role="prefill@{prefills[1].socket}"}} 1.0'.encode() in body
+        key = (("decode", str(d.socket)), ("pdkv_instance", names[0]))
+        assert got[("pdkv_decode_link_up", key)] == 1
+    for role, name in (("prefill", names[0]), (f"prefill@{prefills[1].socket}", names[1])):
+        assert got[("pdkv_daemon_up", (("pdkv_instance", name), ("role", role)))] == 1
     logged = api.log.read_text()  # each request's line names its prefill and decode
     assert logged.count('"request_finished"') == 22
     for p in prefills:

@@ -72,7 +72,7 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
                 producer.connected(msg, LINK)
                 conn.send(("ok", None))
             elif cmd == "push":
-                assert producer.handle_frame(decode(arg), reply)
+                assert producer.handle_frame(decode(arg), reply, LINK)
     finally:
         producer.close()
 

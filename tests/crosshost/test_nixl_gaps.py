@@ -152,7 +152,9 @@ async def test_a_push_in_flight_when_the_link_drops_is_aborted_by_the_prefill():
         decode_host.pause()
         replies: list[Message] = []
         ids = list(range(BIG.num_blocks))
-        assert producer.handle_frame(Push(tag=1, src_ids=ids, dst_ids=ids), replies.append)
+        assert producer.handle_frame(
+            Push(tag=1, src_ids=ids, dst_ids=ids), replies.append, "link-1"
+        )
         peer = ok.nixl.agent
         await asyncio.sleep(0.2)
         assert producer.agent.in_flight(peer) == 1  # the decode hangs: the WRITE waits on it
@@ -160,13 +162,17 @@ async def test_a_push_in_flight_when_the_link_drops_is_aborted_by_the_prefill():
         await _until(lambda: not producer.agent.in_flight(peer), "the WRITE was left running")
         assert replies == []  # aborted, not failed: nothing goes to a link that is gone
         assert alloc.num_leased == 0
+        assert producer.peers == {}  # the link's peer entry went with it
         # the next link loads the decode's agent again and writes through it
         decode_host.resume()
         producer.connected(ok, "link-2")
+        assert producer.peers == {"link-2": peer}
         alloc.allocate("r2", 1)
         producer.lease("r2", "link-2", float("inf"))
         src = alloc.blocks_of("r2")
-        assert producer.handle_frame(Push(tag=2, src_ids=src, dst_ids=[0]), replies.append)
+        assert producer.handle_frame(
+            Push(tag=2, src_ids=src, dst_ids=[0]), replies.append, "link-2"
+        )
         await _until(lambda: not producer.agent.in_flight(peer), "the second WRITE never ended")
         assert replies == []
         decode_host.conn.send(("blocks", [0]))

@@ -67,7 +67,7 @@ async def test_the_unix_kind_is_the_ipc_pair_and_a_pull_through_it_copies():
         assert torch.equal(consumer.local.tensor[[5, 6]], producer.pool.tensor[[1, 2]])
         # no frames of its own: every frame is the daemon's
         assert not consumer.handle_frame(PushFailed(tag=1, message="x"), posted.append)
-        assert not producer.handle_frame(Ping(seq=1), posted.append)
+        assert not producer.handle_frame(Ping(seq=1), posted.append, "link-1")
         producer.connected(Registered(num_blocks=LAYOUT.num_blocks), "link-1")  # a no-op
         await consumer.drain()
         consumer.close()
