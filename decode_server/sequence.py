@@ -26,9 +26,10 @@ class Phase(enum.Enum):
     PULLING      its pull in flight, the sequence outside the batch (a NIXL transfer, a CPU copy
                  while it runs, or a sequence its first token finished): on pull done RELEASE,
                  then it joins the batch, or gets its FINISH.
-    DECODING     in the batch or queued for it: each step sends TOKENS, the last one FINISH. With
-                 `pull_outstanding` (CUDA: its first step's stream waits for the pull on the
-                 GPU) its RELEASE goes once the host sees the pull done.
+    DECODING     in the batch or queued for it: each step sends its token (STEP_TOKENS), the
+                 last one FINISH. With `pull_outstanding` (CUDA: its first step's stream
+                 waits for the pull on the GPU) its RELEASE goes once the host sees the pull
+                 done.
     ENDING       answered (FINISH, ERROR) or aborted, out of the batch: its blocks are freed
                  once no pull is outstanding (its RELEASE went) and no step is in flight.
     """
