@@ -61,6 +61,8 @@ class _LinkStep:
         for lo in range(0, n, step):
             hi = lo + step
             lps = None if self.logprobs is None else self.logprobs[lo:hi]
+            if lps is not None and lps.count(None) == len(lps):
+                lps = None  # no entry of this frame asks
             ends = [f for i, f in self.finishes if lo <= i < hi]
             out.append(
                 StepTokens(
