@@ -3,6 +3,8 @@ model on CPU, stepped by the decode's own request table (DecodeEngine.step, then
 DecodeRequests.step_done with each step's frames encoded for a link that discards them). Per
 step: the whole step's time, the forward's own (`model.decode_step`, timed around the call), and
 their difference, the host work the step adds to its forward (inputs, draw, answers, encoding).
+Times are the process's CPU time (every thread; torch runs one), which other jobs on a shared
+machine do not inflate the way they inflate wall-clock time.
 Median over `--steps` steps after `--warmup`, `--repeat` times (the median of those medians).
 
     .venv/bin/python bench/decode_step_host.py [--batch 64 256] [--steps 50] [--repeat 3]
@@ -78,20 +80,20 @@ async def one_run(rt: ModelRuntime, batch: int, steps: int, warmup: int) -> tupl
     inner = rt.model.decode_step
 
     def timed(*args, **kwargs):  # type: ignore[no-untyped-def]
-        t = time.perf_counter_ns()
+        t = time.process_time_ns()
         try:
             return inner(*args, **kwargs)
         finally:
-            forward_ns[0] += time.perf_counter_ns() - t
+            forward_ns[0] += time.process_time_ns() - t
 
     rt.model.decode_step = timed  # type: ignore[method-assign]
     totals, hosts = [], []
     try:
         for k in range(steps + warmup):
             forward_ns[0] = 0
-            t = time.perf_counter_ns()
+            t = time.process_time_ns()
             table.step_done(await table.engine.step())
-            total = time.perf_counter_ns() - t
+            total = time.process_time_ns() - t
             if k >= warmup:
                 totals.append(total / 1e3)
                 hosts.append((total - forward_ns[0]) / 1e3)
