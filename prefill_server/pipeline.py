@@ -287,11 +287,15 @@ class RequestPipeline:
             future.cancel()  # the request went away while queued: skip its prompt
 
     async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
-        msg = first
+        msg: Message = first
         while True:
             if isinstance(msg, Tokens):
+                msg, after = req.more_tokens(msg)  # the steps queued meanwhile, in one frame
                 req.generated.extend(msg.tokens)
                 yield self.output.tokens(req, msg.tokens, msg.logprobs)
+                if after is not None:
+                    msg = after
+                    continue
             elif isinstance(msg, Finish):
                 yield self._finish(req, msg.reason, msg.timings)
                 return

@@ -1,6 +1,7 @@
 """STEP_TOKENS (v10) on the real pipeline (tests.prefill.pipeline_parts): one frame with several
 requests' tokens, logprobs and FINISHes reaches each request as the TOKENS and FINISH frames it
-stands for, in order; a frame naming a request the prefill does not hold changes nothing else."""
+stands for, in order; a frame naming a request the prefill does not hold changes nothing else;
+steps queued before a request's task runs go to its client as one TOKENS frame."""
 
 from __future__ import annotations
 
@@ -45,8 +46,14 @@ async def test_one_step_frame_fans_out_to_each_request_in_order(cfg_rt) -> None:
         frames = got[rid]
         first = s.link.of(KvReady, rid)[0].first_token
         assert [t for f in frames if isinstance(f, Tokens) for t in f.tokens] == [first, *tail]
-        assert [type(f) for f in frames] == [Tokens] * 4 + [Finish]
-        assert frames[-1].usage.completion_tokens == 4
-    assert [f.logprobs for f in got["a"][1:4]] == [None, [lp], None]
+        assert isinstance(frames[-1], Finish) and frames[-1].usage.completion_tokens == 4
+    # the three steps reached b's inbox before its task ran: relayed as one frame; a's frames
+    # keep apart the token that has a logprob from those that have none
+    assert [f.tokens for f in got["b"][1:-1]] == [[50, 51, 52]]
+    assert [(f.tokens, f.logprobs) for f in got["a"][1:-1]] == [
+        ([5], None),
+        ([6], [lp]),
+        ([7], None),
+    ]
     assert s.clean(), (s.rt.allocator, s.slots_free())
     await s.close()
