@@ -27,13 +27,19 @@ from __future__ import annotations
 import asyncio
 import time
 
+import numpy as np
 import torch
 
 from common.model.logits import TokenHistory
-from common.model.sampling import SamplingError, draw, make_generator
+from common.model.sampling import SamplingError, argmax_isolated, draw, make_generator
 from common.modelrt import ModelRuntime
 from common.sampling_params import TokenLogprob
+from decode_server.block_tables import BlockTables
 from decode_server.sequence import Sequence
+
+Drawn = tuple[list[int | SamplingError], list[TokenLogprob | None] | None]
+"""A step's tokens (or the SamplingError of a row that failed alone) and, when some row asks for
+them, each row's logprob entry."""
 
 
 class DecodeEngine:
@@ -48,6 +54,7 @@ class DecodeEngine:
         # queued, before the host sync), synced (tokens on the host); set on the torch thread,
         # read on the loop after the step returned
         self.last_step_ns = (0, 0, 0)
+        self._tables = BlockTables()  # torch thread only
 
     # ---- membership ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -87,7 +94,7 @@ class DecodeEngine:
         self.steps += 1
         started, launched, synced = self.last_step_ns
         results = []
-        for seq, tok in zip(batch, tokens, strict=True):
+        for i, (seq, tok) in enumerate(zip(batch, tokens, strict=True)):
             if self._active.get(seq.key) is not seq:
                 continue  # removed while the step ran
             if not seq.steps:  # its first step: where the 2nd token's time goes
@@ -103,7 +110,7 @@ class DecodeEngine:
                 results.append((seq, -1))
                 continue
             seq.generated.append(tok)
-            seq.last_logprob = logprobs[seq.key]
+            seq.last_logprob = None if logprobs is None else logprobs[i]
             if seq.check_finished():
                 del self._active[seq.key]
             results.append((seq, tok))
@@ -119,9 +126,12 @@ class DecodeEngine:
 
     def _draw(
         self, batch: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None
-    ) -> tuple[list[int | SamplingError], dict[str, TokenLogprob | None]]:
+    ) -> Drawn:
         """Torch thread: each sequence's token (penalties and min_tokens applied, per row, in one
-        batch) and its logprob entry by key."""
+        batch) and its logprob entry. A batch of plain sequences (greedy, nothing to process or
+        report) takes the argmax without a pass per sequence."""
+        if all(s.plain for s in batch):
+            return argmax_isolated(logits, argmax), None
         generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
         params = [s.sampling for s in batch]
         for s in batch:
@@ -139,44 +149,50 @@ class DecodeEngine:
             eos_ids=() if not batch else batch[0].stop_ids,
             argmax=argmax,
         )
-        return out, {s.key: lp for s, lp in zip(batch, lps, strict=True)}
+        return out, None if all(lp is None for lp in lps) else lps
 
-    def _step(
+    def _inputs(
         self, batch: list[Sequence]
-    ) -> tuple[list[int | SamplingError], dict[str, TokenLogprob | None]]:
+    ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
+        """Torch thread: the step's (tokens, positions, slots, block tables [n, width]): one
+        pass over the batch for the tokens and positions, the tables kept from the last step
+        (BlockTables), the slots computed from them at once (sequence.Sequence.slot's rule)."""
+        tokens = [s.generated[-1] for s in batch]
+        positions = np.fromiter(
+            (s.prompt_len + len(s.generated) - 1 for s in batch), np.int64, len(batch)
+        )
+        tables = self._tables.update(batch)
+        bs = self.rt.layout.block_size
+        slots = tables[np.arange(len(batch)), positions // bs] * bs + positions % bs
+        return tokens, positions, slots, tables
+
+    def _step(self, batch: list[Sequence]) -> Drawn:
         """One decode step for `batch` (torch thread): each sequence's next token, or the
-        SamplingError that ends that sequence alone, and the tokens' logprobs by key."""
+        SamplingError that ends that sequence alone, and the tokens' logprobs."""
         started = time.monotonic_ns()
         self._wait_for_pulls(batch)
         dev = self.rt.device
-        width = max(len(s.blocks) for s in batch)
+        tokens, positions, slots, tables = self._inputs(batch)
         runner = self.rt.runner
-        if runner is not None and runner.bucket_for(len(batch)) and width <= runner.max_blocks:
+        if (
+            runner is not None
+            and runner.bucket_for(len(batch))
+            and tables.shape[1] <= runner.max_blocks
+        ):
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
-                argmax, logits = runner.run(
-                    [s.generated[-1] for s in batch],
-                    [s.position for s in batch],
-                    [s.slot() for s in batch],
-                    [s.blocks for s in batch],
-                )
+                argmax, logits = runner.run(tokens, positions, slots, tables)
                 launched = time.monotonic_ns()
                 out = self._draw(batch, logits, argmax)
             self.last_step_ns = (started, launched, time.monotonic_ns())
             return out
-        tables = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, s in enumerate(batch):
-            tables[i, : len(s.blocks)] = torch.tensor(s.blocks, dtype=torch.long)
-        tokens = torch.tensor([s.generated[-1] for s in batch], dtype=torch.long)
-        positions = torch.tensor([s.position for s in batch], dtype=torch.long)
-        slots = torch.tensor([s.slot() for s in batch], dtype=torch.long)
-        seq_lens = positions + 1
+        pos = torch.from_numpy(positions)
         with self.rt.on_stream():
             logits = self.rt.model.decode_step(
-                tokens.to(dev),
-                positions.to(dev),
-                slots.to(dev),
-                tables.to(dev),
-                seq_lens.to(dev),
+                torch.tensor(tokens, dtype=torch.long).to(dev),
+                pos.to(dev),
+                torch.from_numpy(slots).to(dev),
+                torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
+                (pos + 1).to(dev),
                 self.rt.pool.tensor,
             )
             launched = time.monotonic_ns()

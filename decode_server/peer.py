@@ -133,7 +133,7 @@ class Peer:
             self.channel.write_nowait(encode(msg))
 
     def post_many(self, msgs: list[Message]) -> None:
-        """Several frames in one write (a decode step's TOKENS/FINISH for this link)."""
+        """Several frames in one write (a decode step's frames for this link)."""
         if msgs and not self._closed:
             self.channel.write_nowait(b"".join(encode(m) for m in msgs))
 

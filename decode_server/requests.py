@@ -6,8 +6,8 @@ id), each in one phase (`Sequence.phase`), moved only by the event methods below
     PULLING ── the start returned a stream-ordered pull (CUDA) ──► DECODING, pull outstanding
     PULLING ── pull done: RELEASE ─┬─► DECODING  (CPU: inside the start; NIXL: later)
                                    └─► FINISH, ENDING  (its first token finished it)
-    DECODING ── step: TOKENS ──► DECODING;   pull done: RELEASE ──► DECODING
-    DECODING ── step: TOKENS + FINISH, or ERROR NUMERIC_ERROR ──► ENDING
+    DECODING ── step: its token (STEP_TOKENS) ──► DECODING;   pull done: RELEASE ──► DECODING
+    DECODING ── step: its token + FINISH, or ERROR NUMERIC_ERROR ──► ENDING
     AWAITING_KV, PULLING, DECODING ── ABORT, link lost (nothing sent), shutdown (ERROR), pull
         failed (ERROR INTERNAL), a first token past the vocabulary (ERROR BAD_REQUEST) ──► ENDING
     ENDING ── pull done: RELEASE;  no pull outstanding and no step in flight ──► blocks freed,
@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from common.modelrt import ModelRuntime
-from common.protocol import ErrorCode, Handoff, KvReady, Release, Tokens, make_error
+from common.protocol import ErrorCode, Handoff, KvReady, Release, make_error
 from common.throughput import Throughput
 from common.transfer.interface import AFTER_DONE, PullDone
 from decode_server.admission import admit
@@ -197,8 +197,9 @@ class DecodeRequests:
             self._free_if_done(seq)
 
     def step_done(self, results: list[tuple[Sequence, int]]) -> None:
-        """A step's results: TOKENS for each sequence; FINISH (ENDING) for those it finished,
-        ERROR NUMERIC_ERROR (ENDING) for one that failed alone. Each link's frames in one write."""
+        """A step's results: each sequence's token in its link's STEP_TOKENS, with the FINISH
+        (ENDING) of those it finished; ERROR NUMERIC_ERROR (ENDING) for one that failed alone.
+        Each link's frames in one write."""
         out = Outbox()
         self.throughput.add(len(results), requests=sum(1 for s, _ in results if s.finish_reason))
         for seq, tok in results:
@@ -211,12 +212,11 @@ class DecodeRequests:
                 out.add(seq.link, make_error(ErrorCode.NUMERIC_ERROR, seq.error, seq.request_id))
                 self._end(seq)
                 continue
-            lps = None if seq.last_logprob is None else [seq.last_logprob]
-            out.add(seq.link, Tokens(request_id=seq.request_id, tokens=[tok], logprobs=lps))
+            out.token(seq.link, seq.request_id, tok, seq.last_logprob)
             if seq.steps == 1:
                 seq.marks.stamp("first_posted")
             if seq.finish_reason:
-                out.add(seq.link, finish(seq))
+                out.finish(seq.link, finish(seq))
                 self._end(seq)
         out.send()
 

@@ -26,9 +26,10 @@ class Phase(enum.Enum):
     PULLING      its pull in flight, the sequence outside the batch (a NIXL transfer, a CPU copy
                  while it runs, or a sequence its first token finished): on pull done RELEASE,
                  then it joins the batch, or gets its FINISH.
-    DECODING     in the batch or queued for it: each step sends TOKENS, the last one FINISH. With
-                 `pull_outstanding` (CUDA: its first step's stream waits for the pull on the
-                 GPU) its RELEASE goes once the host sees the pull done.
+    DECODING     in the batch or queued for it: each step sends its token (STEP_TOKENS), the
+                 last one FINISH. With `pull_outstanding` (CUDA: its first step's stream
+                 waits for the pull on the GPU) its RELEASE goes once the host sees the pull
+                 done.
     ENDING       answered (FINISH, ERROR) or aborted, out of the batch: its blocks are freed
                  once no pull is outstanding (its RELEASE went) and no step is in flight.
     """
@@ -77,11 +78,16 @@ class Sequence:
     prompt: list[int] = field(default_factory=list)
     history: TokenHistory | None = None  # penalized: built by its first step (torch thread)
     last_logprob: TokenLogprob | None = None  # its last step's token's, when it asks for them
+    # unique across links (request ids are only unique per prefill daemon): seq_key, made once
+    key: str = field(init=False)
+    # greedy, no penalty, no min_tokens, no logprobs: its token is the argmax of the raw logits,
+    # so a step of such sequences only skips the draw's per-sequence work (DecodeEngine._draw)
+    plain: bool = field(init=False)
 
-    @property
-    def key(self) -> str:
-        """Unique across links: request ids are only unique per prefill daemon."""
-        return seq_key(self.link.link_id, self.request_id)
+    def __post_init__(self) -> None:
+        self.key = seq_key(self.link.link_id, self.request_id)
+        p = self.sampling
+        self.plain = p.greedy and not p.penalized and p.min_tokens == 0 and p.logprobs is None
 
     @property
     def position(self) -> int:

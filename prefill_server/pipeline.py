@@ -32,7 +32,16 @@ from common.config import PrefillConfig
 from common.model.sampling import finish_reason
 from common.modelrt import ModelRuntime
 from common.prefix_cache import PrefixCache
-from common.protocol import Error, ErrorCode, Finish, Generate, Message, Release, Tokens
+from common.protocol import (
+    Error,
+    ErrorCode,
+    Finish,
+    Generate,
+    Message,
+    Release,
+    StepTokens,
+    Tokens,
+)
 from common.throughput import Throughput
 from common.transfer import Producer
 from prefill_server.admission import Capacity
@@ -72,7 +81,12 @@ class RequestPipeline:
     def deliver(self, msg: Message) -> None:
         """A frame from the decode about a request, in the link's read callback: the event of
         the request's phase (RELEASE frees its blocks and slot; TOKENS, FINISH and ERROR go to
-        its inbox). A frame its phase cannot take is logged as an error and dropped."""
+        its inbox; STEP_TOKENS, decoded once, as the TOKENS and FINISH frames it stands for, in
+        order). A frame its phase cannot take is logged as an error and dropped."""
+        if isinstance(msg, StepTokens):
+            for each in msg.frames():
+                self.deliver(each)
+            return
         rid = getattr(msg, "request_id", None)
         if rid in self.aborting:
             self._abort_answered(self.aborting[rid], msg)
@@ -275,11 +289,15 @@ class RequestPipeline:
             future.cancel()  # the request went away while queued: skip its prompt
 
     async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
-        msg = first
+        msg: Message = first
         while True:
             if isinstance(msg, Tokens):
+                msg, after = req.more_tokens(msg)  # the steps queued meanwhile, in one frame
                 req.generated.extend(msg.tokens)
                 yield self.output.tokens(req, msg.tokens, msg.logprobs)
+                if after is not None:
+                    msg = after
+                    continue
             elif isinstance(msg, Finish):
                 yield self._finish(req, msg.reason, msg.timings)
                 return

@@ -40,6 +40,7 @@ from common.protocol import (
     Release,
     Status,
     StatusReply,
+    StepTokens,
     Tokens,
     Usage,
     encode,
@@ -123,6 +124,19 @@ def examples() -> list[Message]:
             timings={"prefill_ms": 1.5, "handoff_ms": 0.25},
             text="",
             decode="link-3@/run/pdkv/decode-0/decode.sock",
+        ),
+        StepTokens(
+            request_ids=["req-7", "req-8"],
+            tokens=[32, 7],
+            logprobs=[TokenLogprob(32, -0.25, [(32, -0.25)]), None],
+            finishes=[
+                Finish(
+                    request_id="req-8",
+                    reason="stop",
+                    usage=Usage(prompt_tokens=5, completion_tokens=3),
+                    timings={"decode_ms": 0.5},
+                )
+            ],
         ),
         Abort(request_id="req-8"),
         Error(code=ErrorCode.NO_CAPACITY, message="decode pool is full", request_id="req-9"),

@@ -120,20 +120,43 @@ def sample_batch_isolated(
     CUDA graph computed it), is used as is; argmax and the finiteness flags reach the host in one
     copy. `raw`, the model's logits when `logits` are processed ones (penalties, masks set
     -inf on purpose), is what the finiteness check reads."""
-    if argmax is None:
-        argmax = torch.argmax(logits, dim=-1)
-    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1).to(argmax.dtype)
-    ids, flags = torch.stack((argmax, finite)).tolist()
-    out: list[int | SamplingError] = list(ids)
+    out, flags = _argmax_and_finite(logits, argmax, raw)
     for row, (p, g, ok) in enumerate(zip(params, generators, flags, strict=True)):
         if not ok:
-            out[row] = SamplingError("the model's logits for this sequence are not finite")
+            out[row] = SamplingError(_NOT_FINITE)
         elif not p.greedy:
             try:
                 out[row] = sample(logits[row], p, g)
             except (SamplingError, RuntimeError, ValueError) as exc:
                 out[row] = SamplingError(f"sampling failed: {type(exc).__name__}: {exc}")
     return out
+
+
+_NOT_FINITE = "the model's logits for this sequence are not finite"
+
+
+def _argmax_and_finite(
+    logits: torch.Tensor, argmax: torch.Tensor | None, raw: torch.Tensor | None = None
+) -> tuple[list[int | SamplingError], list[int]]:
+    """Each row's argmax (`argmax` as given, when the caller has it) and whether its logits
+    (`raw`'s, when given) are all finite, brought to the host in one copy: the step's sync."""
+    if argmax is None:
+        argmax = torch.argmax(logits, dim=-1)
+    finite = torch.isfinite(logits if raw is None else raw).all(dim=-1).to(argmax.dtype)
+    ids, flags = torch.stack((argmax, finite)).tolist()
+    return ids, flags
+
+
+def argmax_isolated(
+    logits: torch.Tensor, argmax: torch.Tensor | None = None
+) -> list[int | SamplingError]:
+    """`sample_batch_isolated` for a batch whose every row is greedy with nothing to process
+    (no penalty, no min_tokens, no logprobs): each row's argmax, or a SamplingError for a row
+    whose logits are not finite; no per-row work unless one is not."""
+    out, flags = _argmax_and_finite(logits, argmax)
+    if all(flags):
+        return out
+    return [t if ok else SamplingError(_NOT_FINITE) for t, ok in zip(out, flags, strict=True)]
 
 
 def draw(

@@ -17,6 +17,7 @@ from common.protocol.frame import (
 from common.protocol.link_setup import NixlRegion, RegionInfo
 from common.protocol.messages import (
     MAX_LOGPROBS_PER_FRAME,
+    MAX_STEP_ENTRIES,
     Abort,
     Error,
     ErrorCode,
@@ -38,6 +39,7 @@ from common.protocol.messages import (
     Release,
     Status,
     StatusReply,
+    StepTokens,
     Tokens,
     Usage,
     make_error,
@@ -57,6 +59,7 @@ __all__ = [
     "MAX_LOGPROBS_PER_FRAME",
     "MAX_MEM_BYTES",
     "MAX_META_BYTES",
+    "MAX_STEP_ENTRIES",
     "PROTOCOL_VERSION",
     "Abort",
     "ConnectionClosed",
@@ -82,6 +85,7 @@ __all__ = [
     "Release",
     "Status",
     "StatusReply",
+    "StepTokens",
     "Tokens",
     "Usage",
     "compat_diff",

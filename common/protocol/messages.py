@@ -9,6 +9,7 @@ holds the others and the catalogue (ALL_MESSAGES, BY_TYPE); common.protocol expo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Annotated
 
 import msgspec
@@ -131,6 +132,46 @@ class Finish(Message, frozen=True):
     decode: Annotated[str, msgspec.Meta(max_length=4096)] = ""
 
 
+#: Most sequences one STEP_TOKENS frame carries (a step of more goes in several frames): 512
+#: entries of 128-character ids (each character escaped), 20 logprob alternatives and a FINISH
+#: each stay under 2.5 MB of JSON, in MAX_META_BYTES.
+MAX_STEP_ENTRIES = 512
+
+
+class StepTokens(Message, frozen=True):
+    """D → P (v10): one decode step's new tokens for the sequences of one link, in one frame.
+
+    Entry i is token `tokens[i]` of `request_ids[i]`, with `logprobs[i]` when that request asks
+    for them (null for one that does not; the whole list null when none does). `finishes` are
+    the FINISH of each request this step finished; each follows its request's token. P takes
+    the frame as the TOKENS of its entries in order, then the FINISHes (`frames`): per request
+    the order is that of separate frames."""
+
+    TYPE = MsgType.STEP_TOKENS
+    request_ids: Annotated[list[RequestId], msgspec.Meta(max_length=MAX_STEP_ENTRIES)]
+    tokens: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STEP_ENTRIES)]
+    logprobs: (
+        Annotated[list[TokenLogprob | None], msgspec.Meta(max_length=MAX_STEP_ENTRIES)] | None
+    ) = None
+    finishes: Annotated[list[Finish], msgspec.Meta(max_length=MAX_STEP_ENTRIES)] = []
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if len(self.tokens) != n or (self.logprobs is not None and len(self.logprobs) != n):
+            lps = "no" if self.logprobs is None else len(self.logprobs)
+            raise ValueError(  # msgspec's decode reports it as a ValidationError
+                f"STEP_TOKENS has {n} request ids, {len(self.tokens)} tokens, {lps} logprobs"
+            )
+
+    def frames(self) -> Iterator[Tokens | Finish]:
+        """The frame as the TOKENS (one token each) and FINISH frames it stands for, in order."""
+        lps = self.logprobs
+        for i, (rid, tok) in enumerate(zip(self.request_ids, self.tokens, strict=True)):
+            lp = None if lps is None else lps[i]
+            yield Tokens(request_id=rid, tokens=[tok], logprobs=None if lp is None else [lp])
+        yield from self.finishes
+
+
 class Abort(Message, frozen=True):
     """P → D (or C → P): stop generating `request_id`; its blocks are freed."""
 
@@ -235,6 +276,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Release,
     Tokens,
     Finish,
+    StepTokens,
     Abort,
     Error,
     Ping,

@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -35,6 +35,8 @@ HISTORY: dict[int, str] = {
     "STATUS_REPLY has `prefix_cache` (its counters) and its `pool` a `cached` count",
     9: "FINISH P → C has `decode`: the link (link-N@DECODE) the request was handed to, so a "
     "client sees which decode daemon served it when a prefill has several",
+    10: "STEP_TOKENS D → P: one decode step's tokens (and logprobs) for every sequence of a link "
+    "and the FINISHes of that step in one frame, instead of a TOKENS frame per sequence",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -33,6 +33,7 @@ class MsgType(enum.IntEnum):
     PUSH = 13  # v3
     PUSH_FAILED = 14  # v3
     KV_READY = 15  # v5
+    STEP_TOKENS = 16  # v10
     GENERATE = 20
     STATUS = 21
     STATUS_REPLY = 22

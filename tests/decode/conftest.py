@@ -24,7 +24,7 @@ from common.kvpool import KVPool, PoolLayout
 from common.model.paged import blocks_for, slots_for
 from common.model.sampling import SamplingParams, make_generator, sample
 from common.modelrt import ModelRuntime
-from common.protocol import Handoff, Message
+from common.protocol import Handoff, Message, StepTokens
 from common.transfer import KVConsumer, KVProducer
 from common.transfer.consumer import AFTER_DONE
 from decode_server.requests import DecodeRequests
@@ -36,16 +36,19 @@ class FakeLink:
 
     link_id: str
     consumer: KVConsumer
-    sent: list[Message] = field(default_factory=list)
+    sent: list[Message] = field(default_factory=list)  # STEP_TOKENS as its TOKENS and FINISHes
+    frames: list[Message] = field(default_factory=list)  # what was posted, as posted
     handoffs: int = 0
     closed: bool = False
     channel: Any = field(default_factory=lambda: SimpleNamespace(last_rx=time.monotonic()))
 
     def post(self, msg: Message) -> None:
-        self.sent.append(msg)
+        self.frames.append(msg)
+        self.sent.extend(msg.frames() if isinstance(msg, StepTokens) else [msg])
 
     def post_many(self, msgs: list[Message]) -> None:
-        self.sent.extend(msgs)
+        for msg in msgs:
+            self.post(msg)
 
     def post_error(self, code, message: str, request_id: str | None = None) -> None:  # type: ignore[no-untyped-def]
         from common.protocol import make_error

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from common.model.sampling import SamplingParams
-from common.protocol import ConnectionClosed, Finish, Handoff, Tokens
+from common.protocol import ConnectionClosed, Finish, Handoff, StepTokens, Tokens
 from tests.faults.conftest import FaultPair, all_free, poll, status
 from tests.faults.fakes import FakePrefill
 
@@ -105,8 +105,10 @@ def test_silent_prefill_is_dropped_with_its_sequences(dpair: FaultPair, tiny_mod
         got = asyncio.run(run())
     finally:
         fake.close()
-    assert any(isinstance(m, Tokens) for m in got), got[:3]
-    assert not any(isinstance(m, Finish) for m in got)
+    steps = [m for m in got if isinstance(m, StepTokens)]  # one frame per step (v10)
+    assert steps and all(m.request_ids == ["hb-1"] for m in steps), got[:3]
+    assert not any(isinstance(m, Tokens | Finish) for m in got), got[:3]
+    assert not any(m.finishes for m in steps)
 
     def clean() -> bool:
         st = status(dpair.link_socket)

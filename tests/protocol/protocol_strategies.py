@@ -40,6 +40,7 @@ from common.protocol import (
     Release,
     Status,
     StatusReply,
+    StepTokens,
     Tokens,
     Usage,
     read_frame,
@@ -86,24 +87,49 @@ sampling_params = st.builds(
 )
 
 
+logprob_entries = st.builds(
+    TokenLogprob,
+    token_ids,
+    finite,
+    st.lists(st.tuples(token_ids, finite), max_size=20),
+)
+finishes = st.builds(
+    Finish,
+    request_id=request_ids,
+    reason=st.sampled_from(["stop", "length", "abort"]),
+    usage=st.builds(Usage, prompt_tokens=small_nonneg, completion_tokens=small_nonneg),
+    timings=st.dictionaries(texts, finite, max_size=5),
+    text=texts,
+)
+
+
 @st.composite
 def tokens_messages(draw: st.DrawFn) -> Tokens:
     """TOKENS with or without one logprob entry per token, and prompt logprobs."""
     tokens = draw(token_lists)
-    entry = st.builds(
-        TokenLogprob,
-        token_ids,
-        finite,
-        st.lists(st.tuples(token_ids, finite), max_size=20),
-    )
-    logprobs = draw(st.none() | st.lists(entry, min_size=len(tokens), max_size=len(tokens)))
-    prompt = draw(st.none() | st.lists(entry, max_size=8))
+    n = len(tokens)
+    logprobs = draw(st.none() | st.lists(logprob_entries, min_size=n, max_size=n))
+    prompt = draw(st.none() | st.lists(logprob_entries, max_size=8))
     return Tokens(
         request_id=draw(request_ids),
         tokens=tokens,
         text=draw(texts),
         logprobs=logprobs,
         prompt_logprobs=prompt,
+    )
+
+
+@st.composite
+def step_tokens_messages(draw: st.DrawFn) -> StepTokens:
+    """STEP_TOKENS: one token per request id, logprobs for none, some or all, FINISHes."""
+    ids = draw(st.lists(request_ids, max_size=12))
+    tokens = draw(st.lists(token_ids, min_size=len(ids), max_size=len(ids)))
+    some = st.lists(st.none() | logprob_entries, min_size=len(ids), max_size=len(ids))
+    return StepTokens(
+        request_ids=ids,
+        tokens=tokens,
+        logprobs=draw(st.none() | some),
+        finishes=draw(st.lists(finishes, max_size=3)),
     )
 
 
@@ -164,14 +190,8 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
     ),
     MsgType.RELEASE: st.builds(Release, request_id=request_ids, event_slot=event_slots),
     MsgType.TOKENS: tokens_messages(),
-    MsgType.FINISH: st.builds(
-        Finish,
-        request_id=request_ids,
-        reason=st.sampled_from(["stop", "length", "abort"]),
-        usage=st.builds(Usage, prompt_tokens=small_nonneg, completion_tokens=small_nonneg),
-        timings=st.dictionaries(texts, finite, max_size=5),
-        text=texts,
-    ),
+    MsgType.FINISH: finishes,
+    MsgType.STEP_TOKENS: step_tokens_messages(),
     MsgType.ABORT: st.builds(Abort, request_id=request_ids),
     MsgType.ERROR: st.builds(
         Error,
