@@ -36,7 +36,9 @@ HISTORY: dict[int, str] = {
     9: "FINISH P → C has `decode`: the link (link-N@DECODE) the request was handed to, so a "
     "client sees which decode daemon served it when a prefill has several",
     10: "STEP_TOKENS D → P: one decode step's tokens (and logprobs) for every sequence of a link "
-    "and the FINISHes of that step in one frame, instead of a TOKENS frame per sequence",
+    "and the FINISHes of that step in one frame, instead of a TOKENS frame per sequence; "
+    "STATUS_REPLY has `instance` (the daemon's --instance, the `pdkv_instance` label of its "
+    "metrics)",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
