@@ -120,11 +120,23 @@ class DaemonCollector(Collector):
                 "requests the prefill has handed to this decode",
                 labels=[INSTANCE_LABEL, "decode"],
             )
+            load = GaugeMetricFamily(
+                "pdkv_decode_sequences",
+                "sequences this decode last reported (PONG), every prefill's",
+                labels=[INSTANCE_LABEL, "decode"],
+            )
+            free = GaugeMetricFamily(
+                "pdkv_decode_free_blocks",
+                "free KV blocks this decode last reported (PONG)",
+                labels=[INSTANCE_LABEL, "decode"],
+            )
             for lk in links:
                 name = str(lk.get("decode", lk.get("link", "")))
                 each.add_metric([*mine, name], 1.0 if lk.get("state") == "up" else 0.0)
                 handed.add_metric([*mine, name], float(lk.get("requests", 0)))
-            yield from (each, handed)
+                load.add_metric([*mine, name], float(lk.get("decode_sequences", 0)))
+                free.add_metric([*mine, name], float(lk.get("decode_free_blocks", 0)))
+            yield from (each, handed, load, free)
         if link is not None:
             reconnects = CounterMetricFamily(
                 "pdkv_link_reconnects",

@@ -85,6 +85,10 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
     for d in decodes:
         key = (("decode", str(d.socket)), ("pdkv_instance", names[0]))
         assert got[("pdkv_decode_link_up", key)] == 1
+        # the load the decode reports on its heartbeat: blocks it has, sequences (none left)
+        total = _status(d.socket).pool["total"]
+        assert 0 < got[("pdkv_decode_free_blocks", key)] <= total
+        assert got[("pdkv_decode_sequences", key)] >= 0
     for role, name in (("prefill", names[0]), (f"prefill@{prefills[1].socket}", names[1])):
         assert got[("pdkv_daemon_up", (("pdkv_instance", name), ("role", role)))] == 1
     logged = api.log.read_text()  # each request's line names its prefill and decode
