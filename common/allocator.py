@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from common.block_names import BlockNames
@@ -195,7 +195,7 @@ class BlockAllocator:
             named += self._names.name(block, name)
         return named
 
-    def lookup(self, names: Sequence[bytes]) -> list[int]:
+    def lookup(self, names: Iterable[bytes]) -> list[int]:
         """The blocks named names[0], names[1], ... up to the first name not cached (the
         longest cached prefix of a chain). Changes nothing."""
         return self._names.lookup(names)

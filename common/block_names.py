@@ -9,7 +9,7 @@ a name names at most one block, a block carries at most one name, and a parked b
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 
 class BlockNames:
@@ -33,7 +33,7 @@ class BlockNames:
     def block_named(self, name: bytes) -> int | None:
         return self._by_name.get(name)
 
-    def lookup(self, names: Sequence[bytes]) -> list[int]:
+    def lookup(self, names: Iterable[bytes]) -> list[int]:
         """Blocks named names[0], names[1], ... up to the first name not known."""
         blocks = []
         for name in names:

@@ -16,7 +16,7 @@ import array
 import hashlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 NAME_BYTES = 16
@@ -59,4 +59,53 @@ def block_names(tokens: Sequence[int], block_size: int, seed: bytes) -> list[byt
     return names
 
 
-__all__ = ["NAME_BYTES", "block_names", "hash_seed"]
+class LazyNames(Sequence[bytes]):
+    """`block_names(tokens, block_size, seed)`, computed only as far as they are read.
+
+    A prompt's lookup reads names from the first until one is not cached, so a prompt that shares
+    nothing costs one hash, not one per block; the rest are computed when read (`fill`, or
+    publishing), e.g. while the prompt's forward runs instead of before it."""
+
+    def __init__(self, tokens: Sequence[int], block_size: int, seed: bytes) -> None:
+        self._tokens, self._block_size = tokens, block_size
+        self._full = len(tokens) // block_size
+        self._done: list[bytes] = []
+        self._parent = seed
+
+    def __len__(self) -> int:
+        return self._full
+
+    def _upto(self, n: int) -> None:
+        """Compute names until `n` of them are known."""
+        n = min(n, self._full)
+        if n <= len(self._done):
+            return
+        bs, start = self._block_size, len(self._done)
+        more = block_names(self._tokens[start * bs : n * bs], bs, self._parent)
+        self._done.extend(more)
+        self._parent = self._done[-1]
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        if isinstance(index, slice):
+            self._upto(max(range(self._full)[index], default=-1) + 1)
+        else:
+            self._upto((index if index >= 0 else self._full + index) + 1)
+        return self._done[: self._full][index]
+
+    def __iter__(self) -> Iterator[bytes]:
+        for i in range(self._full):
+            if i == len(self._done):  # doubling: a long hit costs O(log n) calls, not n
+                self._upto(2 * i + 1)
+            yield self._done[i]
+
+    @property
+    def computed(self) -> int:
+        """How many names have been computed so far."""
+        return len(self._done)
+
+    def fill(self) -> None:
+        """Compute every name now."""
+        self._upto(self._full)
+
+
+__all__ = ["NAME_BYTES", "LazyNames", "block_names", "hash_seed"]

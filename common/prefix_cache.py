@@ -15,10 +15,11 @@ docs/operations.md ("Prefix cache") says how it meets pool size and NO_CAPACITY.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from common.allocator import BlockAllocator
-from common.blockhash import block_names, hash_seed
+from common.blockhash import LazyNames, hash_seed
 from common.kvpool import PoolLayout
 
 
@@ -37,16 +38,24 @@ class PrefixCache:
         self.hit_tokens = 0  # of those, tokens whose K/V came from the cache
         self.pulled_blocks = 0  # the decode: blocks its pulls were given to copy (not cached)
 
-    def names(self, prompt: Sequence[int]) -> list[bytes]:
-        """Names of the prompt's full blocks ([] when the cache is off)."""
-        return block_names(prompt, self.block_size, self.seed) if self.enabled else []
+    def names(self, prompt: Sequence[int]) -> Sequence[bytes]:
+        """Names of the prompt's full blocks ([] when the cache is off), computed as they are
+        read (LazyNames): a lookup that misses at once costs one hash."""
+        return LazyNames(prompt, self.block_size, self.seed) if self.enabled else []
 
     def hit(self, names: Sequence[bytes], num_tokens: int) -> list[int]:
         """Cached blocks a prompt of `num_tokens` with these names may reuse now: the longest
         cached run from its start, short of the block holding its last token."""
         if not names:
             return []
-        return self.allocator.lookup(names[: (num_tokens - 1) // self.block_size])
+        return self.allocator.lookup(itertools.islice(names, (num_tokens - 1) // self.block_size))
+
+    @staticmethod
+    def complete(names: Sequence[bytes]) -> None:
+        """Compute every name of `names` now (a prompt's, from `names`): the prefill calls it
+        while the prompt's forward runs, so that naming its blocks afterwards costs nothing."""
+        if isinstance(names, LazyNames):
+            names.fill()
 
     def counted(self, num_tokens: int, hit_blocks: int) -> None:
         """A prompt of `num_tokens` got its blocks, `hit_blocks` of them from the cache."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc as abc
 import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -72,7 +73,9 @@ class Sequence:
     # CUDA: the event recorded after this sequence's pull (KVConsumer.pull); the first step that
     # reads its blocks makes the compute stream wait on it, then clears it. None: nothing to wait.
     ready: Any = None
-    names: list[bytes] = field(default_factory=list)  # its full prompt blocks' prefix-cache names
+    names: abc.Sequence[bytes] = field(
+        default_factory=list
+    )  # its full prompt blocks' prefix-cache names
     cached_blocks: int = 0  # leading prompt blocks reused from the prefix cache: not pulled
     # the prompt, kept only when its repetition_penalty reads it (else empty)
     prompt: list[int] = field(default_factory=list)

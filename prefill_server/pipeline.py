@@ -282,6 +282,7 @@ class RequestPipeline:
             if early and req.sampling.max_tokens > 1:
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
+            self.prefix.complete(req.names)  # its blocks' names, while the forward runs
             result = await future
             self.prefix.publish(req.request_id, req.names)
             return result

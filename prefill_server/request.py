@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +46,7 @@ class PrefillRequest:
     text: TextStream | None = None  # its incremental detokenizer, once it streams text
     link_id: str = ""  # the link the HANDOFF went out on
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
-    names: list[bytes] = field(default_factory=list)  # its full blocks' prefix-cache names
+    names: Sequence[bytes] = field(default_factory=list)  # its full blocks' prefix-cache names
     cached_tokens: int = 0  # leading prompt tokens whose K/V came from the prefix cache
 
     def __post_init__(self) -> None:

@@ -46,7 +46,7 @@ def test_named_blocks_are_found_by_the_daemon_s_names(model) -> None:  # type: i
     model.prefill(torch.tensor(prompt), slots_for(blocks, 0, len(prompt), BLOCK), pool.tensor)
     names = mgr.block_names(cache, prompt)
     daemon = PrefixCache(BlockAllocator(12), pool.layout, model.fingerprint, True)
-    assert names == daemon.names(prompt) and len(names) == 3
+    assert names == list(daemon.names(prompt)) and len(names) == 3
     assert mgr.name_blocks(cache, blocks[:3], names) == 3
     other = prompt[:8] + [200] * 6  # shares two full blocks
     hit = mgr.lookup_blocks(cache, mgr.block_names(cache, other))
