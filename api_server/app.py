@@ -239,6 +239,7 @@ class Api:
         for role, answer in statuses.items():
             status = answer if isinstance(answer, StatusReply) else None
             self.metrics.daemons.statuses[role] = status
+        self.metrics.daemons.statuses.update(await self.daemons.further_decodes(statuses))
         return statuses
 
     async def health(self, request: Request) -> Response:

@@ -244,6 +244,35 @@ class Daemons:
                 self.observe(answer, p)
         return out
 
+    async def further_decodes(
+        self, statuses: dict[str, StatusReply | str]
+    ) -> dict[str, StatusReply | None]:
+        """The STATUS_REPLY (None: no answer) of every decode the prefills link to, besides the
+        one of --link-socket, as "decode@PATH" (for /metrics; /health keeps to the prefills and
+        that decode). Decodes across hosts (tcp://) are not asked: STATUS is not served there."""
+        mine = str(self.cfg.decode_path)
+        paths = sorted(
+            {
+                str(link.get("decode", ""))
+                for st in statuses.values()
+                if isinstance(st, StatusReply) and st.role == "prefill"
+                for link in st.links
+            }
+            - {"", mine}
+        )
+        paths = [p for p in paths if not p.startswith("tcp://")]
+        answers = await asyncio.gather(
+            *(client.status(p, timeout=STATUS_TIMEOUT_S) for p in paths), return_exceptions=True
+        )
+        out: dict[str, StatusReply | None] = {}
+        for path, answer in zip(paths, answers, strict=True):
+            if isinstance(answer, BaseException) and not isinstance(
+                answer, OSError | TimeoutError | PdkvError
+            ):
+                raise answer
+            out[f"decode@{path}"] = answer if isinstance(answer, StatusReply) else None
+        return out
+
     def close(self) -> None:
         for p in self.prefills:
             p.conn.close()

@@ -91,6 +91,14 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
         assert got[("pdkv_decode_sequences", key)] >= 0
     for role, name in (("prefill", names[0]), (f"prefill@{prefills[1].socket}", names[1])):
         assert got[("pdkv_daemon_up", (("pdkv_instance", name), ("role", role)))] == 1
+    # both decodes' own series: the --link-socket one as "decode", the other found through the
+    # prefills' links as "decode@PATH"
+    for role, d in (("decode", decodes[0]), (f"decode@{decodes[1].socket}", decodes[1])):
+        who = (("pdkv_instance", _status(d.socket).instance), ("role", role))
+        assert got[("pdkv_daemon_up", who)] == 1
+        assert (
+            got[("pdkv_pool_blocks", (*who, ("state", "total")))] == _status(d.socket).pool["total"]
+        )
     logged = api.log.read_text()  # each request's line names its prefill and decode
     assert logged.count('"request_finished"') == 22
     for p in prefills:
