@@ -16,7 +16,7 @@ several daemons, so their names need a label of their own (docs/operations.md, "
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -28,6 +28,37 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _DURATION = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 INSTANCE_LABEL = "pdkv_instance"
+#: per decode link of the prefill: (metric, help, its value from the prefill's STATUS link entry;
+#: None: no sample, as for a decode that has not reported its load on a heartbeat yet)
+_PER_DECODE: tuple[tuple[str, str, Callable[[dict], float | None]], ...] = (
+    (
+        "pdkv_decode_link_up",
+        "1 when the prefill's link to this decode is up",
+        lambda lk: 1.0 if lk.get("state") == "up" else 0.0,
+    ),
+    (
+        "pdkv_decode_requests",
+        "requests the prefill has handed to this decode",
+        lambda lk: float(lk.get("requests", 0)),
+    ),
+    (
+        "pdkv_decode_sequences",
+        "sequences this decode last reported (PONG), every prefill's",
+        lambda lk: _reported(lk, "decode_sequences"),
+    ),
+    (
+        "pdkv_decode_free_blocks",
+        "free KV blocks this decode last reported (PONG)",
+        lambda lk: _reported(lk, "decode_free_blocks"),
+    ),
+)
+
+
+def _reported(link: dict, key: str) -> float | None:
+    """A load figure of the decode's last PONG, None before its first (free blocks -1)."""
+    return None if link.get("decode_free_blocks", -1) < 0 else float(link.get(key, 0))
+
+
 _HANDOFF = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1)
 
 
@@ -110,33 +141,16 @@ class DaemonCollector(Collector):
         state.add_metric(mine, 1.0 if any(lk.get("state") == "up" for lk in links) else 0.0)
         yield state
         if links:
-            each = GaugeMetricFamily(
-                "pdkv_decode_link_up",
-                "1 when the prefill's link to this decode is up",
-                labels=[INSTANCE_LABEL, "decode"],
-            )
-            handed = GaugeMetricFamily(
-                "pdkv_decode_requests",
-                "requests the prefill has handed to this decode",
-                labels=[INSTANCE_LABEL, "decode"],
-            )
-            load = GaugeMetricFamily(
-                "pdkv_decode_sequences",
-                "sequences this decode last reported (PONG), every prefill's",
-                labels=[INSTANCE_LABEL, "decode"],
-            )
-            free = GaugeMetricFamily(
-                "pdkv_decode_free_blocks",
-                "free KV blocks this decode last reported (PONG)",
-                labels=[INSTANCE_LABEL, "decode"],
-            )
+            families = [
+                (GaugeMetricFamily(n, h, labels=[INSTANCE_LABEL, "decode"]), value)
+                for n, h, value in _PER_DECODE
+            ]
             for lk in links:
                 name = str(lk.get("decode", lk.get("link", "")))
-                each.add_metric([*mine, name], 1.0 if lk.get("state") == "up" else 0.0)
-                handed.add_metric([*mine, name], float(lk.get("requests", 0)))
-                load.add_metric([*mine, name], float(lk.get("decode_sequences", 0)))
-                free.add_metric([*mine, name], float(lk.get("decode_free_blocks", 0)))
-            yield from (each, handed, load, free)
+                for family, value in families:
+                    if (v := value(lk)) is not None:
+                        family.add_metric([*mine, name], v)
+            yield from (family for family, _ in families)
         if link is not None:
             reconnects = CounterMetricFamily(
                 "pdkv_link_reconnects",

@@ -26,6 +26,7 @@ from common.config import DaemonConfig
 from common.errors import PdkvError
 from common.kvpool import KVPool, PoolLayout
 from common.model.loader import load_model, resolve_dtype
+from common.model.paged import blocks_for
 from common.prefix_cache import PrefixCache
 from common.protocol import ModelCard, compat_fields, fingerprint
 from common.throughput import Throughput
@@ -203,6 +204,10 @@ class ModelRuntime:
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdkv-{role}-torch")
         stream = prefill_graphs = None
+        # the widest block table a sequence can have: the graphs' static tables are this wide
+        max_blocks = min(
+            blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
+        )
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
@@ -212,15 +217,11 @@ class ModelRuntime:
             executor.submit(_warm_prefill, model, pool.tensor, stream, budget, longest).result()
             graph_tokens = cfg.prefill_graph_tokens  # type: ignore[attr-defined]
             if graph_tokens:
-                max_blocks = min(
-                    -(-model.config.max_position_embeddings // cfg.block_size), cfg.num_blocks
-                )
                 args = (model, pool.tensor, stream, min(graph_tokens, budget), max_blocks)
                 prefill_graphs = executor.submit(_capture_prefill_graphs, *args).result()
         runner = None
         if role == "decode" and stream is not None and model.use_kernels:
-            max_blocks = -(-model.config.max_position_embeddings // cfg.block_size)
-            args = (model, pool.tensor, stream, cfg.max_batch, min(max_blocks, cfg.num_blocks))
+            args = (model, pool.tensor, stream, cfg.max_batch, max_blocks)
             runner = executor.submit(_capture_runner, *args).result()
         log.info("kernel_cache", **kernels)
         log.info(

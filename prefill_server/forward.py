@@ -70,7 +70,8 @@ def run_prefill_batch(
     the whole batch.
     """
     bs = rt.layout.block_size
-    tokens = [torch.tensor(p.prompt[p.start : p.end], dtype=torch.long) for p in pieces]
+    ids = [p.prompt[p.start : p.end] for p in pieces]
+    lengths = [len(x) for x in ids]
     mappings = [slots_for(p.blocks, p.start, p.end - p.start, bs) for p in pieces]
     starts = [p.start for p in pieces]
     tables = [p.blocks for p in pieces]
@@ -81,15 +82,14 @@ def run_prefill_batch(
     graphs = rt.prefill_graphs  # small forwards replay a CUDA graph (host-bound otherwise)
     bucket = None
     if graphs is not None and not any(every):
-        bucket = graphs.bucket_for([p.end - p.start for p in pieces], [len(t) for t in tables])
+        bucket = graphs.bucket_for(lengths, [len(t) for t in tables])
     with rt.on_stream():
         if bucket is not None:
-            ids = [p.prompt[p.start : p.end] for p in pieces]
             out = graphs.run(ids, mappings, starts, tables, bucket)
         else:
             out = prefill_many(
                 rt.model,
-                tokens,
+                [torch.tensor(x, dtype=torch.long) for x in ids],
                 mappings,
                 rt.pool.tensor,
                 token_budget=token_budget,
@@ -104,7 +104,7 @@ def run_prefill_batch(
         answers: list[FirstToken | SamplingError | None] = [None] * len(pieces)
         if not last:
             return answers
-        rows, full = split_rows(out, [int(t.numel()) for t in tokens], every)
+        rows, full = split_rows(out, lengths, every)
         logits = rows[last]
         params = [p.sampling for p in pieces if p.sampling is not None]  # those of `last`
         vocab, dev = logits.shape[-1], logits.device

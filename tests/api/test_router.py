@@ -50,6 +50,25 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
         pair.kill_all()
 
 
+def _metrics_once_reported(api, prefill: str, decodes) -> dict:  # type: ignore[no-untyped-def]
+    """/metrics's samples by (name, sorted labels), once the first prefill has a load report
+    (a heartbeat's PONG) from every decode: a link not yet reported has no load sample."""
+    deadline = time.monotonic() + 10
+    while True:
+        status, _, body = api.get("/metrics")
+        assert status == 200
+        got = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode())
+            for s in family.samples
+        }
+        keys = [(("decode", str(d.socket)), ("pdkv_instance", prefill)) for d in decodes]
+        if all(("pdkv_decode_free_blocks", k) in got for k in keys):
+            return got
+        assert time.monotonic() < deadline, "a decode's load never reached /metrics"
+        time.sleep(0.2)
+
+
 def _complete(api, prompt: str) -> str:  # type: ignore[no-untyped-def]
     out = api.sync_client().completions.create(
         model=MODEL, prompt=prompt, max_tokens=4, temperature=0
@@ -73,15 +92,10 @@ def test_requests_reach_every_daemon_and_a_prefix_stays_on_one_prefill(fleet) ->
     assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 6]
     status, _, body = api.get("/health")
     assert status == 200 and b'"ok"' in body
-    status, _, body = api.get("/metrics")
     # each daemon's series carry its own name (pdkv_instance), the one its STATUS reports
     names = [_status(p.socket).instance for p in prefills]
     assert len(set(names)) == 2 and all(n.startswith("prefill@") for n in names)
-    got = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(body.decode())
-        for s in family.samples
-    }
+    got = _metrics_once_reported(api, names[0], decodes)
     for d in decodes:
         key = (("decode", str(d.socket)), ("pdkv_instance", names[0]))
         assert got[("pdkv_decode_link_up", key)] == 1
