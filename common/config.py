@@ -23,6 +23,17 @@ class DecodeConfig(DaemonConfig):
     max_batch: int = field(
         default=64, metadata=opt("--max-batch", min=1, help="Most sequences decoded in one step.")
     )
+    overlap_steps: str = field(
+        default="auto",
+        metadata=opt(
+            "--overlap-steps",
+            choices=("auto", "on", "off"),
+            help="Launch each decode step before the previous one's tokens are read, while every "
+            "sequence in the batch is plain greedy (its next input is the previous step's argmax, "
+            "on the device): the loop's work on a step's results overlaps the GPU's next step. "
+            "auto: on CUDA only (on the CPU every token would wait one more step).",
+        ),
+    )
     listen: str | None = field(
         default=None,
         metadata=opt(
@@ -37,6 +48,12 @@ class DecodeConfig(DaemonConfig):
     @property
     def pidfile(self) -> Path:
         return self.runtime_dir / "decode.pid"
+
+    def overlap_on(self, device_type: str) -> bool:
+        """Whether the decode steps overlap on a device of this type (--overlap-steps)."""
+        return self.overlap_steps == "on" or (
+            self.overlap_steps == "auto" and device_type == "cuda"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,6 +20,11 @@ Failures are isolated where they can be: a sequence whose logits are not finite,
 fails, leaves the batch with `seq.error` set (the owner answers its request) and the others go
 on. A failure of the step itself (the forward pass) belongs to no sequence: `step()` raises it,
 and the owner ends the daemon (exit status 1) rather than live on without decoding.
+
+With `overlap` (decode_server/overlap.py), a batch of plain sequences is stepped one ahead: each
+`step()` launches the next step and then reads the one launched by the call before, so the
+results it returns are one step old and one launched step (`in_flight`) may still write the K/V
+of the sequences it holds after `step()` returned.
 """
 
 from __future__ import annotations
@@ -31,10 +36,17 @@ import numpy as np
 import torch
 
 from common.model.logits import TokenHistory
-from common.model.sampling import SamplingError, argmax_isolated, draw, make_generator
+from common.model.sampling import (
+    SamplingError,
+    argmax_isolated,
+    carry_tokens,
+    draw,
+    make_generator,
+)
 from common.modelrt import ModelRuntime
 from common.sampling_params import TokenLogprob
 from decode_server.block_tables import BlockTables
+from decode_server.overlap import Launched, Readback
 from decode_server.sequence import Sequence
 
 Drawn = tuple[list[int | SamplingError], list[TokenLogprob | None] | None]
@@ -43,13 +55,17 @@ them, each row's logprob entry."""
 
 
 class DecodeEngine:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int) -> None:
+    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: bool = False) -> None:
         self.rt = rt
         self.max_batch = max_batch
+        self.overlap = overlap
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
+        self._ahead: Launched | None = None  # overlap: the step launched and not read yet
+        self._readback = Readback(max_batch, rt.device) if overlap else None
         self.steps = 0
+        self.overlapped = 0  # steps launched ahead of the previous step's read
         # the last step's torch-thread clock (monotonic ns): started, launched (every kernel
         # queued, before the host sync), synced (tokens on the host); set on the torch thread,
         # read on the loop after the step returned
@@ -72,25 +88,74 @@ class DecodeEngine:
     def __len__(self) -> int:
         return len(self._active) + len(self._waiting)
 
+    def in_flight(self, key: str) -> bool:
+        """Whether a step launched and not read yet holds the sequence `key` (overlap): that
+        step may still write its K/V, so its blocks must not be freed yet."""
+        return self._ahead is not None and key in self._ahead.rows
+
+    def settle(self) -> None:
+        """Wait (on the host) for the step launched ahead, if any, and drop it: nothing is in
+        flight after. For the loop's end; its tokens are not answered."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.done is not None:
+            ahead.done.synchronize()
+
     # ---- steps ---------------------------------------------------------------------------------
     async def wait_for_work(self) -> None:
-        """Return once a sequence is in the batch or queued to join it."""
-        while not self._active and not self._waiting:
+        """Return once a sequence is in the batch or queued to join it, or a step launched
+        ahead is still to be read."""
+        while not self._active and not self._waiting and self._ahead is None:
             self._work.clear()
             await self._work.wait()
 
     async def step(self) -> list[tuple[Sequence, int]]:
         """Admit the queued sequences, run one step on the torch thread, and return each batch
         member's (sequence, token) — token -1 with `seq.error` set for one that failed alone.
-        Sequences removed while the step ran are left out. Raises what failed the step itself."""
+        Sequences removed while the step ran are left out. Raises what failed the step itself.
+        Overlapped (module docstring): the results are those of the step launched by the call
+        before (none after a launch from idle), and the next step is in flight on return."""
         while self._waiting and len(self._active) < self.max_batch:
             key, seq = next(iter(self._waiting.items()))
             del self._waiting[key]
             self._active[key] = seq
-        batch = list(self._active.values())
-        if not batch:
-            return []
-        tokens, logprobs = await self.rt.run(self._step, batch)
+        ahead = self._ahead
+        launch = self._launchable(ahead)
+        ahead_ok = self.overlap and all(s.plain for s in launch)
+        if ahead is None and not (ahead_ok and launch):
+            batch = launch
+            if not batch:
+                return []
+            tokens, logprobs = await self.rt.run(self._step, batch)
+        else:  # read the step ahead; launch the next first when it may run ahead too
+            self._ahead = None
+            launched, batch, tokens = await self.rt.run(
+                self._cycle, launch if ahead_ok else [], ahead
+            )
+            self._ahead, logprobs = launched, None
+            if not batch:
+                return []
+        return self._results(batch, tokens, logprobs)
+
+    def _launchable(self, ahead: Launched | None) -> list[Sequence]:
+        """The batch of the next launch: every active sequence but those the step ahead
+        finishes by length (its token is their last)."""
+        if ahead is None:
+            return list(self._active.values())
+        rows = ahead.rows
+        return [
+            s
+            for s in self._active.values()
+            if s.key not in rows or len(s.generated) + 1 < s.sampling.max_tokens
+        ]
+
+    def _results(
+        self,
+        batch: list[Sequence],
+        tokens: list[int | SamplingError],
+        logprobs: list[TokenLogprob | None] | None,
+    ) -> list[tuple[Sequence, int]]:
+        """A read step's tokens applied to its sequences still in the batch (module docstring):
+        each one's (sequence, token), token -1 for one that failed alone."""
         self.steps += 1
         started, launched, synced = self.last_step_ns
         results = []
@@ -115,6 +180,44 @@ class DecodeEngine:
                 del self._active[seq.key]
             results.append((seq, tok))
         return results
+
+    def _cycle(
+        self, launch: list[Sequence], ahead: Launched | None
+    ) -> tuple[Launched | None, list[Sequence], list[int | SamplingError]]:
+        """Torch thread, overlapped: launch `launch` (if any) behind the step ahead, then read
+        the step ahead (if any): (the new launch, the read step's batch and tokens)."""
+        new = self._launch(launch, ahead) if launch else None
+        if ahead is None:
+            return new, [], []
+        tokens = ahead.read()
+        self.last_step_ns = (ahead.started, ahead.launched, time.monotonic_ns())
+        return new, ahead.batch, tokens
+
+    def _launch(self, batch: list[Sequence], ahead: Launched | None) -> Launched:
+        """Torch thread: queue one step of `batch` (all plain) without reading it; a sequence in
+        `ahead` takes that step's argmax as its token, one position further."""
+        started = time.monotonic_ns()
+        self._wait_for_pulls(batch)
+        n, rows = len(batch), {} if ahead is None else ahead.rows
+        src = np.fromiter((rows.get(s.key, -1) for s in batch), np.int64, n)
+        tokens, positions, slots, tables = self._inputs(batch, pending=src >= 0)
+        carry = (src, ahead.argmax) if ahead is not None and (src >= 0).any() else None
+        dev = self.rt.device
+        assert self._readback is not None
+        with self.rt.on_stream():
+            if self._graphable(n, tables):
+                assert self.rt.runner is not None
+                argmax, logits = self.rt.runner.run(tokens, positions, slots, tables, carry=carry)
+            else:
+                tok = torch.tensor(tokens, dtype=torch.long).to(dev)
+                if carry is not None:
+                    carry_tokens(tok, torch.from_numpy(src).to(dev), carry[1])
+                logits = self._eager(tok, positions, slots, tables)
+                argmax = torch.argmax(logits, dim=-1)
+            host, done = self._readback.start(argmax, logits)
+        self.overlapped += ahead is not None
+        keys = {s.key: i for i, s in enumerate(batch)}
+        return Launched(batch, keys, argmax, host, done, started, time.monotonic_ns())
 
     def _wait_for_pulls(self, batch: list[Sequence]) -> None:
         """Torch thread, before the step's first launch: the compute stream waits (on the GPU)
@@ -152,15 +255,19 @@ class DecodeEngine:
         return out, None if all(lp is None for lp in lps) else lps
 
     def _inputs(
-        self, batch: list[Sequence]
+        self, batch: list[Sequence], pending: np.ndarray | None = None
     ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
         """Torch thread: the step's (tokens, positions, slots, block tables [n, width]): one
         pass over the batch for the tokens and positions, the tables kept from the last step
-        (BlockTables), the slots computed from them at once (sequence.Sequence.slot's rule)."""
+        (BlockTables), the slots computed from them at once (sequence.Sequence.slot's rule).
+        `pending` [n] bool: rows whose token a step ahead has made and the host not read (one
+        position further; their token here is a stale one the device replaces)."""
         tokens = [s.generated[-1] for s in batch]
         positions = np.fromiter(
             (s.prompt_len + len(s.generated) - 1 for s in batch), np.int64, len(batch)
         )
+        if pending is not None:
+            positions += pending
         tables = self._tables.update(batch)
         bs = self.rt.layout.block_size
         slots = tables[np.arange(len(batch)), positions // bs] * bs + positions % bs
@@ -173,29 +280,43 @@ class DecodeEngine:
         self._wait_for_pulls(batch)
         dev = self.rt.device
         tokens, positions, slots, tables = self._inputs(batch)
-        runner = self.rt.runner
-        if (
-            runner is not None
-            and runner.bucket_for(len(batch))
-            and tables.shape[1] <= runner.max_blocks
-        ):
+        if self._graphable(len(batch), tables):
+            assert self.rt.runner is not None
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
-                argmax, logits = runner.run(tokens, positions, slots, tables)
+                argmax, logits = self.rt.runner.run(tokens, positions, slots, tables)
                 launched = time.monotonic_ns()
                 out = self._draw(batch, logits, argmax)
             self.last_step_ns = (started, launched, time.monotonic_ns())
             return out
-        pos = torch.from_numpy(positions)
         with self.rt.on_stream():
-            logits = self.rt.model.decode_step(
-                torch.tensor(tokens, dtype=torch.long).to(dev),
-                pos.to(dev),
-                torch.from_numpy(slots).to(dev),
-                torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
-                (pos + 1).to(dev),
-                self.rt.pool.tensor,
-            )
+            tok = torch.tensor(tokens, dtype=torch.long).to(dev)
+            logits = self._eager(tok, positions, slots, tables)
             launched = time.monotonic_ns()
             out = self._draw(batch, logits)
         self.last_step_ns = (started, launched, time.monotonic_ns())
         return out
+
+    def _graphable(self, n: int, tables: np.ndarray) -> bool:
+        """Whether a step of n rows with these tables replays a CUDA graph (else: eager)."""
+        runner = self.rt.runner
+        return (
+            runner is not None
+            and runner.bucket_for(n) is not None
+            and tables.shape[1] <= runner.max_blocks
+        )
+
+    def _eager(
+        self, tokens: torch.Tensor, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray
+    ) -> torch.Tensor:
+        """Torch thread, on the compute stream: one step's logits by launching the model's
+        kernels (or the torch path) one by one: the step without a graph."""
+        dev = self.rt.device
+        pos = torch.from_numpy(positions)
+        return self.rt.model.decode_step(
+            tokens,
+            pos.to(dev),
+            torch.from_numpy(slots).to(dev),
+            torch.from_numpy(np.ascontiguousarray(tables)).to(dev),
+            (pos + 1).to(dev),
+            self.rt.pool.tensor,
+        )

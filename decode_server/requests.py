@@ -50,9 +50,9 @@ StartPull = Callable[[PullDone], Any]  # starts a pull with its `done`: what a r
 
 
 class DecodeRequests:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int) -> None:
+    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: bool = False) -> None:
         self.rt = rt
-        self.engine = DecodeEngine(rt, max_batch=max_batch)
+        self.engine = DecodeEngine(rt, max_batch=max_batch, overlap=overlap)
         self.vocab_size = rt.model.config.vocab_size
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self._table: dict[str, Sequence] = {}  # seq_key(link, request id) -> its sequence
@@ -90,6 +90,7 @@ class DecodeRequests:
                 # and link traffic (a HANDOFF joining the next step) is handled meanwhile
         finally:
             self._stepping = False
+            self.engine.settle()  # a step launched ahead may still write its sequences' K/V
             self._free_ended()
 
     # ---- events ----------------------------------------------------------------------------------
@@ -296,10 +297,11 @@ class DecodeRequests:
 
     def _free_if_done(self, seq: Sequence) -> None:
         """An ENDING sequence leaves the table and frees its blocks, unless its pull may still
-        write them (pull_done calls again) or a step may (`run` sweeps after the step)."""
+        write them (pull_done calls again) or a step may: the one running, or one launched
+        ahead and not read yet (`run` sweeps after each step)."""
         if seq.pull_outstanding:
             return
-        if self._stepping:
+        if self._stepping or self.engine.in_flight(seq.key):
             self._ended_in_step = True
             return
         if self._table.pop(seq.key, None) is seq:

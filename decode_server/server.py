@@ -63,7 +63,8 @@ class DecodeServer(DaemonServer):
         super().__init__(cfg, rt, cfg.link_path, stop)
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch)
+        overlap = cfg.overlap_on(rt.device.type)
+        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, overlap=overlap)
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
         self.peers: dict[str, Peer] = {}
@@ -96,8 +97,13 @@ class DecodeServer(DaemonServer):
     async def _decode(self) -> None:
         """Run the decode loop; if a step fails, nothing here decodes any more: the daemon ends
         (exit status 1)."""
+        engine = self.requests.engine
+        log.info("decode_loop_started", max_batch=engine.max_batch, overlap_steps=engine.overlap)
         try:
             await self.requests.run()
+        except asyncio.CancelledError:  # the shutdown: what the loop did, for the log
+            log.info("decode_loop_stopped", steps=engine.steps, overlapped=engine.overlapped)
+            raise
         except Exception as exc:  # not attributable to one sequence
             self._failure = exc
             log.critical("decode_loop_failed", batch=len(self.requests), exc_info=exc)

@@ -7,7 +7,9 @@ capturing the kernel forward of `common.model.fastpath` plus a device argmax ove
 it was built with. A step packs its inputs into one pinned host buffer, copies it in one
 transfer, replays the smallest bucket that holds the batch and reads the argmax back: one host sync
 a step and no allocation. Rows past the batch are padded with slot -1 and length 0, so they write
-no K/V and read none.
+no K/V and read none. A step launched before the previous one's tokens were read (the decode's
+overlapped steps, decode_server/overlap.py) takes a row's input token from that step's device
+argmax (`carry`): copied on the GPU after the inputs' transfer, before the replay.
 
 Sampling keeps `common.model.sampling`'s contract: greedy rows take the device argmax (the lowest id
 on ties, as `sample` does); a random row is drawn by `sample` from its fp32 logits row with the
@@ -23,7 +25,12 @@ import torch
 
 from common.model.fastpath import decode_forward, rope_tables
 from common.model.llama import LlamaModel
-from common.model.sampling import SamplingError, SamplingParams, sample_batch_isolated
+from common.model.sampling import (
+    SamplingError,
+    SamplingParams,
+    carry_tokens,
+    sample_batch_isolated,
+)
 from common.model.warmup import batch_buckets
 
 
@@ -44,8 +51,8 @@ class DecodeRunner:
         self.block_size = kv.shape[3]
         self.buckets = batch_buckets(max_batch)
         b, w = max_batch, max_blocks
-        # One int64 buffer: tokens | positions | slots | lens | tables (row-major [b, w]).
-        self._host = torch.zeros(4 * b + b * w, dtype=torch.int64).pin_memory()
+        # One int64 buffer: tokens | positions | slots | lens | carried rows | tables ([b, w]).
+        self._host = torch.zeros(5 * b + b * w, dtype=torch.int64).pin_memory()
         self._host_np = self._host.numpy()
         self._dev = torch.zeros_like(self._host, device=model.device)
         self._copied = torch.cuda.Event()  # the host buffer is free again once this completes
@@ -56,8 +63,12 @@ class DecodeRunner:
 
     def _views(self, n: int) -> tuple[torch.Tensor, ...]:
         b, w, d = self.max_batch, self.max_blocks, self._dev
-        tables = d[4 * b :].view(b, w)[:n]
+        tables = d[5 * b :].view(b, w)[:n]
         return d[:n], d[b : b + n], d[2 * b : 2 * b + n], tables, d[3 * b : 3 * b + n]
+
+    def _carried(self, n: int) -> torch.Tensor:
+        b = self.max_batch
+        return self._dev[4 * b : 4 * b + n]
 
     def _forward(self, n: int) -> torch.Tensor:
         tokens, positions, slots, tables, lens = self._views(n)
@@ -90,7 +101,7 @@ class DecodeRunner:
         h[2 * b : 2 * b + n] = slots
         h[3 * b : 4 * b] = 0
         h[3 * b : 3 * b + n] = np.asarray(positions, dtype=np.int64) + 1
-        grid = h[4 * b :].reshape(b, w)
+        grid = h[5 * b :].reshape(b, w)
         if isinstance(tables, np.ndarray):  # [n, width]: one copy
             grid[:n, : tables.shape[1]] = tables
             grid[:n, tables.shape[1] :] = 0
@@ -109,11 +120,13 @@ class DecodeRunner:
         positions: Sequence[int],
         slots: Sequence[int],
         block_tables: Sequence[Sequence[int]],
+        carry: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay one step: (argmax [n] int64, logits [n, vocab] fp32), both device views that the
         next step overwrites. Row i's new token is at `positions[i]`, written to `slots[i]`; its
         table is `block_tables[i]` (at most `max_blocks` ids; an int64 ndarray [n, width] is
-        copied in one go)."""
+        copied in one go). `carry` (rows [n] int64, argmax): row i's token is `argmax[rows[i]]`
+        where rows[i] >= 0 (a step launched ahead's, still on the device), `tokens[i]` else."""
         n = len(tokens)
         bucket = self.bucket_for(n)
         if bucket is None or not self._graphs:
@@ -126,8 +139,13 @@ class DecodeRunner:
             raise ValueError(f"a block table is wider than max_blocks={self.max_blocks}")
         self._copied.synchronize()
         self._fill(tokens, positions, slots, block_tables, n)
+        b = self.max_batch
+        if carry is not None:
+            self._host_np[4 * b : 4 * b + n] = carry[0]
         self._dev.copy_(self._host, non_blocking=True)
         self._copied.record()
+        if carry is not None:
+            carry_tokens(self._views(n)[0], self._carried(n), carry[1])
         self._graphs[bucket].replay()
         return self._argmax[bucket][:n], self._logits[bucket][:n]
 

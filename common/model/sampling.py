@@ -154,9 +154,22 @@ def argmax_isolated(
     (no penalty, no min_tokens, no logprobs): each row's argmax, or a SamplingError for a row
     whose logits are not finite; no per-row work unless one is not."""
     out, flags = _argmax_and_finite(logits, argmax)
+    return tokens_or_errors(out, flags)
+
+
+def tokens_or_errors(ids: list[int], flags: list[int]) -> list[int | SamplingError]:
+    """Each row's argmax id, or a SamplingError where its finite flag is 0 (its logits were not
+    all finite); the list as given when every flag is set."""
     if all(flags):
-        return out
-    return [t if ok else SamplingError(_NOT_FINITE) for t, ok in zip(out, flags, strict=True)]
+        return ids  # type: ignore[return-value]
+    return [t if ok else SamplingError(_NOT_FINITE) for t, ok in zip(ids, flags, strict=True)]
+
+
+def carry_tokens(tokens: torch.Tensor, rows: torch.Tensor, argmax: torch.Tensor) -> None:
+    """In place on the device: tokens[i] = argmax[rows[i]] where rows[i] >= 0 (a step's input
+    token taken from the step before it, not yet read by the host)."""
+    taken = argmax.index_select(0, rows.clamp(min=0))
+    tokens.copy_(torch.where(rows >= 0, taken, tokens))
 
 
 def draw(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -55,6 +56,49 @@ def test_64_concurrent_requests_equal_reference(pair, tiny):
     st = asyncio.run(client.status(pair.link_socket))
     assert st.pool["free"] == st.pool["total"], "decode leaked blocks"
     assert pair.stop_all() == {"prefill": 0, "decode": 0}
+
+
+def test_overlapped_decode_steps_equal_reference(pair_factory, tiny):
+    """--overlap-steps on (auto turns it on for CUDA only): greedy requests of many lengths, some
+    stopped by a stop token, and seeded sampled ones that make the batch leave the overlap now
+    and then, through real daemons: every stream is the reference's and no block stays owned."""
+    model, _ = tiny
+    pair_factory.start("decode", "--overlap-steps", "on")
+    pair_factory.start("prefill")
+    prompts = _prompts(24, seed=3)
+    params = []
+    for i, p in enumerate(prompts):
+        if i in (5, 17):  # short: the batch is all greedy, and runs ahead, most of the time
+            sp = SamplingParams(max_tokens=3, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+        elif i % 4 == 1:  # stop on the 4th token the reference gives
+            ref = reference.generate(model, p, SamplingParams(max_tokens=12, ignore_eos=True))
+            sp = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(ref[3],))
+        else:
+            sp = SamplingParams(max_tokens=4 + i % 9, ignore_eos=True)
+        params.append(sp)
+
+    async def run_all():
+        return await asyncio.gather(
+            *(
+                client.generate(
+                    pair_factory.client_socket, prompt_tokens=p, sampling=s, request_id=f"o{i}"
+                )
+                for i, (p, s) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+
+    results = asyncio.run(run_all())
+    for i, (res, p, s) in enumerate(zip(results, prompts, params, strict=True)):
+        assert res.tokens == reference.generate(model, p, s, block_size=BLOCK), f"request {i}"
+    for sock in (pair_factory.client_socket, pair_factory.link_socket):
+        st = asyncio.run(client.status(sock))
+        assert st.pool["free"] == st.pool["total"], f"{st.role} leaked blocks: {st.pool}"
+    decode = pair_factory.daemons["decode"]
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+    stopped = [
+        json.loads(line) for line in decode.log_text().splitlines() if "decode_loop_stopped" in line
+    ]
+    assert stopped and stopped[0]["overlapped"] > 0, "no step ran ahead"
 
 
 def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):

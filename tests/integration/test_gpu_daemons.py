@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -49,18 +50,26 @@ def _assert_all_free(pair) -> None:
 
 
 @pytest.mark.parametrize(
-    ("backend", "early"), [("cuda-raw", True), ("cuda-torch", True), ("cuda-raw", False)]
+    ("backend", "early", "overlap"),
+    [
+        ("cuda-raw", True, "auto"),
+        ("cuda-torch", True, "auto"),
+        ("cuda-raw", False, "auto"),
+        ("cuda-raw", True, "off"),
+    ],
 )
-def test_gpu_pair_equals_reference_fp32(pair_factory, backend, early):
+def test_gpu_pair_equals_reference_fp32(pair_factory, backend, early, overlap):
     """Early handoff (the default on a CUDA link: HANDOFF while the prefill's GPU still
-    computes, the decode's pull waiting on the event) and without it."""
+    computes, the decode's pull waiting on the event) and without it; the decode's steps
+    overlapped (the default on CUDA: each launched before the last one's tokens are read) and
+    not."""
     if backend == "cuda-raw":
         from common.cuda import has_extension
 
         if not has_extension():
             pytest.skip("CUDA extension not built")
     args = ("--device", "cuda:0", "--dtype", "float32", "--ipc-backend", backend)
-    pair_factory.start("decode", *args)
+    dec = pair_factory.start("decode", *args, "--overlap-steps", overlap)
     d = pair_factory.start("prefill", *args, *(() if early else ("--no-early-handoff",)))
     prompts = _prompts(32)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -76,6 +85,8 @@ def test_gpu_pair_equals_reference_fp32(pair_factory, backend, early):
     assert st.backend == backend and st.device == "cuda:0"
     _assert_all_free(pair_factory)
     assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}, d.log_text()[-2000:]
+    stopped = [json.loads(x) for x in dec.log_text().splitlines() if "decode_loop_stopped" in x]
+    assert stopped and (stopped[0]["overlapped"] > 0) == (overlap == "auto"), stopped
 
 
 def test_gpu_pair_bf16_completes_and_first_tokens_match(pair_factory):
