@@ -1,8 +1,8 @@
 """The decode step's inputs on the CUDA-graph path (DecodeEngine._inputs, BlockTables): sequences
 of different lengths leave the batch at different steps and others join mid-way, so rows move and
 the kept block tables are rewritten from the first changed row; one sequence asks for logprobs, so
-steps alternate between the plain-greedy draw and the general one. Every greedy output must equal
-the fp32 reference."""
+steps alternate between the plain-greedy draw and the general one (and, overlapped, between steps
+run ahead and steps read at once). Every greedy output must equal the fp32 reference."""
 
 from __future__ import annotations
 
@@ -43,7 +43,10 @@ def rt(tmp_path: Path) -> Iterator[ModelRuntime]:
     runtime.close()
 
 
-async def test_a_changing_batch_decodes_the_reference_through_the_graphs(rt) -> None:
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_changing_batch_decodes_the_reference_through_the_graphs(rt, overlap) -> None:
+    """Overlapped (decode_server/overlap.py): the greedy stretches run ahead (tokens carried
+    on the device through the graphs' inputs), the stretch with the logprobs row does not."""
     layout = PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 512})
     pool = KVPool.create(layout, rt.device)
     side = Side(KVProducer(pool, BlockAllocator(512), rt.backend, event_slots=4), rt)
@@ -60,7 +63,7 @@ async def test_a_changing_batch_decodes_the_reference_through_the_graphs(rt) -> 
     # in one process the producer's pool is read directly (as in test_decode_pull_gpu.py)
     consumer = KVConsumer(rt.pool, side.pool, side.producer.region, None, torch.cuda.Stream())
     link = FakeLink("link-g", consumer)
-    table = DecodeRequests(rt, max_batch=8)
+    table = DecodeRequests(rt, max_batch=8, overlap=overlap)
     for h in handoffs[:5]:
         table.handoff(link, h)
     await decode_until(table, lambda: len(link.of(Finish)) >= 1)  # the shortest left
@@ -77,6 +80,7 @@ async def test_a_changing_batch_decodes_the_reference_through_the_graphs(rt) -> 
         )
     rows = sum(q.max_tokens - 1 for q in params)  # a row a step a sequence: built from scratch
     assert table.engine._tables.rewritten < rows  # rows were kept between steps
+    assert (table.engine.overlapped > 0) == overlap
     assert rt.allocator.num_free == rt.allocator.total
     consumer.close()
     side.producer.close()
