@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Issues 24 and 22 on one GPU in one call, most important first, each step under its own timeout
+# (a run cut short still brings back the steps before): STEPS (comma-separated, default all) picks
+#   tests   the GPU tests of the decode step (overlapped or not), the daemons' fp32 reference,
+#           the kernels and the prefill graphs
+#   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
+#   nano    bench/serve.py --nano through the daemons, overlapped steps on, then off, then on
+#   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
+#   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target)
+#   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
+# Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
+# brings back at most eight files.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-results}"
+R="$OUT/r"
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
+STEPS="${STEPS:-tests,engine,nano,kernel,prefix,cold}"
+log="$OUT/run.log"
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
+step() { echo "== $1 $(date -u +%H:%M:%S)" | tee -a "$log"; }
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$log"
+git log --oneline -1 2>/dev/null | tee -a "$log"
+if [ ! -d "$CKPT" ] && ! want engine; then
+  "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
+from engine import build_checkpoint; build_checkpoint(Path('$CKPT'))" || exit 1
+fi
+if want tests; then
+  step tests
+  timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 -m gpu \
+    tests/gpu/test_decode_batch_gpu.py tests/integration/test_gpu_daemons.py \
+    tests/model/test_kernels.py tests/gpu/test_prefill_graphs_gpu.py ${TESTS:-} 2>&1 \
+    | tail -40 | tee -a "$log" > "$R/tests.log"
+  pack
+fi
+if want engine; then
+  step engine
+  timeout 200 "$PY" bench/engine.py --out "$R/engine.json" --save-checkpoint "$CKPT" 2>&1 \
+    | grep -v '^{' | tail -30 | tee -a "$log"
+  pack
+fi
+nano() {  # $1: tag, then the environment for the daemons
+  local tag=$1
+  shift
+  step "nano $tag"
+  env "$@" timeout 150 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --nano --target daemons \
+    --progress 30 --json "$R/nano_$tag.json" > "$R/nano_$tag.log" 2>&1
+  grep -E "tok/s|TTFT|ITL|2nd|req/s" "$R/nano_$tag.log" | tail -12 | tee -a "$log"
+  pack
+}
+if want nano; then
+  nano on1 PDKV_OVERLAP_STEPS=on
+  nano off PDKV_OVERLAP_STEPS=off
+  nano on2 PDKV_OVERLAP_STEPS=on
+fi
+if want kernel && [ -f bench/context_kernel.py ]; then
+  step kernel
+  timeout 150 "$PY" bench/context_kernel.py --out "$R/context_kernel.json" 2>&1 | tail -25 \
+    | tee -a "$log"
+  timeout 100 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1536 --own 128 \
+    --out "$R/prefill_context.json" 2>&1 | tail -12 | tee -a "$log"
+  pack
+fi
+if want prefix; then
+  step prefix
+  timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 4096 \
+    --target cache --shared-prefix 1536 --prompt-len 128:128 --output-len 64:64 --rate 20 \
+    --requests 200 --progress 30 --json "$R/prefix.json" > "$R/prefix.log" 2>&1
+  tail -40 "$R/prefix.log" | tee -a "$log"
+  pack
+fi
+if want cold; then
+  step cold
+  # a kernel cache of its own, empty: the pair compiles everything at its start; no prefix
+  # cache, since every burst sends the same prompts; no warm-up request: the 1st burst is cold
+  PDKV_KERNEL_CACHE_DIR="$(mktemp -d)" PDKV_PREFIX_CACHE=0 timeout 200 "$PY" bench/serve.py \
+    --model "$CKPT" --device cuda:0 --num-blocks 4096 --target daemons --requests 16 \
+    --prompt-len 512:512 --output-len 128:128 --warmup 0 --sweep inf,inf,inf,inf \
+    --plot "$R/cold.png" --json "$R/cold.json" > "$R/cold.log" 2>&1
+  tail -20 "$R/cold.log" | tee -a "$log"
+  pack
+fi
+pack
