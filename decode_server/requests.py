@@ -135,6 +135,9 @@ class DecodeRequests:
             seq.plan = consumer.plan(src, dst, h.event_slot)
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
             self._fail(seq, exc)
+            return
+        if self.rt.prefix is not None:  # the names its pull publishes, now rather than then
+            self.rt.prefix.complete(seq.names)
 
     def kv_ready(self, peer: Peer, msg: KvReady) -> None:
         """KV_READY: an AWAITING_KV sequence's KV is written and `msg.first_token` is its first

@@ -49,6 +49,18 @@ async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_refe
     side.producer.allocator.free("r1")
 
 
+def test_an_early_handoff_names_its_blocks_while_the_prefill_computes(side: Side, link, table, rt):
+    """Its pull publishes the names of its prompt's blocks; a lookup that missed computed one:
+    the rest are computed at the early HANDOFF, off the way of its first token."""
+    prompt = list(range(200, 214))  # 14 tokens no other test sends: 3 full blocks of 4
+    table.handoff(link, early(side.prefill("r1", prompt, GREEDY)))
+    (seq,) = table.sequences()
+    assert rt.prefix is not None and seq.cached_blocks == 0
+    assert len(seq.names) == 3 and seq.names.computed == 3
+    table.abort(link, "r1")
+    side.producer.allocator.free("r1")
+
+
 async def test_tokens_for_a_request_that_awaits_none_are_dropped(
     side: Side,
     link: FakeLink,
