@@ -12,7 +12,7 @@ calls also rotate over --sets input sets, each its own pool), the number of spli
 kernel chose, and the relative error of new against old and of new against the torch reference
 (`paged.context_attention`, fp32). A table follows; --out writes them all and the settings.
 
-    .venv/bin/python bench/context_kernel.py [--out FILE] [--warps 4 --stages 2] [--table-blocks 128]
+    .venv/bin/python bench/context_kernel.py [--out FILE] [--warps 8 --stages 3] [--table-blocks 128]
     TRITON_INTERPRET=1 .venv/bin/python bench/context_kernel.py --small   # CPU: checks the script
 
 --small is a tiny shape in fp32 for Triton's interpreter: its times say nothing about a GPU.
@@ -200,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--small", action="store_true", help="tiny fp32 shape for the interpreter")
     ap.add_argument("--sets", type=int, default=8, help="input sets the timed calls rotate over")
-    ap.add_argument("--warps", type=int, default=4, help="num_warps of the new split kernel")
+    ap.add_argument("--warps", type=int, default=None, help="num_warps of the new split kernel")
     ap.add_argument("--stages", type=int, default=2, help="num_stages of the new split kernel")
     ap.add_argument("--splits", type=int, default=None, help="force the new kernel's splits")
     ap.add_argument(
@@ -273,7 +273,12 @@ def main() -> None:
         )
     if args.out is not None:
         meta = {"device": torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"}
-        meta.update(warps=args.warps, stages=args.stages, dtype=str(shape["dtype"]), sets=sets)
+        meta.update(
+            warps=args.warps or "kernel's choice",
+            stages=args.stages,
+            dtype=str(shape["dtype"]),
+            sets=sets,
+        )
         args.out.write_text(json.dumps({"meta": meta, "cases": results}, indent=1) + "\n")
 
 

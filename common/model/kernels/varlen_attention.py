@@ -9,7 +9,7 @@ table, as the paged-decode kernel reads it. It is laid out like the paged-decode
 
 - a program takes one (query tile, KV head, sequence, split of the keys); its rows are BLOCK_Q
   queries x the GQA group of that KV head (padded to a power of two and masked), 128 rows in
-  bf16 (64 in fp32 or for head_dim > 64), so each K/V tile and block-table entry is loaded once
+  bf16 (64 for head_dim > 64, 32 in fp32), so each K/V tile and block-table entry is loaded once
   for the whole group, and row r's causal limit is its own position start + query index;
 - a tile's keys [0, start + its last query + 1) are split evenly, in whole BLOCK_N tiles, over
   the launch's splits (flash-decoding); the key tiles below the tile's first position need no
@@ -338,10 +338,10 @@ def _sm_count(device: torch.device) -> int:
 def context_tiles(num_heads: int, num_kv_heads: int, head_dim: int, fp32: bool, max_seqlen: int):
     """(BLOCK_Q, GROUP_PAD) of the context kernel: a tile's rows are BLOCK_Q queries x the
     GROUP_PAD (GQA group padded to a power of two) query heads of one KV head, 128 rows (64 for
-    fp32 or head_dim > 64), fewer when the longest run is shorter, never fewer than 16 (the least
-    M of tl.dot)."""
+    head_dim > 64, 32 for fp32, whose IEEE dots spill registers past that), fewer when the longest
+    run is shorter, never fewer than 16 (the least M of tl.dot)."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    rows = 64 if fp32 or head_dim > 64 else 128
+    rows = 32 if fp32 else 64 if head_dim > 64 else 128
     block_q = max(rows // group_pad, 1)
     block_q = min(block_q, max(triton.next_power_of_2(max_seqlen), -(-16 // group_pad)))
     return block_q, group_pad
@@ -368,17 +368,20 @@ def _context_attention(
     *,
     scale: float | None = None,
     splits: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
 ) -> torch.Tensor:
     """`varlen_context_attention` with its launch choices open (the tests and the bench force
-    `splits`; None takes `context_splits`'s)."""
+    them; None takes `context_splits`'s splits, and 8 warps for tiles of 128 x 64 or more and in
+    fp32, else 4: compiled for sm_90 by triton 3.9, 4 warps at 128 rows x 64 spill registers)."""
     n, hq, d = q.shape
     _, _, _, block_size, hkv, _ = kv.shape
     num_seqs = cu_seqlens.numel() - 1
     fp32 = q.dtype == torch.float32
     block_q, group_pad = context_tiles(hq, hkv, d, fp32, max_seqlen)
     q_tiles = triton.cdiv(max_seqlen, block_q)
+    if num_warps is None:
+        num_warps = 8 if fp32 or block_q * group_pad * d >= 128 * 64 else 4
     if splits is None:
         tiles = q_tiles * hkv * num_seqs
         splits = context_splits(tiles, block_tables.shape[1] * block_size, _sm_count(q.device))
