@@ -270,3 +270,97 @@ def test_kernel_context_prefill_matches_torch_path() -> None:
     assert _rel(results[True][0], results[False][0]) < 1e-5
     assert torch.equal(results[True][0].argmax(-1), results[False][0].argmax(-1))
     assert _rel(results[True][1], results[False][1]) < 1e-5
+
+
+POISON = 12345.0  # what every buffer varlen_context_attention allocates starts as, in the tests
+
+
+def _poisoned_empty(real_empty):  # type: ignore[no-untyped-def]
+    """torch.empty that fills with POISON (ints: -1): a row the kernels leave unwritten keeps it,
+    and a partial result the merge reads unwritten (m = l = acc = POISON) spoils its row."""
+
+    def empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        t = real_empty(*args, **kwargs)
+        return t.fill_(POISON if t.is_floating_point() else -1)
+
+    return empty
+
+
+def _context_case(  # type: ignore[no-untyped-def]
+    hq, hkv, d, block_size, starts, lengths, width, pad_tokens, gen
+):
+    """Inputs of a paged-context batch (NaN in the pool's unused slots, in block 0 and in the q
+    rows of `pad_tokens` tokens past the last sequence) -> (q, kv, cu, starts, tables)."""
+    kv = _pool(128, block_size, hkv, d, torch.float32, gen)
+    ends = [a + n for a, n in zip(starts, lengths, strict=True)]
+    tables = torch.zeros((len(lengths), width), dtype=torch.long, device=DEVICE)
+    part = _tables([e for e in ends if e], 128, block_size, gen)
+    rows = [i for i, e in enumerate(ends) if e]
+    tables[rows, : part.shape[1]] = part
+    n = sum(lengths)
+    q = torch.randn((n + pad_tokens, hq, d), generator=gen).to(DEVICE)
+    q[n:] = float("nan")
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=DEVICE)
+    st = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    return q, kv, cu, st, tables
+
+
+def _check_context(out, q, kv, cu, starts, tables) -> None:  # type: ignore[no-untyped-def]
+    from common.model.paged import context_attention
+
+    bounds = cu.tolist()
+    for s, (a, b) in enumerate(itertools.pairwise(bounds)):
+        if b > a:
+            ref = context_attention(q[a:b], kv, 1, tables[s], int(starts[s]))
+            assert not out[a:b].isnan().any()
+            assert _rel(out[a:b], ref) < TOL[torch.float32]
+    assert (out[bounds[-1] :] == POISON).all()  # tokens past the last sequence: never written
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (6, 2), (8, 2), (8, 1)])
+def test_varlen_context_splits_and_padding(monkeypatch, splits, hq: int, hkv: int) -> None:
+    """The split kernel and its merge against paged.context_attention: GQA groups 1, 3 (padded
+    to 4), 4 and 8; contexts of 0, a partial block, whole blocks and long ones (several splits,
+    some splits empty for the short ones); runs longer than a query tile; a length-0 sequence
+    mid-batch and one at the end (a graph's padding), and tokens past the last sequence (NaN q).
+    Every buffer the function allocates starts poisoned, so an unwritten row or an unwritten
+    partial read by the merge shows (see _poisoned_empty)."""
+    from common.model.kernels import varlen_attention as va
+
+    gen = torch.Generator().manual_seed(hq * 10 + hkv + (splits or 0))
+    starts = [0, 5, 32, 300, 7, 450, 0]
+    lengths = [70, 20, 33, 40, 0, 1, 0]
+    q, kv, cu, st, tables = _context_case(hq, hkv, 64, 16, starts, lengths, 32, 5, gen)
+    with monkeypatch.context() as m:
+        m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+        out = va._context_attention(q, kv, 1, cu, st, tables, max(lengths), splits=splits)
+    _check_context(out, q, kv, cu, st, tables)
+
+
+@pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (8, 2), (8, 1)])
+def test_varlen_context_replays_with_other_starts(monkeypatch, hq: int, hkv: int) -> None:
+    """What a prefill graph relies on: the same host shapes (max_seqlen, sequences, table width,
+    the same buffers) with other device lengths and starts, longer and shorter, give the right
+    result each time; the launch is one that splits the keys."""
+    from common.model.kernels import varlen_attention as va
+
+    gen = torch.Generator().manual_seed(hq + hkv)
+    max_seqlen, width, bs = 48, 30, 16
+    block_q, _ = va.context_tiles(hq, hkv, 64, True, max_seqlen)
+    tiles = -(-max_seqlen // block_q) * hkv * 3
+    assert va.context_splits(tiles, width * bs, va.NUM_SMS) > 1
+    q, kv, cu, st, tables = _context_case(
+        hq, hkv, 64, bs, [400, 0, 100], [48, 30, 10], width, 0, gen
+    )
+    cases = [([400, 0, 100], [48, 30, 10]), ([3, 200, 0], [20, 48, 0]), ([0, 0, 0], [48, 1, 39])]
+    for starts, lengths in cases:
+        _, kv_new, cu_new, st_new, tables_new = _context_case(
+            hq, hkv, 64, bs, starts, lengths, width, 0, gen
+        )
+        kv.copy_(kv_new), cu.copy_(cu_new), st.copy_(st_new), tables.copy_(tables_new)
+        q.copy_(torch.randn(q.shape, generator=gen))  # 88 rows: a shorter case leaves some over
+        with monkeypatch.context() as m:
+            m.setattr(torch, "empty", _poisoned_empty(torch.empty))
+            out = va.varlen_context_attention(q, kv, 1, cu, st, tables, max_seqlen)
+        _check_context(out, q, kv, cu, st, tables)
