@@ -5,6 +5,7 @@
 #           the kernels and the prefill graphs
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
 #   nano    bench/serve.py --nano through the daemons, overlapped steps on, then off, then on
+#   nanomps the same, overlapped, both daemons under MPS
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
@@ -18,7 +19,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,kernel,prefix,cold}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,cold}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -31,9 +32,11 @@ from engine import build_checkpoint; build_checkpoint(Path('$CKPT'))" || exit 1
 fi
 if want tests; then
   step tests
+  # TESTS: other test paths (or -k expressions) instead of these
+  # shellcheck disable=SC2086
   timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 -m gpu \
-    tests/gpu/test_decode_batch_gpu.py tests/integration/test_gpu_daemons.py \
-    tests/model/test_kernels.py tests/gpu/test_prefill_graphs_gpu.py ${TESTS:-} 2>&1 \
+    ${TESTS:-tests/gpu/test_decode_batch_gpu.py tests/integration/test_gpu_daemons.py \
+    tests/model/test_kernels.py tests/gpu/test_prefill_graphs_gpu.py} 2>&1 \
     | tail -40 | tee -a "$log" > "$R/tests.log"
   pack
 fi
@@ -49,7 +52,7 @@ nano() {  # $1: tag, then the environment for the daemons
   step "nano $tag"
   env "$@" timeout 150 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --nano --target daemons \
     --progress 30 --json "$R/nano_$tag.json" > "$R/nano_$tag.log" 2>&1
-  grep -E "tok/s|TTFT|ITL|2nd|req/s" "$R/nano_$tag.log" | tail -12 | tee -a "$log"
+  grep -E "^daemons|2nd token|KV pulled" "$R/nano_$tag.log" | tail -6 | tee -a "$log"
   pack
 }
 if want nano; then
@@ -57,10 +60,19 @@ if want nano; then
   nano off PDKV_OVERLAP_STEPS=off
   nano on2 PDKV_OVERLAP_STEPS=on
 fi
+if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+  mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && nano mps PDKV_OVERLAP_STEPS=on
+  echo quit | nvidia-cuda-mps-control
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+fi
 if want kernel && [ -f bench/context_kernel.py ]; then
   step kernel
-  timeout 150 "$PY" bench/context_kernel.py --out "$R/context_kernel.json" 2>&1 | tail -25 \
+  timeout 100 "$PY" bench/context_kernel.py --out "$R/context_kernel.json" 2>&1 | tail -12 \
     | tee -a "$log"
+  timeout 100 "$PY" bench/context_kernel.py --table-blocks 128 --out "$R/context_kernel_w128.json" \
+    2>&1 | tail -12 | tee -a "$log"
   timeout 100 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1536 --own 128 \
     --out "$R/prefill_context.json" 2>&1 | tail -12 | tee -a "$log"
   pack
