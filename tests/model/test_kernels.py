@@ -317,17 +317,25 @@ def _check_context(out, q, kv, cu, starts, tables) -> None:  # type: ignore[no-u
     assert (out[bounds[-1] :] == POISON).all()  # tokens past the last sequence: never written
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+@pytest.mark.parametrize(
+    ("splits", "split_keys"), [(None, 64), (1, 64), (3, 64), (7, 64), (7, 256)]
+)
 @pytest.mark.parametrize(("hq", "hkv"), [(2, 2), (6, 2), (8, 2), (8, 1)])
-def test_varlen_context_splits_and_padding(monkeypatch, splits, hq: int, hkv: int) -> None:
+def test_varlen_context_splits_and_padding(
+    monkeypatch, splits, split_keys: int, hq: int, hkv: int
+) -> None:
     """The split kernel and its merge against paged.context_attention: GQA groups 1, 3 (padded
     to 4), 4 and 8; contexts of 0, a partial block, whole blocks and long ones (several splits,
     some splits empty for the short ones); runs longer than a query tile; a length-0 sequence
     mid-batch and one at the end (a graph's padding), and tokens past the last sequence (NaN q).
+    SPLIT_KEYS (a tile's least keys per split, on the device) small: every tile but the shortest
+    splits; the default 256: these contexts take one or two of the launch's seven splits, the
+    one-split tiles writing their output directly while others go through the merge.
     Every buffer the function allocates starts poisoned, so an unwritten row or an unwritten
     partial read by the merge shows (see _poisoned_empty)."""
     from common.model.kernels import varlen_attention as va
 
+    monkeypatch.setattr(va, "SPLIT_KEYS", split_keys)
     gen = torch.Generator().manual_seed(hq * 10 + hkv + (splits or 0))
     starts = [0, 5, 32, 300, 7, 450, 0]
     lengths = [70, 20, 33, 40, 0, 1, 0]
@@ -345,6 +353,7 @@ def test_varlen_context_replays_with_other_starts(monkeypatch, hq: int, hkv: int
     result each time; the launch is one that splits the keys."""
     from common.model.kernels import varlen_attention as va
 
+    monkeypatch.setattr(va, "SPLIT_KEYS", 64)  # these contexts' tiles use several splits
     gen = torch.Generator().manual_seed(hq + hkv)
     max_seqlen, width, bs = 48, 30, 16
     block_q, _ = va.context_tiles(hq, hkv, 64, True, max_seqlen)

@@ -12,11 +12,13 @@ table, as the paged-decode kernel reads it. It is laid out like the paged-decode
   bf16 (64 for head_dim > 64, 32 in fp32), so each K/V tile and block-table entry is loaded once
   for the whole group, and row r's causal limit is its own position start + query index;
 - a tile's keys [0, start + its last query + 1) are split evenly, in whole BLOCK_N tiles, over
-  the launch's splits (flash-decoding); the key tiles below the tile's first position need no
-  mask, only the last one or two (the diagonal) are masked, and keys past the last query are
-  never read. A split that gets no keys stores m = -inf, l = 0;
-- with one split a program writes its rows of the output; with more, each writes fp32 partial
-  (acc, m, l) and `_context_merge` (one program per token and KV head) combines them.
+  the splits it uses (flash-decoding): of the launch's, one per SPLIT_KEYS of those keys, counted
+  on the device; the key tiles below the tile's first position need no mask, only the last one
+  or two (the diagonal) are masked, and keys past the last query are never read. A used split
+  that gets no keys stores m = -inf, l = 0; an unused one does nothing;
+- a tile of one split writes its rows of the output; with more, each split writes fp32 partial
+  (acc, m, l) and `_context_merge` (one program per token and KV head, counting its tile's
+  splits the same way) combines them.
 
 The number of splits comes from host values only (`context_splits`: the query tiles, KV heads
 and sequences of the launch against the SM count, the block table's width), so a prefill CUDA
@@ -153,6 +155,10 @@ def varlen_causal_attention(
 LOG2E = 1.4426950408889634
 NUM_SMS = 132  # an H200's; the split heuristic's target where the device reports none (the CPU)
 MIN_SPLIT_KEYS = 128  # context keys (of the widest context the block table holds) per split
+# keys a query tile's split takes at the least, on the device: a tile with fewer than twice as
+# many uses one split and writes its output directly (a short prompt in a graph captured for
+# long contexts: no partials, no merge)
+SPLIT_KEYS = 256
 MAX_SPLITS = 16
 
 
@@ -205,6 +211,7 @@ def _context_split(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
     SPLIT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -216,8 +223,9 @@ def _context_split(
     first = tl.load(cu_ptr + seq).to(tl.int32)
     length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
     m0 = mblock * BLOCK_Q
-    if m0 < length:
-        start = tl.load(starts_ptr + seq).to(tl.int32)
+    start = tl.load(starts_ptr + seq).to(tl.int32)
+    end = start + tl.minimum(m0 + BLOCK_Q, length)  # the tile's keys: 0 .. its last position
+    if m0 < length and split < tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits):
         # row r: query m0 + r // GROUP_PAD of the tile, query head kvh * GROUP + r % GROUP_PAD
         offs_r = tl.arange(0, BLOCK_Q * GROUP_PAD)
         qi = m0 + offs_r // GROUP_PAD
@@ -233,9 +241,11 @@ def _context_split(
         )
         pos = start + qi  # each row's position: it sees keys 0 .. pos
         # keys [0, end) of the tile (past its last query every key is masked), split evenly in
-        # whole BLOCK_N tiles; a split past `end` is empty and stores m -inf, l 0, acc 0
-        end = start + tl.minimum(m0 + BLOCK_Q, length)
-        chunk = ((end + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        # whole BLOCK_N tiles over the splits it uses: of the launch's, one per SPLIT_KEYS keys
+        # (a short context takes one, written straight to the output; the merge skips its
+        # tokens). A used split past `end` is empty and stores m -inf, l 0, acc 0
+        used = tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
+        chunk = ((end + used - 1) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, end)
         # keys below the tile's first position are seen by every row: those tiles need no mask
@@ -261,7 +271,7 @@ def _context_split(
             v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
             keep = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
             m_i, l_i, acc = _fold(q, k, v, keep, m_i, l_i, acc, qk_scale, True, IEEE)
-        if SPLIT:
+        if SPLIT and used > 1:
             part = (split * num_tokens + tokens) * num_heads + heads  # [S, N, Hq] row-major
             tl.store(
                 part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rmask[:, None]
@@ -283,6 +293,7 @@ def _context_merge(
     part_ml_ptr,
     o_ptr,
     cu_ptr,
+    starts_ptr,
     num_seqs,
     num_tokens,
     num_heads,
@@ -292,10 +303,24 @@ def _context_merge(
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr,
+    SEQS_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     kvh = tl.program_id(1)
-    if token < tl.load(cu_ptr + num_seqs):  # tokens past the last sequence: no partials, no write
+    # the token's sequence (the number of sequences ending at or before it), its query tile's
+    # keys and so the splits that tile used (as _context_split counts them)
+    offs_s = tl.arange(0, SEQS_PAD)
+    ends = tl.load(cu_ptr + 1 + offs_s, mask=offs_s < num_seqs, other=2**30)
+    seq = tl.minimum(tl.sum((ends <= token).to(tl.int32), 0), num_seqs - 1)
+    first = tl.load(cu_ptr + seq).to(tl.int32)
+    length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
+    m0 = (token - first) // BLOCK_Q * BLOCK_Q
+    end = tl.load(starts_ptr + seq).to(tl.int32) + tl.minimum(m0 + BLOCK_Q, length)
+    used = tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
+    # tokens past the last sequence have no partials; a tile of one split wrote its output
+    if token < tl.load(cu_ptr + num_seqs) and used > 1:
         offs_g = tl.arange(0, GROUP_PAD)
         offs_d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + offs_g
@@ -304,7 +329,7 @@ def _context_merge(
         m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        for s in range(num_splits):
+        for s in range(used):
             part = (s * num_tokens + token64) * num_heads + heads  # [S, N, Hq] row-major
             m_s = tl.load(part_ml_ptr + part * 2, mask=gmask, other=float("-inf"))
             l_s = tl.load(part_ml_ptr + part * 2 + 1, mask=gmask, other=0.0)
@@ -422,6 +447,7 @@ def _context_attention(
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
         BLOCK_N=64 if d <= 64 else 32,
+        SPLIT_KEYS=SPLIT_KEYS,
         SPLIT=splits > 1,
         IEEE=fp32,
         num_warps=num_warps,
@@ -433,6 +459,7 @@ def _context_attention(
             part_ml,
             out,
             cu_seqlens,
+            starts,
             num_seqs,
             n,
             hq,
@@ -442,6 +469,9 @@ def _context_attention(
             GROUP=group,
             GROUP_PAD=group_pad,
             HEAD_DIM=d,
+            BLOCK_Q=block_q,
+            SPLIT_KEYS=SPLIT_KEYS,
+            SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
             num_warps=1 if group_pad * d <= 512 else 2,
         )
     return out
