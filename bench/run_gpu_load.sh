@@ -8,6 +8,7 @@
 #   nanomps the same, overlapped, both daemons under MPS
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target)
+#   goodput bench/serve.py's rate sweep with SLO bounds, daemons and one process (issue 24 item 5)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
@@ -19,7 +20,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,cold}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -83,6 +84,16 @@ if want prefix; then
     --target cache --shared-prefix 1536 --prompt-len 128:128 --output-len 64:64 --rate 20 \
     --requests 200 --progress 30 --json "$R/prefix.json" > "$R/prefix.log" 2>&1
   tail -40 "$R/prefix.log" | tee -a "$log"
+  pack
+fi
+if want goodput; then  # issue 24 item 5: daemons against one process over a rate sweep
+  step goodput
+  timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 8192 \
+    --requests 64 --prompt-len 128:1024 --output-len 32:256 --sweep "${RATES:-8,16,32,64}" \
+    --slo-ttft-ms "${SLO_TTFT_MS:-100}" --slo-itl-ms "${SLO_ITL_MS:-4}" --progress 30 \
+    --plot "$R/goodput_sweep.png" --goodput-plot "$R/goodput.png" --json "$R/goodput.json" \
+    > "$R/goodput.log" 2>&1
+  grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/goodput.log" | tail -30 | tee -a "$log"
   pack
 fi
 if want cold; then
