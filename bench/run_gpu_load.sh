@@ -4,10 +4,11 @@
 #   tests   the GPU tests of the decode step (overlapped or not), the daemons' fp32 reference,
 #           the kernels and the prefill graphs
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
-#   nano    bench/serve.py --nano through the daemons, overlapped steps on, then off, then on
+#   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO)
 #   nanomps the same, overlapped, both daemons under MPS
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
-#   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target)
+#   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),
+#           once per --overlap-steps mode in $PREFIX (default on)
 #   goodput bench/serve.py's rate sweep with SLO bounds, daemons and one process (issue 24 item 5)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
@@ -56,10 +57,8 @@ nano() {  # $1: tag, then the environment for the daemons
   grep -E "^daemons|2nd token|KV pulled" "$R/nano_$tag.log" | tail -6 | tee -a "$log"
   pack
 }
-if want nano; then
-  nano on1 PDKV_OVERLAP_STEPS=on
-  nano off PDKV_OVERLAP_STEPS=off
-  nano on2 PDKV_OVERLAP_STEPS=on
+if want nano; then  # NANO: the --overlap-steps modes to run, in order
+  for mode in ${NANO:-on always off}; do nano "$mode" PDKV_OVERLAP_STEPS="$mode"; done
 fi
 if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -78,13 +77,16 @@ if want kernel && [ -f bench/context_kernel.py ]; then
     --out "$R/prefill_context.json" 2>&1 | tail -12 | tee -a "$log"
   pack
 fi
-if want prefix; then
-  step prefix
-  timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 4096 \
-    --target cache --shared-prefix 1536 --prompt-len 128:128 --output-len 64:64 --rate 20 \
-    --requests 200 --progress 30 --json "$R/prefix.json" > "$R/prefix.log" 2>&1
-  tail -40 "$R/prefix.log" | tee -a "$log"
-  pack
+if want prefix; then  # PREFIX: the --overlap-steps modes to run it with
+  for mode in ${PREFIX:-on}; do
+    step "prefix $mode"
+    PDKV_OVERLAP_STEPS=$mode timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+      --num-blocks 4096 --target cache --shared-prefix 1536 --prompt-len 128:128 \
+      --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$mode.json" \
+      > "$R/prefix_$mode.log" 2>&1
+    grep -E "^daemons|2nd token|KV pulled|same tokens" "$R/prefix_$mode.log" | tee -a "$log"
+    pack
+  done
 fi
 if want goodput; then  # issue 24 item 5: daemons against one process over a rate sweep
   step goodput

@@ -27,11 +27,13 @@ class DecodeConfig(DaemonConfig):
         default="auto",
         metadata=opt(
             "--overlap-steps",
-            choices=("auto", "on", "off"),
+            choices=("auto", "on", "always", "off"),
             help="Launch each decode step before the previous one's tokens are read, while every "
             "sequence in the batch is plain greedy (its next input is the previous step's argmax, "
             "on the device): the loop's work on a step's results overlaps the GPU's next step. "
-            "auto: on CUDA only (on the CPU every token would wait one more step).",
+            "on: except while a prefill computes a prompt it handed to this decode early (the "
+            "GPU's gaps between steps are then the prefill's); always: then too; auto: on for "
+            "CUDA, off on the CPU (where every token would wait one more step).",
         ),
     )
     listen: str | None = field(
@@ -49,11 +51,11 @@ class DecodeConfig(DaemonConfig):
     def pidfile(self) -> Path:
         return self.runtime_dir / "decode.pid"
 
-    def overlap_on(self, device_type: str) -> bool:
-        """Whether the decode steps overlap on a device of this type (--overlap-steps)."""
-        return self.overlap_steps == "on" or (
-            self.overlap_steps == "auto" and device_type == "cuda"
-        )
+    def overlap_mode(self, device_type: str) -> str:
+        """--overlap-steps on a device of this type: "on", "always" or "off"."""
+        if self.overlap_steps == "auto":
+            return "on" if device_type == "cuda" else "off"
+        return self.overlap_steps
 
 
 @dataclass(frozen=True, kw_only=True)

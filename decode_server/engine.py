@@ -24,13 +24,15 @@ and the owner ends the daemon (exit status 1) rather than live on without decodi
 With `overlap` (decode_server/overlap.py), a batch of plain sequences is stepped one ahead: each
 `step()` launches the next step and then reads the one launched by the call before, so the
 results it returns are one step old and one launched step (`in_flight`) may still write the K/V
-of the sequences it holds after `step()` returned.
+of the sequences it holds after `step()` returned. While `hold()` says so (a prefill computing
+a prompt handed off early), steps are not launched ahead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -55,10 +57,18 @@ them, each row's logprob entry."""
 
 
 class DecodeEngine:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: bool = False) -> None:
+    def __init__(
+        self,
+        rt: ModelRuntime,
+        *,
+        max_batch: int,
+        overlap: bool = False,
+        hold: Callable[[], bool] | None = None,
+    ) -> None:
         self.rt = rt
         self.max_batch = max_batch
         self.overlap = overlap
+        self._hold = hold  # overlap: no step is launched ahead while this says so
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
@@ -66,6 +76,7 @@ class DecodeEngine:
         self._readback = Readback(max_batch, rt.device) if overlap else None
         self.steps = 0
         self.overlapped = 0  # steps launched ahead of the previous step's read
+        self.held = 0  # steps that could have been launched ahead but were held (`hold`)
         # the last step's torch-thread clock (monotonic ns): started, launched (every kernel
         # queued, before the host sync), synced (tokens on the host); set on the torch thread,
         # read on the loop after the step returned
@@ -121,6 +132,9 @@ class DecodeEngine:
         ahead = self._ahead
         launch = self._launchable(ahead)
         ahead_ok = self.overlap and all(s.plain for s in launch)
+        if ahead_ok and self._hold is not None and self._hold():
+            ahead_ok = False
+            self.held += 1
         if ahead is None and not (ahead_ok and launch):
             batch = launch
             if not batch:

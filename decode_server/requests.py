@@ -50,9 +50,11 @@ StartPull = Callable[[PullDone], Any]  # starts a pull with its `done`: what a r
 
 
 class DecodeRequests:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: bool = False) -> None:
+    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: str = "off") -> None:
         self.rt = rt
-        self.engine = DecodeEngine(rt, max_batch=max_batch, overlap=overlap)
+        self.overlap = overlap  # --overlap-steps as resolved: "on", "always" or "off"
+        hold = self._prefilling if overlap == "on" else None
+        self.engine = DecodeEngine(rt, max_batch=max_batch, overlap=overlap != "off", hold=hold)
         self.vocab_size = rt.model.config.vocab_size
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self._table: dict[str, Sequence] = {}  # seq_key(link, request id) -> its sequence
@@ -68,6 +70,12 @@ class DecodeRequests:
     def sequences(self) -> list[Sequence]:
         """Every live sequence (not ENDING): awaiting its KV, pulling it, or decoding."""
         return [s for s in self._table.values() if s.phase is not Phase.ENDING]
+
+    def _prefilling(self) -> bool:
+        """Whether a prefill computes a prompt it handed to us early (a sequence awaits its
+        KV): --overlap-steps on launches no step ahead meanwhile, leaving the GPU's gaps
+        between steps to that forward."""
+        return any(s.phase is Phase.AWAITING_KV for s in self._table.values())
 
     def phase(self, link_id: str, request_id: str) -> Phase | None:
         """Where the request is; None once the decode holds nothing of it."""

@@ -63,7 +63,7 @@ class DecodeServer(DaemonServer):
         super().__init__(cfg, rt, cfg.link_path, stop)
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
-        overlap = cfg.overlap_on(rt.device.type)
+        overlap = cfg.overlap_mode(rt.device.type)
         self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, overlap=overlap)
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
@@ -98,11 +98,17 @@ class DecodeServer(DaemonServer):
         """Run the decode loop; if a step fails, nothing here decodes any more: the daemon ends
         (exit status 1)."""
         engine = self.requests.engine
-        log.info("decode_loop_started", max_batch=engine.max_batch, overlap_steps=engine.overlap)
+        mode = self.requests.overlap
+        log.info("decode_loop_started", max_batch=engine.max_batch, overlap_steps=mode)
         try:
             await self.requests.run()
         except asyncio.CancelledError:  # the shutdown: what the loop did, for the log
-            log.info("decode_loop_stopped", steps=engine.steps, overlapped=engine.overlapped)
+            log.info(
+                "decode_loop_stopped",
+                steps=engine.steps,
+                overlapped=engine.overlapped,
+                held=engine.held,
+            )
             raise
         except Exception as exc:  # not attributable to one sequence
             self._failure = exc

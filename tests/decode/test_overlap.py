@@ -23,7 +23,7 @@ PROMPTS = [[5, 17, 99, 3, 42], [8, 250, 7], [1, 2, 3, 4, 5, 6], [77, 66]]
 
 @pytest.fixture
 def table(rt):  # type: ignore[no-untyped-def]
-    requests = DecodeRequests(rt, max_batch=8, overlap=True)
+    requests = DecodeRequests(rt, max_batch=8, overlap="on")
     yield requests
     assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
 
@@ -159,4 +159,34 @@ async def test_an_abort_while_a_step_runs_ahead_frees_only_after_it_and_others_g
         rt.model, PROMPTS[0], GREEDY, block_size=bs
     )
     for rid in ("keep", "gone"):
+        side.producer.allocator.free(rid)
+
+
+async def test_no_step_runs_ahead_while_a_prefill_computes_an_early_handoff(
+    side: Side, link, table, rt
+):
+    """--overlap-steps on: while a sequence awaits its KV (its prefill's forward is running on
+    the GPU) steps are launched and read in one go, leaving the gaps between them to that
+    forward; once its KV_READY came, steps run ahead again. `always` does not hold."""
+    from common.protocol import KvReady
+    from tests.decode.test_early_handoff import early
+
+    running = side.prefill("run", PROMPTS[0], GREEDY)
+    table.handoff(link, running)
+    waiting = side.prefill("wait", PROMPTS[1], GREEDY)
+    table.handoff(link, early(waiting))  # AWAITING_KV
+    for _ in range(3):
+        table.step_done(await table.engine.step())
+    assert table.engine.overlapped == 0 and table.engine.held == 3
+    table.kv_ready(link, KvReady(request_id="wait", first_token=waiting.first_token))
+    await decode_until(table, lambda: len(link.of(Finish)) == 2)
+    assert table.engine.overlapped > 0
+    got = _streams(link)
+    bs = rt.layout.block_size
+    for h, p in ((running, PROMPTS[0]), (waiting, PROMPTS[1])):
+        want = reference.generate(rt.model, p, GREEDY, block_size=bs)
+        assert [h.first_token, *got[h.request_id]] == want
+    always = DecodeRequests(rt, max_batch=8, overlap="always")
+    assert always.engine._hold is None
+    for rid in ("run", "wait"):
         side.producer.allocator.free(rid)

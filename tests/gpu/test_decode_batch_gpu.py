@@ -63,7 +63,7 @@ async def test_a_changing_batch_decodes_the_reference_through_the_graphs(rt, ove
     # in one process the producer's pool is read directly (as in test_decode_pull_gpu.py)
     consumer = KVConsumer(rt.pool, side.pool, side.producer.region, None, torch.cuda.Stream())
     link = FakeLink("link-g", consumer)
-    table = DecodeRequests(rt, max_batch=8, overlap=overlap)
+    table = DecodeRequests(rt, max_batch=8, overlap="on" if overlap else "off")
     for h in handoffs[:5]:
         table.handoff(link, h)
     await decode_until(table, lambda: len(link.of(Finish)) >= 1)  # the shortest left
