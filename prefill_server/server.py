@@ -1,12 +1,13 @@
 """The prefill daemon: the client front door, wired to the request pipeline, the link and the
 KV producer.
 
-Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
-frames to the client through the connection's ClientWriter (which the pipeline may also give the
-decode's TOKENS itself, from the link's read callback); ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the Producer (the pool exported once), a DecodeLink per decode daemon (DecodeLinks) and
-the RequestPipeline over them, and starts each link with the pipeline as its listener; nothing below holds the server. Life cycle
-and STATUS are common.server.DaemonServer's.
+Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes
+its frames to the client through the connection's ClientWriter (which the pipeline may also give
+the decode's TOKENS itself, from the link's read callback); ABORT cancels one; STATUS answers.
+The server is the composition root: it builds the Producer (the pool exported once), a
+DecodeLink per decode daemon (DecodeLinks) and the RequestPipeline over them, and starts each
+link with the pipeline as its listener; nothing below holds the server. Life cycle and STATUS
+are common.server.DaemonServer's.
 """
 
 from __future__ import annotations
