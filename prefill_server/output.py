@@ -87,6 +87,7 @@ class RequestOutput:
             prompt_tokens=len(req.prompt_tokens),
             completion_tokens=len(req.generated),
             cached_tokens=req.cached_tokens,
+            direct_frames=req.direct_frames,  # the decode's TOKENS relayed without its task
             **timings,
         )
         return Finish(

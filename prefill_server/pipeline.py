@@ -3,9 +3,11 @@
 admit (validate, wait for blocks and an event slot) → prefill (queued to the batcher, which runs
 the prompts queued meanwhile in one forward on the torch thread) → first token to the client →
 hand it over (HANDOFF, retried while the decode answers NO_CAPACITY, until the handoff deadline)
-→ relay TOKENS/FINISH. Whatever ends the request, `finally` frees its blocks exactly once and
-ends its handoff as its phase says (prefill_server.phase: ABORT to a decode that may hold it, its
-event slot freed or quarantined).
+→ relay TOKENS/FINISH (`_relay`; while the request's task waits for its inbox with nothing
+queued and its client keeps up, the link's read callback relays its TOKENS straight to the
+client instead: `_relay_direct`). Whatever ends the request, `finally` frees its blocks exactly
+once and ends its handoff as its phase says (prefill_server.phase: ABORT to a decode that may
+hold it, its event slot freed or quarantined).
 
 The early handoff (Unix-socket links, `--early-handoff`, on by default): the HANDOFF goes out
 without its first token when the prompt is queued for its forward, so the decode reads it and
@@ -51,7 +53,7 @@ from prefill_server.forward import FirstToken
 from prefill_server.handoff import HandoffPath
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
-from prefill_server.request import PrefillRequest, RequestFailed, prompt_tokens
+from prefill_server.request import ClientSink, PrefillRequest, RequestFailed, prompt_tokens
 
 log = structlog.get_logger(__name__)
 
@@ -75,14 +77,17 @@ class RequestPipeline:
         self.requests: dict[str, PrefillRequest] = {}  # in flight
         self.aborting: dict[str, PrefillRequest] = {}  # ended, their slot waiting for the decode
         self.throughput = Throughput()  # finished requests and their tokens, for status
+        # the decode's TOKENS frames relayed to clients from the read callback / by their task
+        self.relayed = {"direct": 0, "queued": 0}
         self.stopping = False  # set by the server's shutdown: new requests are refused
 
     # ---- from the link ---------------------------------------------------------------------------
     def deliver(self, msg: Message) -> None:
         """A frame from the decode about a request, in the link's read callback: the event of
-        the request's phase (RELEASE frees its blocks and slot; TOKENS, FINISH and ERROR go to
-        its inbox; STEP_TOKENS, decoded once, as the TOKENS and FINISH frames it stands for, in
-        order). A frame its phase cannot take is logged as an error and dropped."""
+        the request's phase (RELEASE frees its blocks and slot; TOKENS go to its client when
+        `_relay_direct` may relay them, else with FINISH and ERROR to its inbox; STEP_TOKENS,
+        decoded once, as the TOKENS and FINISH frames it stands for, in order). A frame its
+        phase cannot take is logged as an error and dropped."""
         if isinstance(msg, StepTokens):
             for each in msg.frames():
                 self.deliver(each)
@@ -135,12 +140,51 @@ class RequestPipeline:
             req.advance(Event.NO_CAPACITY if msg.code == ErrorCode.NO_CAPACITY else Event.ERROR)
         elif isinstance(msg, Tokens):
             req.advance(Event.TOKENS)
+            if self._relay_direct(req, msg):
+                return
+            self.relayed["queued"] += 1
         elif isinstance(msg, Finish):
             req.advance(Event.FINISH)
         else:
             log.warning("link_message_unexpected", type=msg.TYPE.name, request_id=req.request_id)
             return
         req.inbox.put_nowait(msg)
+
+    def _relay_direct(self, req: PrefillRequest, msg: Tokens) -> bool:
+        """Relay the decode's TOKENS `msg` to the client now, from the read callback, as `_relay`
+        would (its tokens appended to `req.generated`, the same frame: text delta, logprobs),
+        and return True; or return False, changing nothing, and the frame goes to the inbox.
+
+        Direct only when no frame can overtake or be overtaken and no wait is skipped: the
+        request's task waits in `_relay` for its inbox (every frame before this one queued to
+        the client, the handover done) and is not being cancelled, nothing is queued in the
+        inbox, `msg` carries no prompt logprobs, and the client's writer takes a frame without
+        waiting (`can_send_now`: open, within its high-water mark, not stalled past its write
+        timeout). FINISH and ERROR always take the inbox, so the task still ends the request
+        (usage, timings, cleanup) and its FINISH follows every TOKENS; once a frame is queued
+        there every later one follows it until the task has taken them all. A failure here
+        fails this request alone (ERROR INTERNAL through its inbox), never the link."""
+        task, sink = req.waiting, req.sink
+        if (
+            task is None
+            or sink is None
+            or task.cancelling()
+            or not req.inbox.empty()
+            or msg.prompt_logprobs is not None
+            or not sink.can_send_now()
+        ):
+            return False
+        try:
+            req.generated.extend(msg.tokens)
+            sink.send_nowait(self.output.tokens(req, msg.tokens, msg.logprobs))
+        except Exception as exc:  # a bug must not end the link's other requests
+            log.exception("direct_relay_failed", request_id=req.request_id)
+            error = f"{type(exc).__name__}: {exc}"
+            req.inbox.put_nowait(Error(code=ErrorCode.INTERNAL, message=error))
+            return True
+        req.direct_frames += 1
+        self.relayed["direct"] += 1
+        return True
 
     def _abort_answered(self, req: PrefillRequest, msg: Message) -> None:
         """The decode's RELEASE (naming the slot) or ERROR for an ABORTING request frees its
@@ -197,8 +241,14 @@ class RequestPipeline:
             )
 
     # ---- one request -----------------------------------------------------------------------------
-    async def run(self, rid: str, msg: Generate) -> AsyncIterator[Tokens | Finish]:
+    async def run(
+        self, rid: str, msg: Generate, sink: ClientSink | None = None
+    ) -> AsyncIterator[Tokens | Finish]:
+        """The request's frames to its client, in order, FINISH last; RequestFailed to end it
+        with ERROR. With `sink` (the client's writer, where the consumer sends what this
+        yields) its relayed TOKENS may go there directly instead (`_relay_direct`)."""
         req = self._admit(rid, msg)
+        req.sink = sink
         self.requests[rid] = req
         timeout_s = self.cfg.handoff_timeout_s
         try:
@@ -304,7 +354,11 @@ class RequestPipeline:
                 return
             elif isinstance(msg, Error):
                 raise RequestFailed(msg.code, msg.message)
-            msg = await req.inbox.get()
+            req.waiting = asyncio.current_task()  # meanwhile TOKENS may go to the client direct
+            try:
+                msg = await req.inbox.get()
+            finally:
+                req.waiting = None
 
     def _finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
         req.marks.stamp("finished")

@@ -1,11 +1,12 @@
-"""One client request inside the prefill daemon: its phase, blocks, inbox from the link, marks."""
+"""One client request inside the prefill daemon: its phase, blocks, inbox from the link, its
+client (for the direct relay), marks."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from common.context_length import context_error
 from common.errors import PdkvError
@@ -24,10 +25,23 @@ class RequestFailed(PdkvError):
         self.code = code
 
 
+class ClientSink(Protocol):
+    """Where a request's frames may go without its task: its client connection's ClientWriter
+    (prefill_server.client_writer), given to RequestPipeline.run by the server."""
+
+    def can_send_now(self) -> bool:
+        """True if a frame may be queued now without waiting for the client or failing."""
+
+    def send_nowait(self, msg: Message) -> None:
+        """Queue `msg` behind every frame queued before it; only after `can_send_now`."""
+
+
 @dataclass(eq=False)
 class PrefillRequest:
     """Created by RequestPipeline.run; the pipeline routes the decode's answers (from the link)
-    into `inbox`. Its life is `phase` (prefill_server.phase), moved only by `advance`.
+    into `inbox`, except the TOKENS it relays from the link's read callback straight to `sink`
+    while `waiting` (RequestPipeline._relay_direct). Its life is `phase` (prefill_server.phase),
+    moved only by `advance`, for every frame either way.
 
     Marks (monotonic ns, `marks`): arrived, first_token (on the loop), handoff_sent (the last
     HANDOFF), kv_offered (the frame that lets the decode read the KV: HANDOFF with the first
@@ -48,6 +62,10 @@ class PrefillRequest:
     event_slot: int = -1  # CUDA: the ring slot recorded after this request's scatter
     names: Sequence[bytes] = field(default_factory=list)  # its full blocks' prefix-cache names
     cached_tokens: int = 0  # leading prompt tokens whose K/V came from the prefix cache
+    sink: ClientSink | None = None  # its client; None: every frame goes through its task
+    # its task while it waits in the relay for its inbox, every frame before sent (else None)
+    waiting: asyncio.Task[Any] | None = None
+    direct_frames: int = 0  # the decode's TOKENS relayed from the read callback, not the inbox
 
     def __post_init__(self) -> None:
         self.marks.stamp("arrived")

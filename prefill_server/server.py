@@ -1,11 +1,13 @@
 """The prefill daemon: the client front door, wired to the request pipeline, the link and the
 KV producer.
 
-Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes its
-frames to the client; ABORT cancels one; STATUS answers. The server is the composition root: it
-builds the Producer (the pool exported once), a DecodeLink per decode daemon (DecodeLinks) and
-the RequestPipeline over them, and starts each link with the pipeline as its listener; nothing below holds the server. Life cycle
-and STATUS are common.server.DaemonServer's.
+Per client connection: GENERATE starts a request task that runs RequestPipeline.run and writes
+its frames to the client through the connection's ClientWriter (which the pipeline may also give
+the decode's TOKENS itself, from the link's read callback); ABORT cancels one; STATUS answers.
+The server is the composition root: it builds the Producer (the pool exported once), a
+DecodeLink per decode daemon (DecodeLinks) and the RequestPipeline over them, and starts each
+link with the pipeline as its listener; nothing below holds the server. Life cycle and STATUS
+are common.server.DaemonServer's.
 """
 
 from __future__ import annotations
@@ -119,7 +121,12 @@ class PrefillServer(DaemonServer):
         return self.pipeline.throughput
 
     def log_stopped(self) -> dict[str, Any]:
-        return {"served": self.pipeline.throughput.served}
+        relayed = self.pipeline.relayed
+        return {
+            "served": self.pipeline.throughput.served,
+            "relayed_direct": relayed["direct"],
+            "relayed_queued": relayed["queued"],
+        }
 
     def links(self) -> list[dict[str, Any]]:
         return [
@@ -205,10 +212,11 @@ class PrefillServer(DaemonServer):
         Only a failed write to the client counts as gone: an OSError from the pipeline (the
         link, the model) is the request's failure and is answered like any other. Frames go
         through the connection's ClientWriter: no wait and no timer per token unless the client
-        has fallen behind."""
+        has fallen behind; the pipeline may relay the decode's TOKENS to `writer` itself, from
+        the link's read callback, while this task waits (RequestPipeline._relay_direct)."""
         rlog = log.bind(request_id=rid)
         try:
-            async with contextlib.aclosing(self.pipeline.run(rid, msg)) as outputs:
+            async with contextlib.aclosing(self.pipeline.run(rid, msg, writer)) as outputs:
                 async for out in outputs:
                     try:
                         await writer.send(out)

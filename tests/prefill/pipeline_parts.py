@@ -15,6 +15,7 @@ from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
 from common.protocol import Generate, Message
 from common.transfer import KVProducer
+from prefill_server.client_writer import ClientWriter
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.link import DecodeLoad
 from prefill_server.pipeline import RequestPipeline
@@ -71,16 +72,26 @@ class Setup:
         return [(link.link_id, m) for link in self.links for m in link.of(kind, rid)]
 
     def start(
-        self, rid: str, max_tokens: int = 4, prompt: list[int] | None = None
+        self,
+        rid: str,
+        max_tokens: int = 4,
+        prompt: list[int] | None = None,
+        writer: ClientWriter | None = None,
     ) -> asyncio.Task[list]:
-        """One request, as the server runs it: its frames collected, or its RequestFailed."""
+        """One request, as the server runs it: the frames its task relays collected (and sent
+        to `writer`, which the pipeline may then relay TOKENS to itself), or its RequestFailed."""
         msg = Generate(
             sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
             prompt_tokens=prompt or [3] * 20,
         )
 
         async def consume() -> list:
-            return [m async for m in self.pipeline.run(rid, msg)]
+            frames = []
+            async for m in self.pipeline.run(rid, msg, writer):
+                frames.append(m)
+                if writer is not None:
+                    await writer.send(m)
+            return frames
 
         return asyncio.create_task(consume())
 

@@ -94,3 +94,68 @@ async def test_a_closed_connection_refuses_frames() -> None:
     with pytest.raises(ConnectionError):
         await writer.send(Tokens(request_id="r", tokens=[1]))
     client.close()
+
+
+async def test_frames_queued_without_waiting_keep_their_place_among_sent_ones() -> None:
+    server, client = _pair()
+    writer = ClientWriter(server, write_timeout_s=5)
+    try:
+        for i in range(6):  # a read callback's send_nowait between a task's sends
+            if i % 2:
+                assert writer.can_send_now()
+                writer.send_nowait(Tokens(request_id="r", tokens=[i]))
+            else:
+                await writer.send(Tokens(request_id="r", tokens=[i]))
+        await asyncio.sleep(0)
+        assert writer.writes == 1
+        got = [await asyncio.wait_for(client.recv(), 5) for _ in range(6)]
+        assert [m.tokens for m in got] == [[i] for i in range(6)]
+    finally:
+        server.close()
+        client.close()
+
+
+async def test_can_send_now_is_false_where_send_would_wait_or_time_out() -> None:
+    server, client = _pair(rcvbuf=4096)
+    writer = ClientWriter(server, write_timeout_s=0.3, high_water=16 * 1024)
+    big = Tokens(request_id="r", tokens=[1], text="z" * 8000)
+    try:
+        sent = 0
+        while writer.can_send_now():  # the client reads nothing (the kernel takes MBs first)
+            writer.send_nowait(big)
+            sent += 1
+            await asyncio.sleep(0)  # the turn's flush
+            assert sent < 10_000, "a client that reads nothing never counted as behind"
+        assert server.queued > writer.high_water
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):  # the frames left to a task's send: they time out
+            for _ in range(10_000):
+                await writer.send(big)
+                await asyncio.sleep(0)
+        assert time.monotonic() - start < 5
+        assert not writer.can_send_now()
+        server.close()
+        assert not writer.can_send_now()
+    finally:
+        server.close()
+        client.close()
+
+
+async def test_can_send_now_again_once_the_client_has_read_its_backlog() -> None:
+    server, client = _pair(rcvbuf=4096)
+    writer = ClientWriter(server, write_timeout_s=5, high_water=16 * 1024)
+    big = Tokens(request_id="r", tokens=[1], text="w" * 8000)
+    try:
+        sent = 0
+        while writer.can_send_now():
+            writer.send_nowait(big)
+            sent += 1
+            await asyncio.sleep(0)
+        for _ in range(sent):
+            await asyncio.wait_for(client.recv(), 5)
+        await asyncio.sleep(0)
+        assert server.queued == 0
+        assert writer.can_send_now()
+    finally:
+        server.close()
+        client.close()
