@@ -203,6 +203,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=None, help="num_warps of the new split kernel")
     ap.add_argument("--stages", type=int, default=2, help="num_stages of the new split kernel")
     ap.add_argument("--splits", type=int, default=None, help="force the new kernel's splits")
+    ap.add_argument("--rows", type=int, default=None, help="rows of the new kernel's tiles")
     ap.add_argument(
         "--table-blocks",
         type=int,
@@ -228,7 +229,9 @@ def main() -> None:
         inputs = [make_set(own, ctx, seqs, args.table_blocks, shape, gen) for _ in range(sets)]
 
         def new(*a) -> torch.Tensor:  # type: ignore[no-untyped-def]
-            opts = dict(splits=args.splits, num_warps=args.warps, num_stages=args.stages)
+            opts = dict(
+                splits=args.splits, num_warps=args.warps, num_stages=args.stages, rows=args.rows
+            )
             return _context_attention(*a, **opts)
 
         old_out, new_out = old_context_attention(*inputs[0]), new(*inputs[0])
@@ -244,7 +247,7 @@ def main() -> None:
             rotation = itertools.cycle(inputs)
             times[name] = timer(lambda fn=fn, rotation=rotation: fn(*next(rotation)), cuda)
         hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
-        block_q, _ = context_tiles(hq, hkv, d, shape["dtype"] == torch.float32, own)
+        block_q, _ = context_tiles(hq, hkv, d, shape["dtype"] == torch.float32, own, args.rows)
         tiles = triton.cdiv(own, block_q) * hkv * seqs
         sms = torch.cuda.get_device_properties(0).multi_processor_count if cuda else 132
         splits = args.splits or context_splits(tiles, tables.shape[1] * shape["bs"], sms)

@@ -69,10 +69,12 @@ if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both d
 fi
 if want kernel && [ -f bench/context_kernel.py ]; then
   step kernel
-  timeout 100 "$PY" bench/context_kernel.py --out "$R/context_kernel.json" 2>&1 | tail -12 \
+  timeout 100 "$PY" bench/context_kernel.py --out "$R/context_kernel.json" 2>&1 | tail -7 \
     | tee -a "$log"
   timeout 100 "$PY" bench/context_kernel.py --table-blocks 128 --out "$R/context_kernel_w128.json" \
-    2>&1 | tail -12 | tee -a "$log"
+    2>&1 | tail -7 | tee -a "$log"
+  timeout 100 "$PY" bench/context_kernel.py --table-blocks 128 --rows 64 \
+    --out "$R/context_kernel_w128_r64.json" 2>&1 | tail -7 | tee -a "$log"
   timeout 100 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1536 --own 128 \
     --out "$R/prefill_context.json" 2>&1 | tail -12 | tee -a "$log"
   pack

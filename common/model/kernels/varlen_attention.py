@@ -360,13 +360,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def context_tiles(num_heads: int, num_kv_heads: int, head_dim: int, fp32: bool, max_seqlen: int):
+def context_tiles(
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    fp32: bool,
+    max_seqlen: int,
+    rows: int | None = None,
+) -> tuple[int, int]:
     """(BLOCK_Q, GROUP_PAD) of the context kernel: a tile's rows are BLOCK_Q queries x the
-    GROUP_PAD (GQA group padded to a power of two) query heads of one KV head, 128 rows (64 for
-    head_dim > 64, 32 for fp32, whose IEEE dots spill registers past that), fewer when the longest
-    run is shorter, never fewer than 16 (the least M of tl.dot)."""
+    GROUP_PAD (GQA group padded to a power of two) query heads of one KV head, `rows` of them
+    (default 128; 64 for head_dim > 64, 32 for fp32, whose IEEE dots spill registers past that),
+    fewer when the longest run is shorter, never fewer than 16 (the least M of tl.dot)."""
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    rows = 32 if fp32 else 64 if head_dim > 64 else 128
+    if rows is None:
+        rows = 32 if fp32 else 64 if head_dim > 64 else 128
     block_q = max(rows // group_pad, 1)
     block_q = min(block_q, max(triton.next_power_of_2(max_seqlen), -(-16 // group_pad)))
     return block_q, group_pad
@@ -395,6 +403,7 @@ def _context_attention(
     splits: int | None = None,
     num_warps: int | None = None,
     num_stages: int = 2,
+    rows: int | None = None,
 ) -> torch.Tensor:
     """`varlen_context_attention` with its launch choices open (the tests and the bench force
     them; None takes `context_splits`'s splits, and 8 warps for tiles of 128 x 64 or more and in
@@ -403,7 +412,7 @@ def _context_attention(
     _, _, _, block_size, hkv, _ = kv.shape
     num_seqs = cu_seqlens.numel() - 1
     fp32 = q.dtype == torch.float32
-    block_q, group_pad = context_tiles(hq, hkv, d, fp32, max_seqlen)
+    block_q, group_pad = context_tiles(hq, hkv, d, fp32, max_seqlen, rows)
     q_tiles = triton.cdiv(max_seqlen, block_q)
     if num_warps is None:
         num_warps = 8 if fp32 or block_q * group_pad * d >= 128 * 64 else 4
