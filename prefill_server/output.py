@@ -28,6 +28,11 @@ TIMINGS = (  # `always`: a stage the request skipped (no handoff, no RELEASE bef
     Span("prefill_admit_us", "arrived", "queued"),
     Span("prefill_queue_us", "queued", "forward_started"),
     Span("prefill_forward_us", "forward_started", "forward_done"),
+    # before it: the GENERATE read from the client's socket -> the request admitted (its task
+    # started, the prompt checked); after it: the first token -> its TOKENS queued to the client
+    # (after an early HANDOFF, KV_READY sent first)
+    Span("prefill_read_us", "read", "arrived"),
+    Span("first_out_us", "first_token", "first_out"),
     # the KV ready to move -> RELEASE received
     Span("handoff_us", "kv_offered", "released", always=True),
     # the first token on the loop -> the (last) HANDOFF sent: negative for an early handoff

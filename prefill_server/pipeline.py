@@ -242,12 +242,14 @@ class RequestPipeline:
 
     # ---- one request -----------------------------------------------------------------------------
     async def run(
-        self, rid: str, msg: Generate, sink: ClientSink | None = None
+        self, rid: str, msg: Generate, sink: ClientSink | None = None, read_ns: int = 0
     ) -> AsyncIterator[Tokens | Finish]:
         """The request's frames to its client, in order, FINISH last; RequestFailed to end it
         with ERROR. With `sink` (the client's writer, where the consumer sends what this
-        yields) its relayed TOKENS may go there directly instead (`_relay_direct`)."""
+        yields) its relayed TOKENS may go there directly instead (`_relay_direct`). `read_ns`:
+        when its GENERATE was read (monotonic ns; 0: not known)."""
         req = self._admit(rid, msg)
+        req.marks.stamp("read", read_ns)
         req.sink = sink
         self.requests[rid] = req
         timeout_s = self.cfg.handoff_timeout_s
@@ -278,6 +280,7 @@ class RequestPipeline:
             yield self.output.tokens(
                 req, [first], None if answer.logprob is None else [answer.logprob]
             )
+            req.marks.stamp("first_out")  # resumed: the consumer has queued it to the client
             if reason:  # nothing left to decode (an early HANDOFF is aborted as it ends)
                 yield self._finish(req, reason, {})
                 return

@@ -156,6 +156,7 @@ class PrefillServer(DaemonServer):
         try:
             while True:
                 msg = await channel.recv()
+                read_ns = time.monotonic_ns()
                 if isinstance(msg, Generate):
                     rid = msg.request_id or uuid.uuid4().hex[:16]
                     if rid in mine:
@@ -163,7 +164,8 @@ class PrefillServer(DaemonServer):
                             make_error(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
                         )
                         continue
-                    mine[rid] = self.spawn(self._run_request(writer, rid, msg), f"req-{rid}")
+                    run = self._run_request(writer, rid, msg, read_ns)
+                    mine[rid] = self.spawn(run, f"req-{rid}")
                     mine[rid].add_done_callback(lambda _t, r=rid: client.done(r))
                 elif isinstance(msg, Abort):
                     task = mine.pop(msg.request_id, None)
@@ -207,7 +209,9 @@ class PrefillServer(DaemonServer):
                 channel.fail(TimeoutError(f"idle for {idle_s} s with no request in flight"))
                 return
 
-    async def _run_request(self, writer: ClientWriter, rid: str, msg: Generate) -> None:
+    async def _run_request(
+        self, writer: ClientWriter, rid: str, msg: Generate, read_ns: int = 0
+    ) -> None:
         """Every request ends with FINISH or ERROR to its client, unless the client is gone.
         Only a failed write to the client counts as gone: an OSError from the pipeline (the
         link, the model) is the request's failure and is answered like any other. Frames go
@@ -216,7 +220,8 @@ class PrefillServer(DaemonServer):
         the link's read callback, while this task waits (RequestPipeline._relay_direct)."""
         rlog = log.bind(request_id=rid)
         try:
-            async with contextlib.aclosing(self.pipeline.run(rid, msg, writer)) as outputs:
+            outputs_of = self.pipeline.run(rid, msg, writer, read_ns)
+            async with contextlib.aclosing(outputs_of) as outputs:
                 async for out in outputs:
                     try:
                         await writer.send(out)

@@ -118,6 +118,9 @@ def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
     parts = [t["prefill_admit_us"], t["prefill_queue_us"], t["prefill_forward_us"]]
     assert min(parts) >= 0 and t["prefill_forward_us"] > 0
     assert sum(parts) <= t["ttft_ms"] * 1000 + 1
+    # and around it: the GENERATE's read until its admission, the first token until it left
+    assert t["prefill_read_us"] >= 0 and t["first_out_us"] >= 0
+    assert t["total_ms"] * 1000 >= t["ttft_ms"] * 1000 + t["first_out_us"] - 1
 
 
 def test_stream_flag_decides_where_the_text_travels(pair, tiny):

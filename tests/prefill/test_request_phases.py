@@ -27,6 +27,7 @@ PREFILL_KEYS = [
     "prefill_admit_us",
     "prefill_queue_us",
     "prefill_forward_us",
+    "first_out_us",  # prefill_read_us needs the server's read time: not given here
     "handoff_us",
     "handoff_after_first_us",
     "total_ms",
