@@ -271,20 +271,25 @@ def _context_split(
             v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
             keep = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
             m_i, l_i, acc = _fold(q, k, v, keep, m_i, l_i, acc, qk_scale, True, IEEE)
-        if SPLIT and used > 1:
-            part = (split * num_tokens + tokens) * num_heads + heads  # [S, N, Hq] row-major
-            tl.store(
-                part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=rmask[:, None]
-            )
-            tl.store(part_ml_ptr + part * 2, m_i, mask=rmask)
-            tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=rmask)
+        rows = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        if SPLIT:  # a launch of several splits: partials, unless this tile uses one
+            if used > 1:
+                part = (split * num_tokens + tokens) * num_heads + heads  # [S, N, Hq] row-major
+                part_o = part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :]
+                tl.store(part_o, acc, mask=rmask[:, None])
+                tl.store(part_ml_ptr + part * 2, m_i, mask=rmask)
+                tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=rmask)
+            else:
+                _write_rows(o_ptr + rows, acc, l_i, rmask)
         else:
-            res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-            tl.store(
-                o_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                res.to(o_ptr.dtype.element_ty),
-                mask=rmask[:, None],
-            )
+            _write_rows(o_ptr + rows, acc, l_i, rmask)
+
+
+@triton.jit
+def _write_rows(out, acc, l_i, rmask):
+    """A tile's finished rows: acc / l to `out` (pointers [rows, HEAD_DIM]) where `rmask`."""
+    res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out, res.to(out.dtype.element_ty), mask=rmask[:, None])
 
 
 @triton.jit
