@@ -64,9 +64,9 @@ class ClientWriter:
     def can_send_now(self) -> bool:
         """True if a `send` now would neither wait nor fail: the connection is open and the
         client keeps up, or is behind by at most `high_water` bytes and has taken some of its
-        backlog within `write_timeout_s`. Moves the stall clock as `send` does. A caller that cannot wait
-        (a read callback) asks this, then `send_nowait`s, in the same loop turn; on False it
-        leaves the frame to a task's `send`, which waits for the client or raises."""
+        backlog within `write_timeout_s`. Moves the stall clock as `send` does. A caller that
+        cannot wait (a read callback) asks this, then `send_nowait`s, in the same loop turn; on
+        False it leaves the frame to a task's `send`, which waits for the client or raises."""
         if self.channel.closed:
             return False
         deadline = self._stall_deadline()

@@ -93,8 +93,9 @@ class DecodeRunner:
 
     def _warm_replays(self) -> None:
         """Replay every graph once, all rows padded (inert), with the ops an overlapped step
-        adds around it: a server's first step then loads and uploads nothing (a fresh pair's
-        first step took 25 ms, later ones ~1 ms; H200, 2026-12-03)."""
+        adds around it, so that a server's first step is not the first use of any of them (a
+        fresh pair's first step took 25 ms to launch, later ones under 1 ms; H200, 2026-12-03;
+        that these first uses were the cost is presumed, not re-measured)."""
         n = self.buckets[0]
         rows = torch.full((n,), -1, dtype=torch.int64, device=self._dev.device)
         for b, graph in self._graphs.items():

@@ -42,6 +42,15 @@ def _streams(link: FakeLink) -> dict[str, list[int]]:
     return out
 
 
+def _assert_reference(rt, link: FakeLink, cases) -> None:  # type: ignore[no-untyped-def]
+    """Each (handoff, prompt, params) of `cases`: its first token and the link's stream of it
+    are what the single-process reference generates."""
+    got = _streams(link)
+    for h, prompt, params in cases:
+        want = reference.generate(rt.model, prompt, params, block_size=rt.layout.block_size)
+        assert [h.first_token, *got.get(h.request_id, [])] == want, h.request_id
+
+
 def _stop_at_third(rt, prompt: list[int]) -> SamplingParams:  # type: ignore[no-untyped-def]
     """Greedy params whose stop token is the 3rd token the reference generates: it stops on a
     token, with tokens of max_tokens left (its next step was launched already)."""
@@ -67,10 +76,7 @@ async def test_overlapped_steps_give_the_reference_tokens_and_free_every_block(
     for h in handoffs:
         table.handoff(link, h)
     await decode_until(table, lambda: len(link.of(Finish)) == len(handoffs))
-    got = _streams(link)
-    for h, p, sp in zip(handoffs, PROMPTS, params, strict=True):
-        want = reference.generate(rt.model, p, sp, block_size=rt.layout.block_size)
-        assert [h.first_token, *got[h.request_id]] == want, h.request_id
+    _assert_reference(rt, link, zip(handoffs, PROMPTS, params, strict=True))
     assert [f.reason for f in link.of(Finish)].count("stop") == 1
     assert table.engine.overlapped >= table.engine.steps - 1 > 0
     for h in handoffs:
@@ -123,14 +129,7 @@ async def test_a_sampled_sequence_joining_ends_the_overlap_and_both_match_the_re
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
-    got = _streams(link)
-    bs = rt.layout.block_size
-    assert [first.first_token, *got["g"]] == reference.generate(
-        rt.model, PROMPTS[0], GREEDY, block_size=bs
-    )
-    assert [second.first_token, *got["s"]] == reference.generate(
-        rt.model, PROMPTS[1], sampled, block_size=bs
-    )
+    _assert_reference(rt, link, [(first, PROMPTS[0], GREEDY), (second, PROMPTS[1], sampled)])
     for rid in ("g", "s"):
         side.producer.allocator.free(rid)
 
@@ -152,12 +151,8 @@ async def test_an_abort_while_a_step_runs_ahead_frees_only_after_it_and_others_g
     assert "link-a/gone" in rt.allocator
     await decode_until(table, lambda: link.of(Finish))
     assert "link-a/gone" not in rt.allocator
-    got = _streams(link)
-    assert len(got.get("gone", [])) == sent_before
-    bs = rt.layout.block_size
-    assert [keep.first_token, *got["keep"]] == reference.generate(
-        rt.model, PROMPTS[0], GREEDY, block_size=bs
-    )
+    assert len(_streams(link).get("gone", [])) == sent_before
+    _assert_reference(rt, link, [(keep, PROMPTS[0], GREEDY)])
     for rid in ("keep", "gone"):
         side.producer.allocator.free(rid)
 
@@ -181,11 +176,7 @@ async def test_no_step_runs_ahead_while_a_prefill_computes_an_early_handoff(
     table.kv_ready(link, KvReady(request_id="wait", first_token=waiting.first_token))
     await decode_until(table, lambda: len(link.of(Finish)) == 2)
     assert table.engine.overlapped > 0
-    got = _streams(link)
-    bs = rt.layout.block_size
-    for h, p in ((running, PROMPTS[0]), (waiting, PROMPTS[1])):
-        want = reference.generate(rt.model, p, GREEDY, block_size=bs)
-        assert [h.first_token, *got[h.request_id]] == want
+    _assert_reference(rt, link, [(running, PROMPTS[0], GREEDY), (waiting, PROMPTS[1], GREEDY)])
     always = DecodeRequests(rt, max_batch=8, overlap="always")
     assert always.engine._hold is None
     for rid in ("run", "wait"):
