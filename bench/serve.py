@@ -72,6 +72,7 @@ from serve_daemons import (  # noqa: E402
     decode_pulled_blocks,
     kv_block_bytes,
     own_pair,
+    tcp_link,
     temp_runtime_dir,
     wait_linked,
 )
@@ -139,6 +140,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "engine's prefill budget a step (default: each one's own, 8192 and 2048)",
     )
     ap.add_argument("--torch-threads", type=int, default=0, help="0: 1 for tiny, else torch's")
+    ap.add_argument(
+        "--link",
+        choices=["uds", "push", "pull"],
+        default="uds",
+        help="daemons target: the pair's link, a Unix socket (default) or TCP on 127.0.0.1 with "
+        "NIXL push or pull (as across hosts)",
+    )
     ap.add_argument("--client-socket", help="use the running prefill daemon on this socket")
     ap.add_argument("--runtime-dir", help="use the running daemons of this runtime dir")
     ap.add_argument("--api-url", help="api target: this running API (http://HOST:PORT)")
@@ -287,8 +295,11 @@ def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[
     prefill: list[str] = []
     if args.max_prefill_tokens:
         prefill += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
-    with own_pair(common, decode, prefill) as sock:
-        yield sock
+    with contextlib.ExitStack() as stack:
+        if args.link != "uds":  # "push" or "pull": a TCP link with that NIXL transfer
+            tcp_decode, tcp_prefill = stack.enter_context(tcp_link(args.link))
+            decode, prefill = decode + tcp_decode, prefill + tcp_prefill
+        yield stack.enter_context(own_pair(common, decode, prefill))
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -91,6 +93,23 @@ def temp_runtime_dir() -> Path:
     rt = Path(tempfile.mkdtemp(prefix="pdkv-serve-", dir=base))
     os.chmod(rt, 0o700)
     return rt
+
+
+@contextlib.contextmanager
+def tcp_link(transfer: str) -> Iterator[tuple[list[str], list[str]]]:
+    """The decode's and the prefill's options for a TCP link on this host (NIXL `transfer`), on
+    a free port with a fresh key file (removed at the end), as two hosts would be linked."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        addr = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    fd, key = tempfile.mkstemp(prefix="pdkv-serve-key-")
+    try:
+        os.write(fd, secrets.token_hex(32).encode())
+        os.close(fd)
+        decode = ["--listen", addr, "--link-key-file", key]
+        yield decode, ["--decode", addr, "--link-key-file", key, "--transfer", transfer]
+    finally:
+        os.unlink(key)
 
 
 @contextlib.contextmanager
