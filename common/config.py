@@ -150,8 +150,9 @@ class PrefillConfig(DaemonConfig):
             negatable=True,
             help="Send each HANDOFF when its prompt is queued for the forward, so the decode "
             "checks it, reserves its blocks and prepares the pull while the prefill computes; the "
-            "first token follows in a KV_READY message that starts the pull. Off: HANDOFF after "
-            "the first token. TCP links never hand off early.",
+            "first token follows in a KV_READY message that starts the pull (on a TCP push link "
+            "the decode's PUSH goes at the HANDOFF and the prefill WRITEs it when the KV is "
+            "written). Off: HANDOFF after the first token.",
         ),
     )
     decode: tuple[str, ...] = field(

@@ -14,7 +14,8 @@ id), each in one phase (`Sequence.phase`), moved only by the event methods below
         out of the table
 
 `pull_outstanding` is the one fact beside the phase: a started pull's `done` has not run yet, so
-its RELEASE is still due and the copy may still write the sequence's blocks. A sequence holds
+its RELEASE is still due and the copy may still write the sequence's blocks (or an ended
+AWAITING_KV sequence's early NIXL push may still land in them: no RELEASE is due for it). A sequence holds
 its blocks from HANDOFF until it leaves the table: an ENDING one keeps them while its pull or a
 step in flight may still touch them (a new pull into them would not be ordered after either).
 An event that is illegal in a sequence's phase is logged (`event_out_of_phase`, with the
@@ -139,8 +140,8 @@ class DecodeRequests:
             self._start_pull(seq, lambda done: consumer.pull(src, dst, h.event_slot, done))
             return
         assert consumer is not None  # admit checked; it refuses an early one without early_handoff
-        try:  # all but the enqueue now, while the prefill computes
-            seq.plan = consumer.plan(src, dst, h.event_slot)
+        try:  # all but the enqueue now, while the prefill computes (NIXL push: the PUSH too)
+            seq.plan = consumer.early(consumer.plan(src, dst, h.event_slot), h.request_id)
         except Exception as exc:  # a bug or a bad mapping: fail this request, keep the link
             self._fail(seq, exc)
             return
@@ -241,7 +242,7 @@ class DecodeRequests:
             why = "ABORT names no request of this link"
             out_of_phase("ABORT", peer, request_id, phase, INFO, (CACHE_NOT_EXIST, why))
             return
-        self._end(seq)
+        self._end(seq, may_land=False)  # an early one: P ended it before writing its KV
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
     def drop_peer(self, peer: Peer) -> int:
@@ -298,12 +299,24 @@ class DecodeRequests:
         seq.link.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", seq.request_id)
         self._end(seq)
 
-    def _end(self, seq: Sequence) -> None:
+    def _end(self, seq: Sequence, *, may_land: bool = True) -> None:
         """ENDING: out of the batch, answered by the caller; its blocks are freed now, or once
-        its pull and the step in flight are over."""
+        its pull and the step in flight are over. A planned pull is discarded: what its plan
+        asked the peer for (a NIXL push) may still write the blocks unless `may_land` is False
+        (the peer ended the request before its KV was written), and then holds them."""
         if seq.phase is Phase.DECODING:
             self.engine.remove(seq.key)
+        plan, consumer = seq.plan, seq.link.consumer
         seq.phase, seq.plan = Phase.ENDING, None
+        if plan is not None and consumer is not None:
+            landed = functools.partial(self._discarded, seq)
+            seq.pull_outstanding = consumer.discard(plan, landed, may_land=may_land)
+        self._free_if_done(seq)
+
+    def _discarded(self, seq: Sequence, exc: BaseException | None) -> None:
+        """A discarded plan's transfer is over (landed, failed or given up): no RELEASE is due,
+        the blocks are free to go."""
+        seq.pull_outstanding = False
         self._free_if_done(seq)
 
     def _free_if_done(self, seq: Sequence) -> None:

@@ -228,9 +228,9 @@ class DecodeServer(DaemonServer):
             watchdog.cancel()
 
     def _dispatch(self, peer: Peer, msg: Message) -> None:
+        if isinstance(msg, (Handoff, KvReady)) and not peer.same_host and msg.sent_ns:
+            msg = msgspec.structs.replace(msg, sent_ns=0)  # another host's clock: not comparable
         if isinstance(msg, Handoff):
-            if not peer.same_host and msg.sent_ns:  # another host's clock: not comparable
-                msg = msgspec.structs.replace(msg, sent_ns=0)
             self.requests.handoff(peer, msg)
             peer.channel.spin(self._spin_s)  # handoffs come in bursts: the next may be close
         elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token

@@ -157,7 +157,9 @@ class HandoffPath:
     def end(self, req: PrefillRequest) -> None:
         """The request ended (client gone, first token a stop, a failure, a timeout, its FINISH):
         ABORT to a decode that may hold it, written now (before the id can come again); its
-        event slot quarantined (ABORTING) while the decode may wait on it, else freed (ENDED)."""
+        event slot quarantined (ABORTING) while the decode may wait on it, else freed (ENDED).
+        The producer forgets what it held for the request (a NIXL PUSH), before the ABORT."""
+        self.producer.forget(req.request_id)
         on = self._on.pop(req.request_id, None)
         if on is not None:
             on.load.mine -= 1

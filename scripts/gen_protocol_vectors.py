@@ -142,7 +142,7 @@ def examples() -> list[Message]:
         Error(code=ErrorCode.NO_CAPACITY, message="decode pool is full", request_id="req-9"),
         Ping(seq=17, sent_ns=1000),
         Pong(seq=17, sent_ns=1000, free_blocks=812, sequences=9),
-        Push(tag=5, src_ids=[3, 4, 9], dst_ids=[10, 11, 2]),
+        Push(tag=5, src_ids=[3, 4, 9], dst_ids=[10, 11, 2], request_id="req-7"),
         PushFailed(tag=6, message="PUSH names a block outside a pool"),
         Generate(sampling=sampling, prompt="Hello, world!", request_id="cli-1", stream=True),
         Status(),

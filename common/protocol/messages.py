@@ -34,12 +34,15 @@ LogprobList = Annotated[list[TokenLogprob], msgspec.Meta(max_length=MAX_LOGPROBS
 class Push(Message, frozen=True):
     """D → P (v3, push links): WRITE your blocks `src_ids` into my blocks `dst_ids` with NIXL and
     notify me with `tag` (the notification's bytes are `pdkv-push:<tag>`). Sent for a HANDOFF
-    once the decode has allocated its blocks; the RELEASE follows the notification as usual."""
+    once the decode has allocated its blocks; the RELEASE follows the notification as usual.
+    `request_id` (v11): the HANDOFF's; after an early HANDOFF P holds the PUSH until the KV is
+    written (it leases the blocks and sends KV_READY), and drops it if the request ends first."""
 
     TYPE = MsgType.PUSH
     tag: NonNeg
     src_ids: list[NonNeg]
     dst_ids: list[NonNeg]
+    request_id: RequestId | None = None
 
 
 class PushFailed(Message, frozen=True):

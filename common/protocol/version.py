@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -39,6 +39,9 @@ HISTORY: dict[int, str] = {
     "and the FINISHes of that step in one frame, instead of a TOKENS frame per sequence; "
     "STATUS_REPLY has `instance` (the daemon's --instance, the `pdkv_instance` label of its "
     "metrics)",
+    11: "TCP links hand off early: after an early HANDOFF the decode sends PUSH at once (push "
+    "links), with the HANDOFF's `request_id`, and the prefill WRITEs it when the KV is written, "
+    "leasing the blocks and sending KV_READY; on pull links the decode READs on KV_READY",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

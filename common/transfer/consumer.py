@@ -250,12 +250,9 @@ def check_handoff(
     block_size: int,
     peer_blocks: int,
     event_slots: int,
-    *,
-    early_ok: bool = True,
 ) -> None:
     """One HANDOFF against the peer's pool of `peer_blocks` blocks and a ring of `event_slots`
-    slots; ValueError/IpcError with the reason. Every consumer kind checks with this; one whose
-    link cannot take the early handoff (no first token) passes `early_ok=False`."""
+    slots; ValueError/IpcError with the reason. Every consumer kind checks with this."""
     h.sampling.validate()
     if h.num_tokens != len(h.prompt_tokens) or h.num_tokens == 0:
         raise ValueError(f"num_tokens {h.num_tokens} != {len(h.prompt_tokens)} prompt tokens")
@@ -267,8 +264,6 @@ def check_handoff(
     first = h.first_token
     if max(h.prompt_tokens) >= vocab_size or (first is not None and first >= vocab_size):
         raise ValueError(f"token ids must be < vocab size {vocab_size}")
-    if first is None and not early_ok:
-        raise ValueError("a HANDOFF without its first token (the early handoff) on a TCP link")
     ids = h.block_ids  # ints >= 0 already (the frame's schema): range and repeats remain
     if max(ids) >= peer_blocks or len(set(ids)) != len(ids):
         check_block_ids(ids, peer_blocks, "HANDOFF", distinct=True)  # says which

@@ -9,7 +9,8 @@ declared in `Capabilities`, not discovered by the caller:
   when the blocks are readable at once). Without it `start` returns AFTER_DONE and the blocks
   are readable only once `done(None)` has run (a NIXL transfer: no local stream can wait on it).
 - `early_handoff`: a HANDOFF may go out before its KV is written (no first token); the consumer
-  plans the pull and starts it on KV_READY.
+  plans the pull (`plan`, then `early`: a transfer the peer drives is asked for now) and starts
+  it on KV_READY.
 - `frames`: the link frames this side takes in `handle_frame(msg, reply)` (NIXL's PUSH on the
   producer, PUSH_FAILED on the consumer); any other frame is the daemon's.
 
@@ -50,12 +51,14 @@ class Capabilities:
 @dataclass(frozen=True, slots=True)
 class PullPlan:
     """A checked pull, ready to start (`Consumer.plan`); `kernel` is the prepared launch on a
-    GPU (common.blockcopy.KernelCopy), None where the copy needs none."""
+    GPU (common.blockcopy.KernelCopy), None where the copy needs none; `tag` the push an early
+    HANDOFF asked for already (NixlConsumer.early)."""
 
     src_ids: list[int]
     dst_ids: list[int]
     slot: int
     kernel: Any = None
+    tag: int | None = None  # a NIXL push asked for at plan time (`Consumer.early`)
 
 
 class TransferRefused(PdkvError):
@@ -130,6 +133,11 @@ class Producer(ABC):
     def lease(self, request_id: str, link_id: str, deadline: float) -> None:
         self.allocator.lease(request_id, link_id, deadline)
 
+    def forget(self, request_id: str) -> None:
+        """The request ended: nothing more moves for it (NIXL: a PUSH held for its early
+        HANDOFF is dropped, never written)."""
+        return None
+
     def released(self, request_id: str, slot: int) -> bool:
         """RELEASE for a live request: free its blocks and slot; False if it holds none (late)."""
         if request_id not in self.allocator:
@@ -181,6 +189,12 @@ class Consumer(ABC):
       runs; otherwise `done(None)` or `done(exc)` runs exactly once, on the loop, once the
       transfer is over: nothing writes the destination blocks after it, so they may be freed
       then, and a RELEASE may go out. `pull` is plan + start.
+    - After an early HANDOFF, `early(plan, request_id)` right after `plan`: the transfer a peer
+      drives is asked for now, to run once the peer's KV is written (a NIXL push: the PUSH goes,
+      the prefill holds it until its KV_READY). A planned request that ends before its `start`
+      is `discard`ed: True when what `early` asked for may still write its blocks (`done` then
+      runs once nothing can), False when they may be freed now; `may_land` False says the peer
+      can no longer write them (it ended the request before its KV was written).
     - `handle_frame(msg, reply)` takes the frames in `caps.frames`; True when it took `msg`.
     - `drain()` waits (bounded where the transport can hang) until no pull reads the peer's
       pool; `close()` (idempotent, after drain) lets go of the peer; a pull whose `done` has
@@ -218,6 +232,14 @@ class Consumer(ABC):
     ) -> Ready | None:
         """Plan and start a pull of peer blocks src_ids into local dst_ids."""
         return self.start(self.plan(src_ids, dst_ids, slot), done)
+
+    def early(self, plan: PullPlan, request_id: str) -> PullPlan:
+        """An early HANDOFF's plan: ask now for what the peer must do (nothing, by default)."""
+        return plan
+
+    def discard(self, plan: PullPlan, done: PullDone, *, may_land: bool) -> bool:
+        """A planned pull that will never start (contract); False: its blocks are free now."""
+        return False
 
     def handle_frame(self, msg: Message, reply: Reply) -> bool:
         """Take a frame of this transport's own (`caps.frames`); False for any other."""

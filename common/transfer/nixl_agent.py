@@ -3,7 +3,13 @@
 Contract:
 - `load_nixl()` imports NIXL or raises PdkvError saying what to install (`pdkv[nixl]`).
 - `NixlAgent(name, tensor)` creates an agent with the UCX backend and registers the pool's memory
-  once (DRAM for a CPU tensor, VRAM for a CUDA one). `region(transfer)` is its wire form
+  once (DRAM for a CPU tensor, VRAM for a CUDA one). `passive=True` (a prefill serving pull
+  links: peers READ its memory while it posts nothing) starts NIXL's progress thread, which
+  spins a core whenever the agent exists (NIXL's Python API gives it no delay: 100 % of a core
+  per idle daemon, measured on the CPU VM); otherwise there is none, and the agent's worker
+  drives UCX's progress itself while a transfer or a notification is due: the side that posts
+  a WRITE or READ, and the decode awaiting a push's notification (whose bytes land while it
+  polls). `region(transfer)` is its wire form
   (`common.protocol.NixlRegion`: agent name, metadata, address, length, device, memory type).
 - `add_peer(region)` loads a peer's metadata and returns its agent name; `remove_peer(name)`
   says one link no longer uses it. Peers are counted per link (a prefill that reconnects adds
@@ -77,7 +83,14 @@ def nixl_available() -> bool:
 
 
 class NixlAgent:
-    def __init__(self, role: str, tensor: torch.Tensor, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        role: str,
+        tensor: torch.Tensor,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        passive: bool = False,
+    ) -> None:
         api = load_nixl()
         self.name = f"pdkv-{role}-{os.getpid()}-{next(_names)}-{os.urandom(4).hex()}"
         self.mem_type = "VRAM" if tensor.device.type == "cuda" else "DRAM"
@@ -86,7 +99,7 @@ class NixlAgent:
         self.nbytes = tensor.numel() * tensor.element_size()
         self._tensor = tensor  # the registration must not outlive the memory
         conf = api.nixl_agent_config(
-            enable_prog_thread=True,
+            enable_prog_thread=passive,
             backends=["UCX"],
             sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
         )

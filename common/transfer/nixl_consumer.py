@@ -11,6 +11,14 @@ the decode's (`registered()`, on a push link). One NIXL request per HANDOFF:
   `pdkv-push:<tag>`, which NIXL delivers after the data and the decode awaits. A WRITE that
   fails comes back as PUSH_FAILED (`handle_frame`).
 
+The early handoff: after an early HANDOFF `early` sends the PUSH at once, with the request id,
+and the prefill holds it until the KV is written (then it leases the blocks, WRITEs and sends
+KV_READY), so the WRITE starts on the prefill's own turn and the notification may come before
+KV_READY does: `start` then calls `done` at once. A pull link READs on KV_READY (`start`). A
+planned push whose request ends before KV_READY is `discard`ed: forgotten when the prefill ended
+the request (its ABORT came instead of KV_READY: it never writes), else awaited like a started
+one, since the prefill may have sent the WRITE just before the link or the request ended.
+
 No local stream can wait on either: `start` returns AFTER_DONE and the blocks are read only
 after `done(None)`. A failed transfer fails that request only (NixlTransferError), never the
 link. A READ's `done` runs when NIXL reports it DONE or ERR, never before, since the decode
@@ -30,6 +38,7 @@ reconnected, may await others).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import structlog
@@ -86,14 +95,16 @@ class NixlConsumer(Consumer):
         self._peer_blocks = layout.num_blocks
         self.peer_agent = peer_agent
         self._post = post
-        self._pending: dict[int, PullDone] = {}  # tag -> done, READs and PUSHes in flight
+        # tag -> done, READs and PUSHes in flight; None: an early push not started yet
+        self._pending: dict[int, PullDone | None] = {}
+        self._arrived: dict[int, BaseException | None] = {}  # early pushes over before `start`
         self._idle = asyncio.Event()
         self._idle.set()
         self._closed = False
         self._holds_peer = True  # this link's count on the peer agent (NixlAgent.add_peer)
         self._grace: asyncio.TimerHandle | None = None  # the push hold after drain (docstring)
         frames = frozenset({MsgType.PUSH_FAILED}) if region.transfer == "push" else frozenset()
-        self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
+        self.caps = Capabilities(stream_wait=False, early_handoff=True, frames=frames)
 
     @classmethod
     def open(
@@ -137,9 +148,7 @@ class NixlConsumer(Consumer):
     def validate(self, h: Handoff, vocab_size: int) -> None:
         if self._closed:
             raise ValueError("the link's pool is closed")
-        check_handoff(
-            h, vocab_size, self.local.layout.block_size, self._peer_blocks, 0, early_ok=False
-        )
+        check_handoff(h, vocab_size, self.local.layout.block_size, self._peer_blocks, 0)
 
     # ---- pulls -----------------------------------------------------------------------------------
     def plan(self, src_ids: list[int], dst_ids: list[int], slot: int) -> PullPlan:
@@ -152,26 +161,75 @@ class NixlConsumer(Consumer):
         check_block_ids(dst_ids, self.local.num_blocks, "destination", distinct=True)
         return PullPlan(list(src_ids), list(dst_ids), slot)
 
-    def start(self, plan: PullPlan, done: PullDone) -> object:
-        """Post the READ, or send the PUSH and await its notification; `done` once the blocks
-        are here or the transfer failed. Returns AFTER_DONE: nothing may read them before."""
+    def early(self, plan: PullPlan, request_id: str) -> PullPlan:
+        """Push: send the PUSH now (the prefill WRITEs it once the KV is written); its outcome
+        waits for `start`. Pull: nothing to ask for before KV_READY."""
+        if self.region.transfer != "push":
+            return plan
         if self._closed:
             raise PdkvError("the link's pool is closed")
+        tag = self._push(plan, None, request_id)
+        return dataclasses.replace(plan, tag=tag)
+
+    def start(self, plan: PullPlan, done: PullDone) -> object:
+        """Post the READ, or send the PUSH and await its notification (after `early`: await
+        the PUSH sent then, `done` at once if it is over); `done` once the blocks are here or
+        the transfer failed. Returns AFTER_DONE: nothing may read them before."""
+        if plan.tag is not None:
+            tag = plan.tag
+            if tag in self._arrived:
+                done(self._arrived.pop(tag))
+            elif tag in self._pending and self._pending[tag] is None:
+                self._pending[tag] = done
+            else:
+                raise PdkvError(f"push {tag} was started or discarded already")
+            return AFTER_DONE
+        if self._closed:
+            raise PdkvError("the link's pool is closed")
+        if self.region.transfer == "push":
+            self._push(plan, done, None)
+            return AFTER_DONE
         tag = self.agent.new_tag()
         self._pending[tag] = done
         self._idle.clear()
-        finish = lambda exc: self._finish(tag, exc)  # noqa: E731
         try:
-            if self.region.transfer == "pull":
-                bn = self.local.layout.block_nbytes
-                runs = byte_runs(plan.dst_ids, plan.src_ids, bn, self.agent.addr, self.region.addr)
-                self.agent.transfer("READ", self.peer_agent, runs, b"", finish)
-            else:
-                self.agent.expect(self.peer_agent, push_tag(tag), finish)
-                self._post(Push(tag=tag, src_ids=plan.src_ids, dst_ids=plan.dst_ids))
+            bn = self.local.layout.block_nbytes
+            runs = byte_runs(plan.dst_ids, plan.src_ids, bn, self.agent.addr, self.region.addr)
+            self.agent.transfer("READ", self.peer_agent, runs, b"", lambda e: self._finish(tag, e))
         except Exception as exc:  # the agent closed: fail this request only
             self._finish(tag, exc)
         return AFTER_DONE
+
+    def _push(self, plan: PullPlan, done: PullDone | None, request_id: str | None) -> int:
+        """Await the notification of a new tag and send its PUSH; the tag."""
+        tag = self.agent.new_tag()
+        self._pending[tag] = done
+        self._idle.clear()
+        try:
+            self.agent.expect(self.peer_agent, push_tag(tag), lambda e: self._finish(tag, e))
+            push = Push(tag=tag, src_ids=plan.src_ids, dst_ids=plan.dst_ids, request_id=request_id)
+            self._post(push)
+        except Exception as exc:  # the agent closed: fail this request only
+            self._finish(tag, exc)
+        return tag
+
+    def discard(self, plan: PullPlan, done: PullDone, *, may_land: bool) -> bool:
+        """An early push whose request ended before `start`: forgotten when it cannot land
+        (False: its blocks may be freed now), else awaited (True: `done` once it landed,
+        failed, or the link's grace ran out)."""
+        tag = plan.tag
+        if tag is not None and tag in self._arrived:  # it landed (or failed) already
+            del self._arrived[tag]
+            return False
+        if tag is None or tag not in self._pending:
+            return False
+        if may_land:
+            self._pending[tag] = done
+            return True
+        del self._pending[tag]
+        self.agent.forget(self.peer_agent, [push_tag(tag)])
+        self._check_idle()
+        return False
 
     def handle_frame(self, msg: Message, reply: Reply) -> bool:
         if isinstance(msg, PushFailed):
@@ -184,13 +242,20 @@ class NixlConsumer(Consumer):
         self._finish(msg.tag, NixlTransferError(f"the prefill's NIXL WRITE failed: {msg.message}"))
 
     def _finish(self, tag: int, exc: BaseException | None) -> None:
-        done = self._pending.pop(tag, None)
+        if tag not in self._pending:
+            return  # discarded, or a late notification
+        done = self._pending.pop(tag)
+        if done is None:  # an early push over before its `start`: it takes the outcome
+            self._arrived[tag] = exc
+        self._check_idle()
+        if done is not None:
+            done(exc)
+
+    def _check_idle(self) -> None:
         if not self._pending:
             self._idle.set()
             if self._grace is not None:  # the last push held after its link ended is over
                 self._end_grace()
-        if done is not None:
-            done(exc)
 
     @property
     def pulls_in_flight(self) -> int:

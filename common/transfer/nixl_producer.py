@@ -7,6 +7,10 @@ WRITEs that PUSH frames ask for (`handle_frame`):
 - A PUSH is written only when every source block is leased to the link it came on (the blocks
   of a HANDOFF on that link, not yet RELEASEd): anything else is refused with PUSH_FAILED, so a
   decode can never have the prefill send blocks that hold another request's KV, or none.
+- The early handoff: a PUSH that names its request, whose source blocks are all that request's
+  and not leased yet (its HANDOFF went before the forward), is held until the KV is written:
+  `lease` to the PUSH's link then WRITEs it (before KV_READY is sent); `forget` (the request
+  ended first) and the link's loss drop it unwritten.
 - Each link has its own peer entry (`connected` adds the link's decode agent under the link's
   id): a PUSH is written to the decode of the link it came on, so one prefill serves several
   decodes across hosts, and a link's loss touches only its own entry. Two live links that reach
@@ -51,9 +55,11 @@ class NixlProducer(Producer):
         super().__init__(pool, allocator)
         self.transfer = transfer
         frames = frozenset({MsgType.PUSH}) if transfer == "push" else frozenset()
-        self.caps = Capabilities(stream_wait=False, early_handoff=False, frames=frames)
-        self.agent = NixlAgent("prefill", pool.tensor, loop)
+        self.caps = Capabilities(stream_wait=False, early_handoff=True, frames=frames)
+        # pull: the decodes READ our pool and we post nothing, so NIXL's thread progresses UCX
+        self.agent = NixlAgent("prefill", pool.tensor, loop, passive=transfer == "pull")
         self._decodes: dict[str, tuple[str, NixlRegion]] = {}  # link id -> (peer agent, pool)
+        self._held: dict[str, tuple[Push, Reply, str]] = {}  # request id -> an early PUSH
 
     def register(self) -> tuple[Register, list[int]]:
         reg = Register(
@@ -117,6 +123,8 @@ class NixlProducer(Producer):
             if max(msg.dst_ids) >= region.nbytes // bn:
                 raise PdkvError("PUSH names a block outside a pool (destination)")
             if why := self.leased_to(msg.src_ids, link_id):
+                if self._hold(msg, reply, link_id):
+                    return
                 raise PdkvError(f"PUSH refused: {why}")
             runs = byte_runs(msg.src_ids, msg.dst_ids, bn, self.agent.addr, region.addr)
         except PdkvError as exc:
@@ -133,9 +141,39 @@ class NixlProducer(Producer):
 
         self.agent.transfer("WRITE", name, runs, push_tag(msg.tag), written)
 
+    def _hold(self, msg: Push, reply: Reply, link_id: str) -> bool:
+        """Hold an early handoff's PUSH until its KV is written (module docstring): True when
+        `msg` is one (its request's own blocks, none leased yet, none held for it already)."""
+        rid = msg.request_id
+        if rid is None or rid not in self.allocator or rid in self._held:
+            return False
+        if self.allocator.lease_of(rid) is not None:
+            return False
+        if not set(msg.src_ids) <= set(self.allocator.blocks_of(rid)):
+            return False
+        self._held[rid] = (msg, reply, link_id)
+        return True
+
+    def lease(self, request_id: str, link_id: str, deadline: float) -> None:
+        """Lease, then WRITE the PUSH held for the request if it came on `link_id`."""
+        super().lease(request_id, link_id, deadline)
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            msg, reply, on = held
+            if on == link_id:
+                self.push(msg, reply, link_id)
+            else:  # not the link that planned it (never, unless a decode misbehaves)
+                log.warning("nixl_push_dropped", tag=msg.tag, link=on, leased_to=link_id)
+
+    def forget(self, request_id: str) -> None:
+        self._held.pop(request_id, None)
+
     def link_lost(self, link_id: str) -> list[str]:
         """Abort the WRITEs still in flight to the link's decode, let its agent go (once they
-        are over), then free the link's leases. Other links' decodes are not touched."""
+        are over), drop the PUSHes it has held, then free the link's leases. Other links'
+        decodes are not touched."""
+        for rid in [rid for rid, (_, _, on) in self._held.items() if on == link_id]:
+            del self._held[rid]
         decode = self._decodes.pop(link_id, None)
         if decode is not None:
             name = decode[0]

@@ -3,7 +3,9 @@ processes, CPU pools), driven over a multiprocessing pipe:
 
 - `serve`: a prefill's NixlProducer. Its pool holds `pattern(seed)`; on REGISTERED it is
   connected as link LINK, with blocks 0..N-3 leased to LINK, block N-2 leased to another link
-  and block N-1 free (what a PUSH may name and what it may not).
+  and block N-1 free (what a PUSH may name and what it may not). "allocate", "lease" and "end"
+  play one request of an early handoff on block N-1: its forward runs, its KV is written, it
+  ended.
 - `serve_decode`: a decode's pool and NixlAgent, the target of a prefill's WRITEs.
 
 `Link` is the decode's end of one link to a `serve` process: a NixlConsumer here, PUSH frames
@@ -73,6 +75,15 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
                 conn.send(("ok", None))
             elif cmd == "push":
                 assert producer.handle_frame(decode(arg), reply, LINK)
+            elif cmd == "allocate":  # a request whose forward runs: its blocks, not leased
+                conn.send(("ids", alloc.allocate(arg, 1)))
+            elif cmd == "lease":  # its KV written: what KV_READY follows
+                producer.lease(arg, LINK, float("inf"))
+                conn.send(("ok", None))
+            elif cmd == "end":  # it ended: forgotten, its blocks ours again
+                producer.forget(arg)
+                alloc.free(arg)
+                conn.send(("ok", None))
     finally:
         producer.close()
 
@@ -86,7 +97,8 @@ def serve_decode(conn: Connection, layout: PoolLayout) -> None:
 async def _serve_decode(conn: Connection, layout: PoolLayout) -> None:
     loop = asyncio.get_running_loop()
     pool = KVPool.create(layout)
-    agent = NixlAgent("decode", pool.tensor, loop)
+    # awaits no notification, so nothing of ours would drive UCX: NIXL's thread does
+    agent = NixlAgent("decode", pool.tensor, loop, passive=True)
     try:
         conn.send(encode(Registered(num_blocks=layout.num_blocks, nixl=agent.region("push"))))
         while True:

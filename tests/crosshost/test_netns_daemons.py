@@ -10,6 +10,7 @@ import collections
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,7 @@ def test_greedy_output_across_hosts_equals_the_reference(cross: CrossPair, tiny,
         assert res.tokens == reference.generate(model, p, s, block_size=16), f"request {i}"
         assert res.finish is not None  # the prefill's clock means nothing on the decode's host:
         assert res.finish.timings["decode_handoff_us"] == 0  # no cross-host latency from it
+        assert res.finish.timings["handoff_after_first_us"] < 0  # handed off early (v11)
     poll(lambda: all_free(cross.sock("prefill")), what="prefill pool all free")
     poll(lambda: all_free(cross.sock("decode")), what="decode pool all free")
     links = asyncio.run(client.status(cross.sock("decode"))).links
@@ -149,6 +151,18 @@ def test_greedy_output_across_hosts_equals_the_reference(cross: CrossPair, tiny,
     assert ('"nixl_pull_is_slow_here"' in cross.daemons["prefill"].log_text()) == (
         transfer == "pull"
     )
+    if transfer == "push":  # no NIXL progress thread spinning a core while nothing moves
+        pids = {role: d.proc.pid for role, d in cross.daemons.items()}
+        before = {role: _cpu_seconds(pid) for role, pid in pids.items()}
+        time.sleep(2.0)
+        used = {role: _cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+        assert all(s < 0.5 for s in used.values()), used  # spinning: ~2 s each
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid`, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_a_wrong_key_is_refused_and_logged_on_both_ends(cross: CrossPair):
@@ -188,3 +202,38 @@ def test_pulling_the_cable_fails_requests_with_link_lost_and_frees_every_block(c
     poll(lambda: all_free(cross.sock("prefill")), what="prefill pool all free after the cut")
     poll(lambda: all_free(cross.sock("decode")), what="decode pool all free after the cut")
     assert not asyncio.run(client.status(cross.sock("decode"))).links
+
+
+@pytest.mark.parametrize("transfer", ["push", "pull"])
+def test_clients_leaving_during_the_forward_leave_no_block_held_on_either_host(
+    cross: CrossPair, tiny, transfer: str
+):
+    """Early HANDOFFs across hosts whose clients leave while the prefill computes: the prefill
+    drops the decode's held PUSH and sends ABORT, the decode frees what it reserved; nothing
+    stays held, and the link serves the next requests to the reference."""
+    cross.start_both(transfer)
+    model, _ = tiny
+    prompt = [(5 * j) % 256 for j in range(480)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def leave_after(delay_s: float) -> None:
+        task = asyncio.create_task(
+            client.generate(cross.sock("prefill"), prompt_tokens=prompt, sampling=params)
+        )
+        await asyncio.sleep(delay_s)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def run() -> list[client.Result]:
+        await asyncio.gather(*(leave_after(0.002 * i) for i in range(24)))
+        return [
+            await client.generate(cross.sock("prefill"), prompt_tokens=p, sampling=params)
+            for p in (prompt, prompt[:100])
+        ]
+
+    for res, p in zip(asyncio.run(run()), (prompt, prompt[:100]), strict=True):
+        assert res.tokens == reference.generate(model, p, params, block_size=16)
+    poll(lambda: all_free(cross.sock("prefill")), what="prefill pool all free")
+    poll(lambda: all_free(cross.sock("decode")), what="decode pool all free")
+    aborted = cross.daemons["decode"].log_text().count('"request_aborted"')
+    assert aborted >= 1  # some ABORTs reached the decode: it held those requests early

@@ -209,3 +209,114 @@ async def test_close_answers_what_was_queued_just_before_it():
             break
         await asyncio.sleep(0.01)
     assert len(got) == 2 and all(isinstance(e, NixlTransferError) for e in got), got
+
+
+# ---- the early handoff on a push link: the PUSH goes at HANDOFF, the WRITE at KV_READY --------
+async def _ask(link: Link, cmd: str, arg: object) -> object:
+    """One of nixl_peer's request commands; its answer (a PUSH_FAILED instead fails the test)."""
+    link.child.conn.send((cmd, arg))
+    kind, value = await link.recv()
+    assert kind in ("ids", "ok"), (kind, decode(value) if kind == "frame" else value)  # type: ignore[arg-type]
+    return value
+
+
+async def _until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(600):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _push_only(link: Link) -> None:
+    if link.consumer.region.transfer == "pull":
+        pytest.skip("a pull link READs on KV_READY: nothing is asked for early")
+
+
+async def test_an_early_push_waits_for_its_kv_then_lands(link: Link):
+    """The PUSH of an early HANDOFF reaches the prefill before the request's KV is written: the
+    prefill holds it (nothing lands, no PUSH_FAILED) until it leases the blocks, then WRITEs."""
+    _push_only(link)
+    consumer, dst = link.consumer, 22
+    ids = await _ask(link, "allocate", "early-1")
+    plan = consumer.early(consumer.plan(ids, [dst], -1), "early-1")  # type: ignore[arg-type]
+    assert plan.tag is not None and consumer.pulls_in_flight == 1
+    before = link.local.tensor[dst].clone()
+    done: list[BaseException | None] = []
+    assert consumer.start(plan, done.append) is AFTER_DONE
+    await asyncio.sleep(0.5)  # a WRITE sent at once would have landed by now
+    assert done == [] and torch.equal(link.local.tensor[dst], before)
+    assert not link.child.conn.poll()  # held, not refused
+    await _ask(link, "lease", "early-1")
+    await _until(lambda: done, "the held push to land")
+    assert done == [None]
+    assert torch.equal(link.local.tensor[dst], pattern(LAYOUT, SEED)[ids[0]])  # type: ignore[index]
+    await _ask(link, "end", "early-1")
+
+
+async def test_an_early_push_that_lands_before_kv_ready_is_read_starts_at_once(link: Link):
+    """The WRITE goes before KV_READY, so its notification can be here first: `start` then
+    reports the blocks here at once."""
+    _push_only(link)
+    consumer, dst = link.consumer, 21
+    ids = await _ask(link, "allocate", "early-2")
+    plan = consumer.early(consumer.plan(ids, [dst], -1), "early-2")  # type: ignore[arg-type]
+    await _ask(link, "lease", "early-2")
+    await _until(lambda: consumer.pulls_in_flight == 0, "the notification")
+    done: list[BaseException | None] = []
+    assert consumer.start(plan, done.append) is AFTER_DONE
+    assert done == [None]  # inside start
+    assert torch.equal(link.local.tensor[dst], pattern(LAYOUT, SEED)[ids[0]])  # type: ignore[index]
+    with pytest.raises(Exception, match="started or discarded already"):
+        consumer.start(plan, done.append)
+    await _ask(link, "end", "early-2")
+
+
+async def test_an_early_push_of_a_request_that_ended_is_never_written(link: Link):
+    """The request ends before its KV is written (its ABORT comes instead of KV_READY): the
+    prefill drops the held PUSH, the decode forgets it and may free its blocks at once, and a
+    later request on the same source block does not get the old PUSH written."""
+    _push_only(link)
+    consumer, dst = link.consumer, 20
+    ids = await _ask(link, "allocate", "early-3")
+    plan = consumer.early(consumer.plan(ids, [dst], -1), "early-3")  # type: ignore[arg-type]
+    await _ask(link, "end", "early-3")
+    done: list[BaseException | None] = []
+    assert consumer.discard(plan, done.append, may_land=False) is False
+    assert consumer.pulls_in_flight == 0
+    before = link.local.tensor[dst].clone()
+    assert await _ask(link, "allocate", "early-3b") == ids  # the same block, another request
+    await _ask(link, "lease", "early-3b")
+    await asyncio.sleep(0.5)
+    assert done == [] and torch.equal(link.local.tensor[dst], before)
+    await _ask(link, "end", "early-3b")
+
+
+async def test_a_discarded_early_push_that_may_land_holds_its_blocks_until_it_does(link: Link):
+    """A request that ends after the prefill may have sent the WRITE (a first token the decode
+    refuses, its link lost): the blocks stay held until the notification comes."""
+    _push_only(link)
+    consumer, dst = link.consumer, 19
+    ids = await _ask(link, "allocate", "early-4")
+    plan = consumer.early(consumer.plan(ids, [dst], -1), "early-4")  # type: ignore[arg-type]
+    done: list[BaseException | None] = []
+    assert consumer.discard(plan, done.append, may_land=True) is True
+    assert done == [] and consumer.pulls_in_flight == 1
+    await _ask(link, "lease", "early-4")
+    await _until(lambda: done, "the discarded push to land")
+    assert done == [None] and consumer.pulls_in_flight == 0
+    await _ask(link, "end", "early-4")
+
+
+async def test_an_early_push_naming_blocks_not_its_own_is_refused(link: Link):
+    """Only the request's own unleased blocks are held for it: block N-2 is another link's."""
+    _push_only(link)
+    consumer, last = link.consumer, LAYOUT.num_blocks - 1
+    ids = await _ask(link, "allocate", "early-5")
+    assert ids == [last]
+    plan = consumer.early(consumer.plan([last - 1], [18], -1), "early-5")
+    done: list[BaseException | None] = []
+    consumer.start(plan, done.append)
+    assert consumer.handle_frame(await _push_failed(link), lambda msg: None)
+    assert len(done) == 1 and "leased to another link" in str(done[0])
+    await _ask(link, "end", "early-5")

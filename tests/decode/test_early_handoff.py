@@ -11,12 +11,10 @@ pool opened through a KVConsumer; the one fake is the CUDA event of a pull still
 from __future__ import annotations
 
 import msgspec
-import pytest
 
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
-from common.transfer.consumer import check_handoff
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_deferred_pull import PROMPT
 from tests.decode.test_requests import decode_until
@@ -161,12 +159,4 @@ def test_shutdown_reaches_a_sequence_awaiting_its_first_token(
     assert table.shutdown(ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down") == 1
     assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.SHUTTING_DOWN, "r1")]
     assert table.sequences() == [] and "link-a/r1" not in rt.allocator
-    side.producer.allocator.free("r1")
-
-
-def test_an_early_handoff_is_refused_on_a_tcp_link(side: Side):
-    h = early(side.prefill("r1", PROMPT, GREEDY))
-    check_handoff(h, 256, 4, 32, 0)  # a Unix-socket link takes it
-    with pytest.raises(ValueError, match="TCP link"):
-        check_handoff(h, 256, 4, 32, 0, early_ok=False)  # NIXL's consumer
     side.producer.allocator.free("r1")

@@ -104,11 +104,11 @@ async def test_the_tcp_kind_is_the_nixl_pair_and_declares_what_it_lacks():
         assert not transport.same_host
         transport.check()
         caps = producer.caps
-        assert not caps.early_handoff and caps.frames == frozenset({MsgType.PUSH})
+        assert caps.early_handoff and caps.frames == frozenset({MsgType.PUSH})  # v11
         reg, fds = producer.register()
         assert fds == [] and reg.nixl is not None
         consumer = side.open(reg, lambda n: [], lambda m: None)
-        assert not consumer.caps.stream_wait and not consumer.caps.early_handoff
+        assert not consumer.caps.stream_wait and consumer.caps.early_handoff
         assert consumer.caps.frames == frozenset({MsgType.PUSH_FAILED})
         ok = consumer.registered()  # a push link names the decode's pool
         assert ok.nixl is not None and ok.nixl.agent == side.name
