@@ -117,6 +117,10 @@ class HandoffPath:
             with contextlib.suppress(ConnectionError):
                 await link.send(msg, spin=True)  # its pull, then RELEASE, follow at once
 
+    def flush(self, req: PrefillRequest) -> None:
+        """The first token is queued to the client: what KV_READY promised may move now."""
+        self.producer.flush(req.request_id)
+
     async def hand_over(self, req: PrefillRequest) -> Message:
         """Offer the request with its first token unless it was offered already, again while
         the decode answers NO_CAPACITY; the decode's first other answer, which the relay must

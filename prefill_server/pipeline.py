@@ -281,6 +281,7 @@ class RequestPipeline:
                 req, [first], None if answer.logprob is None else [answer.logprob]
             )
             req.marks.stamp("first_out")  # resumed: the consumer has queued it to the client
+            self.handoff.flush(req)  # a TCP push link: the WRITE that KV_READY announced
             if reason:  # nothing left to decode (an early HANDOFF is aborted as it ends)
                 yield self._finish(req, reason, {})
                 return
@@ -333,6 +334,7 @@ class RequestPipeline:
         try:
             early = self.cfg.early_handoff and self.producer.caps.early_handoff
             if early and req.sampling.max_tokens > 1:
+                await asyncio.sleep(0)  # the batcher starts the forward first, then this goes
                 deadline = time.monotonic() + self.cfg.handoff_timeout_s
                 await self.handoff.offer(req, None, deadline)  # during the forward
             self.prefix.complete(req.names)  # its blocks' names, while the forward runs

@@ -133,9 +133,14 @@ class Producer(ABC):
     def lease(self, request_id: str, link_id: str, deadline: float) -> None:
         self.allocator.lease(request_id, link_id, deadline)
 
+    def flush(self, request_id: str) -> None:
+        """The request's first token is on its way to its client: start what its lease made
+        due (NIXL: the WRITE of the PUSH held for its early HANDOFF)."""
+        return None
+
     def forget(self, request_id: str) -> None:
-        """The request ended: nothing more moves for it (NIXL: a PUSH held for its early
-        HANDOFF is dropped, never written)."""
+        """The request ended: nothing more moves for it but what its peer awaits already (NIXL:
+        a held PUSH is dropped unless its lease made it due; a due one is written)."""
         return None
 
     def released(self, request_id: str, slot: int) -> bool:

@@ -9,8 +9,11 @@ WRITEs that PUSH frames ask for (`handle_frame`):
   decode can never have the prefill send blocks that hold another request's KV, or none.
 - The early handoff: a PUSH that names its request, whose source blocks are all that request's
   and not leased yet (its HANDOFF went before the forward), is held until the KV is written:
-  `lease` to the PUSH's link then WRITEs it (before KV_READY is sent); `forget` (the request
-  ended first) and the link's loss drop it unwritten.
+  `lease` to the PUSH's link (KV_READY follows) makes it due, and `flush` WRITEs it once the
+  first token is on its way to the client (posting a WRITE takes the GIL from the loop for a
+  while: before the first token's frame that was ~0.4 ms of TTFT on the CPU VM). `forget` (the
+  request ended) WRITEs a due one all the same (the decode had KV_READY and awaits it) and
+  drops one not due; the link's loss drops both.
 - Each link has its own peer entry (`connected` adds the link's decode agent under the link's
   id): a PUSH is written to the decode of the link it came on, so one prefill serves several
   decodes across hosts, and a link's loss touches only its own entry. Two live links that reach
@@ -60,6 +63,7 @@ class NixlProducer(Producer):
         self.agent = NixlAgent("prefill", pool.tensor, loop, passive=transfer == "pull")
         self._decodes: dict[str, tuple[str, NixlRegion]] = {}  # link id -> (peer agent, pool)
         self._held: dict[str, tuple[Push, Reply, str]] = {}  # request id -> an early PUSH
+        self._due: dict[str, tuple[Push, Reply, str]] = {}  # held, its blocks leased: to WRITE
 
     def register(self) -> tuple[Register, list[int]]:
         reg = Register(
@@ -145,7 +149,7 @@ class NixlProducer(Producer):
         """Hold an early handoff's PUSH until its KV is written (module docstring): True when
         `msg` is one (its request's own blocks, none leased yet, none held for it already)."""
         rid = msg.request_id
-        if rid is None or rid not in self.allocator or rid in self._held:
+        if rid is None or rid not in self.allocator or rid in self._held or rid in self._due:
             return False
         if self.allocator.lease_of(rid) is not None:
             return False
@@ -155,25 +159,34 @@ class NixlProducer(Producer):
         return True
 
     def lease(self, request_id: str, link_id: str, deadline: float) -> None:
-        """Lease, then WRITE the PUSH held for the request if it came on `link_id`."""
+        """Lease; the PUSH held for the request, if it came on `link_id`, is due (`flush`)."""
         super().lease(request_id, link_id, deadline)
         held = self._held.pop(request_id, None)
         if held is not None:
-            msg, reply, on = held
+            msg, _, on = held
             if on == link_id:
-                self.push(msg, reply, link_id)
+                self._due[request_id] = held
             else:  # not the link that planned it (never, unless a decode misbehaves)
                 log.warning("nixl_push_dropped", tag=msg.tag, link=on, leased_to=link_id)
 
+    def flush(self, request_id: str) -> None:
+        """WRITE the request's due PUSH, if any."""
+        due = self._due.pop(request_id, None)
+        if due is not None:
+            msg, reply, link_id = due
+            self.push(msg, reply, link_id)
+
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
+        self.flush(request_id)  # its decode had KV_READY: it awaits the WRITE
 
     def link_lost(self, link_id: str) -> list[str]:
         """Abort the WRITEs still in flight to the link's decode, let its agent go (once they
         are over), drop the PUSHes it has held, then free the link's leases. Other links'
         decodes are not touched."""
-        for rid in [rid for rid, (_, _, on) in self._held.items() if on == link_id]:
-            del self._held[rid]
+        for held in (self._held, self._due):
+            for rid in [rid for rid, (_, _, on) in held.items() if on == link_id]:
+                del held[rid]
         decode = self._decodes.pop(link_id, None)
         if decode is not None:
             name = decode[0]

@@ -3,9 +3,9 @@ processes, CPU pools), driven over a multiprocessing pipe:
 
 - `serve`: a prefill's NixlProducer. Its pool holds `pattern(seed)`; on REGISTERED it is
   connected as link LINK, with blocks 0..N-3 leased to LINK, block N-2 leased to another link
-  and block N-1 free (what a PUSH may name and what it may not). "allocate", "lease" and "end"
-  play one request of an early handoff on block N-1: its forward runs, its KV is written, it
-  ended.
+  and block N-1 free (what a PUSH may name and what it may not). "allocate", "lease", "flush"
+  and "end" play one request of an early handoff on block N-1: its forward runs, its KV is
+  written (KV_READY), its first token went to the client, it ended.
 - `serve_decode`: a decode's pool and NixlAgent, the target of a prefill's WRITEs.
 
 `Link` is the decode's end of one link to a `serve` process: a NixlConsumer here, PUSH frames
@@ -79,6 +79,9 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
                 conn.send(("ids", alloc.allocate(arg, 1)))
             elif cmd == "lease":  # its KV written: what KV_READY follows
                 producer.lease(arg, LINK, float("inf"))
+                conn.send(("ok", None))
+            elif cmd == "flush":  # its first token went to the client
+                producer.flush(arg)
                 conn.send(("ok", None))
             elif cmd == "end":  # it ended: forgotten, its blocks ours again
                 producer.forget(arg)

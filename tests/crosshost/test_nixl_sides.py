@@ -247,7 +247,10 @@ async def test_an_early_push_waits_for_its_kv_then_lands(link: Link):
     await asyncio.sleep(0.5)  # a WRITE sent at once would have landed by now
     assert done == [] and torch.equal(link.local.tensor[dst], before)
     assert not link.child.conn.poll()  # held, not refused
-    await _ask(link, "lease", "early-1")
+    await _ask(link, "lease", "early-1")  # due: written once the first token went out
+    await asyncio.sleep(0.3)
+    assert done == [] and torch.equal(link.local.tensor[dst], before)
+    await _ask(link, "flush", "early-1")
     await _until(lambda: done, "the held push to land")
     assert done == [None]
     assert torch.equal(link.local.tensor[dst], pattern(LAYOUT, SEED)[ids[0]])  # type: ignore[index]
@@ -262,6 +265,7 @@ async def test_an_early_push_that_lands_before_kv_ready_is_read_starts_at_once(l
     ids = await _ask(link, "allocate", "early-2")
     plan = consumer.early(consumer.plan(ids, [dst], -1), "early-2")  # type: ignore[arg-type]
     await _ask(link, "lease", "early-2")
+    await _ask(link, "flush", "early-2")
     await _until(lambda: consumer.pulls_in_flight == 0, "the notification")
     done: list[BaseException | None] = []
     assert consumer.start(plan, done.append) is AFTER_DONE
@@ -287,6 +291,7 @@ async def test_an_early_push_of_a_request_that_ended_is_never_written(link: Link
     before = link.local.tensor[dst].clone()
     assert await _ask(link, "allocate", "early-3b") == ids  # the same block, another request
     await _ask(link, "lease", "early-3b")
+    await _ask(link, "flush", "early-3b")
     await asyncio.sleep(0.5)
     assert done == [] and torch.equal(link.local.tensor[dst], before)
     await _ask(link, "end", "early-3b")
@@ -302,10 +307,11 @@ async def test_a_discarded_early_push_that_may_land_holds_its_blocks_until_it_do
     done: list[BaseException | None] = []
     assert consumer.discard(plan, done.append, may_land=True) is True
     assert done == [] and consumer.pulls_in_flight == 1
-    await _ask(link, "lease", "early-4")
+    await _ask(link, "lease", "early-4")  # KV_READY went; then the request ends before flush:
+    await _ask(link, "end", "early-4")  # the decode awaits the WRITE, so it goes all the same
     await _until(lambda: done, "the discarded push to land")
     assert done == [None] and consumer.pulls_in_flight == 0
-    await _ask(link, "end", "early-4")
+    assert torch.equal(link.local.tensor[dst], pattern(LAYOUT, SEED)[ids[0]])  # type: ignore[index]
 
 
 async def test_an_early_push_naming_blocks_not_its_own_is_refused(link: Link):
