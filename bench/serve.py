@@ -141,6 +141,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--torch-threads", type=int, default=0, help="0: 1 for tiny, else torch's")
     ap.add_argument(
+        "--connection",
+        choices=["shared", "per-request"],
+        default="shared",
+        help="daemons target: every request on one connection to the prefill, as the API sends "
+        "them (default), or each on a connection of its own (a connect in every TTFT; the "
+        "bench's way before 2026-12-03)",
+    )
+    ap.add_argument(
         "--link",
         choices=["uds", "push", "pull"],
         default="uds",
@@ -179,6 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--goodput-plot", type=Path, default=Path("serve_goodput.png"), help="goodput's PNG"
     )
     args = ap.parse_args(argv)
+    args.shared = args.connection == "shared"
     if args.nano:
         if args.sweep:
             ap.error("--nano is one rate (all at once): not with --sweep")
@@ -332,7 +341,9 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                 args,
                 lambda: run_target(
                     "daemons",
-                    lambda s: daemon_stream(sock, s.prompt, s.output_len, text=args.text),
+                    lambda s: daemon_stream(
+                        sock, s.prompt, s.output_len, text=args.text, shared=args.shared
+                    ),
                     args,
                 ),
             )
@@ -345,7 +356,9 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                     args,
                     lambda: run_target(
                         "daemons-no-cache",
-                        lambda s: daemon_stream(plain, s.prompt, s.output_len, text=args.text),
+                        lambda s: daemon_stream(
+                            plain, s.prompt, s.output_len, text=args.text, shared=args.shared
+                        ),
                         args,
                     ),
                 )
@@ -433,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
     header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
     header |= {"shared_prefix": args.shared_prefix, "turns": args.turns}
+    header |= {"connection": args.connection, "link": args.link}
     print(
         f"serve bench: {args.requests} requests per rate, prompt {args.prompt_len[0]}:"
         f"{args.prompt_len[1]}, output {args.output_len[0]}:{args.output_len[1]} tokens, "

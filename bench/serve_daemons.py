@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -134,16 +135,37 @@ def own_pair(
         shutil.rmtree(rt, ignore_errors=True)
 
 
+#: per event loop and socket, the one connection requests share (`daemon_stream(shared=True)`)
+_SHARED: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, client.Connection]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _shared(sock: str) -> client.Connection:
+    conns = _SHARED.setdefault(asyncio.get_running_loop(), {})
+    if sock not in conns:
+        conns[sock] = client.Connection(sock)
+    return conns[sock]
+
+
 async def daemon_stream(
-    sock: str, prompt: list[int], output_len: int, timeout: float = 600, *, text: bool = False
+    sock: str,
+    prompt: list[int],
+    output_len: int,
+    timeout: float = 600,
+    *,
+    text: bool = False,
+    shared: bool = False,
 ) -> AsyncIterator[list[int] | ServerTimings]:
     """One greedy request of exactly `output_len` tokens (ignore_eos); yields each frame's ids,
     then the daemons' timings of the request from its FINISH. `text`: ask for each frame's text
-    too (GENERATE's `stream`, as the API does), so the prefill detokenizes every token."""
+    too (GENERATE's `stream`, as the API does), so the prefill detokenizes every token.
+    `shared`: on the one connection of this loop to `sock`, as the API sends every request
+    (its TTFT then holds no connect); else on a connection of its own."""
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
-    async for msg in client.stream(
-        sock, prompt_tokens=prompt, sampling=params, timeout=timeout, text_deltas=text
-    ):
+    kw = {"prompt_tokens": prompt, "sampling": params, "timeout": timeout, "text_deltas": text}
+    frames = _shared(sock).stream(**kw) if shared else client.stream(sock, **kw)
+    async for msg in frames:
         if isinstance(msg, client.Tokens) and msg.tokens:
             yield msg.tokens
         elif isinstance(msg, client.Finish) and msg.timings:
