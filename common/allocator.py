@@ -23,9 +23,10 @@ docs/architecture.md ("Block allocator") has the rules.
 Counts: `num_free` includes the CACHED blocks (`num_cached` of them), so
 free + owned + leased == total always.
 
-Cost: every verb is O(blocks it touches) (O(1) per block), never a pass over the whole pool.
-FREE blocks are handed out lowest id first and reused last-freed first, so a fresh pool gives a
-request adjacent blocks and a pull can copy them as one run.
+Cost: every verb is O(blocks it touches) (O(1) per block, O(log) per run of FREE blocks), never
+a pass over the whole pool. FREE blocks are handed out longest free run first
+(common.free_runs), so a request's blocks come in as few runs of adjacent ids as the pool
+allows, and a pull copies (a NIXL transfer posts) each run as one.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 from common.block_names import BlockNames
 from common.errors import AllocatorError, OutOfBlocks
+from common.free_runs import FreeRuns
 from common.leases import Entry, LeaseBook
 
 
@@ -69,8 +71,7 @@ class BlockAllocator:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise AllocatorError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._total = num_blocks
-        # A stack whose top is the lowest id: allocate pops ascending ids.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free = FreeRuns(num_blocks)
         self._names = BlockNames(num_blocks)  # the named blocks and the CACHED ones' LRU order
         self._users: list[set[str]] = [set() for _ in range(num_blocks)]
         self._lease_refs = [0] * num_blocks  # leased requests holding the block
@@ -146,10 +147,10 @@ class BlockAllocator:
         for block in reuse:
             self._names.unpark(block)
         take = min(n, len(self._free))
-        blocks = [*reuse, *self._free[len(self._free) - take :][::-1]]
-        del self._free[len(self._free) - take :]
-        for _ in range(n - take):
-            blocks.append(self._names.evict())
+        blocks = [*reuse, *self._free.take(take)]
+        # least recently freed first, in ascending ids: a request's blocks go back to the cache
+        # together (deepest first), so they come out as its runs again
+        blocks += sorted(self._names.evict() for _ in range(n - take))
         for block in blocks:
             self._users[block].add(request_id)
         req.blocks.extend(blocks)
@@ -171,7 +172,7 @@ class BlockAllocator:
                 unnamed.append(block)
             else:
                 self._names.park(block)
-        self._free.extend(unnamed)  # next allocate gets them back in the same order
+        self._free.put(sorted(unnamed))
         return len(req.blocks)
 
     # -- names (the prefix cache) -------------------------------------------------------------
