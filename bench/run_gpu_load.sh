@@ -11,6 +11,8 @@
 #           once per --overlap-steps mode in $PREFIX (default on)
 #   goodput bench/serve.py's rate sweep with SLO bounds, daemons and one process (issue 24 item 5)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
+#   tcp     16 × 2000-token prompts at 2/s, 8 out: the Unix socket against a TCP link with NIXL
+#           push, early and late handoff (issue 24 item 3: TTFT ≤ 1.10×, 2nd token ≤ 1.2×)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -21,7 +23,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -110,5 +112,19 @@ if want cold; then
     --plot "$R/cold.png" --json "$R/cold.json" > "$R/cold.log" 2>&1
   tail -20 "$R/cold.log" | tee -a "$log"
   pack
+fi
+if want tcp; then  # issue 24 item 3, alternated twice
+  for round in 1 2; do
+    for run in uds:1 push:1 push:0; do
+      link=${run%:*} early=${run#*:}
+      step "tcp $link early=$early round $round"
+      PDKV_EARLY_HANDOFF=$early timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+        --num-blocks 4096 --target daemons --link "$link" --requests 16 --rate 2 \
+        --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
+        --json "$R/tcp_${link}_${early}_$round.json" > "$R/tcp_${link}_${early}_$round.log" 2>&1
+      grep -E "^daemons|2nd token|handoff_us" "$R/tcp_${link}_${early}_$round.log" | tee -a "$log"
+      pack
+    done
+  done
 fi
 pack
