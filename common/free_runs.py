@@ -47,7 +47,7 @@ class FreeRuns:
         return out
 
     def put(self, blocks: Iterable[int]) -> None:
-        """Blocks free again (none of them free already)."""
+        """Blocks free again (none of them free already); ascending, each run merges once."""
         run_start = prev = None
         count = 0
         for block in blocks:

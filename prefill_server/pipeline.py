@@ -372,6 +372,7 @@ class RequestPipeline:
 
     def _cleanup(self, req: PrefillRequest) -> None:
         rid = req.request_id
+        self.handoff.flush(req)  # a WRITE its KV_READY announced reads the blocks while leased
         if rid in self.rt.allocator:
             self.rt.allocator.free(rid)
         self.handoff.end(req)

@@ -11,9 +11,11 @@ WRITEs that PUSH frames ask for (`handle_frame`):
   and not leased yet (its HANDOFF went before the forward), is held until the KV is written:
   `lease` to the PUSH's link (KV_READY follows) makes it due, and `flush` WRITEs it once the
   first token is on its way to the client (posting a WRITE takes the GIL from the loop for a
-  while: before the first token's frame that was ~0.4 ms of TTFT on the CPU VM). `forget` (the
-  request ended) WRITEs a due one all the same (the decode had KV_READY and awaits it) and
-  drops one not due; the link's loss drops both.
+  while: before the first token's frame that was ~0.4 ms of TTFT on the CPU VM); a request that
+  ends before that is flushed by the pipeline's cleanup, before its blocks are freed (its decode
+  had KV_READY and awaits the WRITE). `forget` (the request ended) drops one not due; the link's
+  loss drops both. A PUSH for a request that has ended already (the decode's PUSH crossed the
+  ABORT) is answered PUSH_FAILED, logged at info: the decode frees its blocks on the ABORT.
 - Each link has its own peer entry (`connected` adds the link's decode agent under the link's
   id): a PUSH is written to the decode of the link it came on, so one prefill serves several
   decodes across hosts, and a link's loss touches only its own entry. Two live links that reach
@@ -129,6 +131,10 @@ class NixlProducer(Producer):
             if why := self.leased_to(msg.src_ids, link_id):
                 if self._hold(msg, reply, link_id):
                     return
+                if msg.request_id is not None and msg.request_id not in self.allocator:
+                    log.info("nixl_push_for_ended_request", tag=msg.tag, request_id=msg.request_id)
+                    reply(PushFailed(tag=msg.tag, message="the request has ended"))
+                    return
                 raise PdkvError(f"PUSH refused: {why}")
             runs = byte_runs(msg.src_ids, msg.dst_ids, bn, self.agent.addr, region.addr)
         except PdkvError as exc:
@@ -178,7 +184,7 @@ class NixlProducer(Producer):
 
     def forget(self, request_id: str) -> None:
         self._held.pop(request_id, None)
-        self.flush(request_id)  # its decode had KV_READY: it awaits the WRITE
+        self.flush(request_id)  # flushed by the cleanup already; else its decode still awaits it
 
     def link_lost(self, link_id: str) -> list[str]:
         """Abort the WRITEs still in flight to the link's decode, let its agent go (once they
