@@ -173,6 +173,12 @@ class NixlAgent:
         self._check_open()
         self._worker.submit("expect", ((peer, tag), done))
 
+    def hurry(self) -> None:
+        """Something awaited is about to arrive (a push's KV_READY came): the worker polls at
+        once and closely again, not at the 1 ms it backs off to while a wait drags on."""
+        if not self._closed:
+            self._worker.submit("hurry", None)
+
     def forget(self, peer: str, tags: list[bytes]) -> None:
         """Stop awaiting notifications `tags` from `peer` (their link ended; nobody is told).
         By tag, not by peer: a prefill that reconnected awaits others from the same agent."""

@@ -181,6 +181,9 @@ class NixlConsumer(Consumer):
                 done(self._arrived.pop(tag))
             elif tag in self._pending and self._pending[tag] is None:
                 self._pending[tag] = done
+                # KV_READY: the WRITE lands about now; after a whole forward's wait the
+                # worker polls at 1 ms, which put ~1 ms into the 2nd token (H200, 2026-12-03)
+                self.agent.hurry()
             else:
                 raise PdkvError(f"push {tag} was started or discarded already")
             return AFTER_DONE

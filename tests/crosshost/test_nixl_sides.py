@@ -233,17 +233,23 @@ def _push_only(link: Link) -> None:
         pytest.skip("a pull link READs on KV_READY: nothing is asked for early")
 
 
-async def test_an_early_push_waits_for_its_kv_then_lands(link: Link):
+async def test_an_early_push_waits_for_its_kv_then_lands(link: Link, monkeypatch):
     """The PUSH of an early HANDOFF reaches the prefill before the request's KV is written: the
-    prefill holds it (nothing lands, no PUSH_FAILED) until it leases the blocks, then WRITEs."""
+    prefill holds it (nothing lands, no PUSH_FAILED) until it leases the blocks, then WRITEs.
+    KV_READY (`start`) tells the agent's worker to poll closely: the WRITE lands about then."""
     _push_only(link)
     consumer, dst = link.consumer, 22
+    hurried: list[None] = []
+    real_hurry = consumer.agent.hurry
+    monkeypatch.setattr(consumer.agent, "hurry", lambda: (hurried.append(None), real_hurry()))
     ids = await _ask(link, "allocate", "early-1")
     plan = consumer.early(consumer.plan(ids, [dst], -1), "early-1")  # type: ignore[arg-type]
     assert plan.tag is not None and consumer.pulls_in_flight == 1
     before = link.local.tensor[dst].clone()
     done: list[BaseException | None] = []
+    assert hurried == []
     assert consumer.start(plan, done.append) is AFTER_DONE
+    assert hurried == [None]
     await asyncio.sleep(0.5)  # a WRITE sent at once would have landed by now
     assert done == [] and torch.equal(link.local.tensor[dst], before)
     assert not link.child.conn.poll()  # held, not refused
