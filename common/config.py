@@ -36,6 +36,17 @@ class DecodeConfig(DaemonConfig):
             "CUDA, off on the CPU (where every token would wait one more step).",
         ),
     )
+    warm_wait: str = field(
+        default="auto",
+        metadata=opt(
+            "--warm-wait",
+            choices=("auto", "on", "off"),
+            help="While the batch is empty and a sequence handed off early awaits its KV, keep "
+            "the torch thread awake in 50 µs waits, so that the sequence's first step (its 2nd "
+            "token) is not launched from a cold core. auto: on for CUDA, off on the CPU (where "
+            "the wake-ups would be taken from the prefill's forward).",
+        ),
+    )
     listen: str | None = field(
         default=None,
         metadata=opt(
@@ -50,6 +61,12 @@ class DecodeConfig(DaemonConfig):
     @property
     def pidfile(self) -> Path:
         return self.runtime_dir / "decode.pid"
+
+    def warm_wait_on(self, device_type: str) -> bool:
+        """--warm-wait on a device of this type."""
+        if self.warm_wait == "auto":
+            return device_type == "cuda"
+        return self.warm_wait == "on"
 
     def overlap_mode(self, device_type: str) -> str:
         """--overlap-steps on a device of this type: "on", "always" or "off"."""

@@ -25,7 +25,9 @@ With `overlap` (decode_server/overlap.py), a batch of plain sequences is stepped
 `step()` launches the next step and then reads the one launched by the call before, so the
 results it returns are one step old and one launched step (`in_flight`) may still write the K/V
 of the sequences it holds after `step()` returned. While `hold()` says so (a prefill computing
-a prompt handed off early), steps are not launched ahead.
+a prompt handed off early), steps are not launched ahead. While the batch is empty and
+`expecting()` says a sequence will join soon (one awaits its KV), `wait_for_work` keeps the torch
+thread awake (decode_server/warm.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from common.sampling_params import TokenLogprob
 from decode_server.block_tables import BlockTables
 from decode_server.overlap import Launched, Readback
 from decode_server.sequence import Sequence
+from decode_server.warm import warm_wait
 
 Drawn = tuple[list[int | SamplingError], list[TokenLogprob | None] | None]
 """A step's tokens (or the SamplingError of a row that failed alone) and, when some row asks for
@@ -64,11 +67,14 @@ class DecodeEngine:
         max_batch: int,
         overlap: bool = False,
         hold: Callable[[], bool] | None = None,
+        expecting: Callable[[], bool] | None = None,
     ) -> None:
         self.rt = rt
         self.max_batch = max_batch
         self.overlap = overlap
         self._hold = hold  # overlap: no step is launched ahead while this says so
+        self._expecting = expecting  # --warm-wait: a sequence will join soon (warm.py)
+        self.warm_waits = 0  # waits with the torch thread kept awake
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
@@ -83,11 +89,21 @@ class DecodeEngine:
         self.last_step_ns = (0, 0, 0)
         self._tables = BlockTables()  # torch thread only
 
+    @property
+    def warm_waits_enabled(self) -> bool:
+        return self._expecting is not None
+
     # ---- membership ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; it joins the batch at the next step."""
         self._waiting[seq.key] = seq
         self._work.set()
+
+    def expect(self) -> None:
+        """A sequence will join soon (an early HANDOFF): an idle `wait_for_work` looks again
+        whether to keep the torch thread awake."""
+        if self._expecting is not None:
+            self._work.set()
 
     def remove(self, key: str) -> Sequence | None:
         """Take a sequence out by its key (abort, link loss); its blocks are the caller's to free."""
@@ -117,7 +133,11 @@ class DecodeEngine:
         ahead is still to be read."""
         while not self._active and not self._waiting and self._ahead is None:
             self._work.clear()
-            await self._work.wait()
+            if self._expecting is not None and self._expecting():
+                self.warm_waits += 1
+                await warm_wait(self._work, self.rt.executor)
+            else:
+                await self._work.wait()
 
     async def step(self) -> list[tuple[Sequence, int]]:
         """Admit the queued sequences, run one step on the torch thread, and return each batch

@@ -51,11 +51,16 @@ StartPull = Callable[[PullDone], Any]  # starts a pull with its `done`: what a r
 
 
 class DecodeRequests:
-    def __init__(self, rt: ModelRuntime, *, max_batch: int, overlap: str = "off") -> None:
+    def __init__(
+        self, rt: ModelRuntime, *, max_batch: int, overlap: str = "off", warm_wait: bool = False
+    ) -> None:
         self.rt = rt
         self.overlap = overlap  # --overlap-steps as resolved: "on", "always" or "off"
         hold = self._prefilling if overlap == "on" else None
-        self.engine = DecodeEngine(rt, max_batch=max_batch, overlap=overlap != "off", hold=hold)
+        expecting = self._prefilling if warm_wait else None  # --warm-wait (warm.py)
+        self.engine = DecodeEngine(
+            rt, max_batch=max_batch, overlap=overlap != "off", hold=hold, expecting=expecting
+        )
         self.vocab_size = rt.model.config.vocab_size
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self._table: dict[str, Sequence] = {}  # seq_key(link, request id) -> its sequence
@@ -147,6 +152,7 @@ class DecodeRequests:
             return
         if self.rt.prefix is not None:  # the names its pull publishes, now rather than then
             self.rt.prefix.complete(seq.names)
+        self.engine.expect()  # it joins within about one prefill forward: stay warm for it
 
     def kv_ready(self, peer: Peer, msg: KvReady) -> None:
         """KV_READY: an AWAITING_KV sequence's KV is written and `msg.first_token` is its first

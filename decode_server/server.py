@@ -64,7 +64,8 @@ class DecodeServer(DaemonServer):
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
         overlap = cfg.overlap_mode(rt.device.type)
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, overlap=overlap)
+        warm = cfg.warm_wait_on(rt.device.type)
+        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, overlap=overlap, warm_wait=warm)
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
         self.peers: dict[str, Peer] = {}
@@ -99,7 +100,10 @@ class DecodeServer(DaemonServer):
         (exit status 1)."""
         engine = self.requests.engine
         mode = self.requests.overlap
-        log.info("decode_loop_started", max_batch=engine.max_batch, overlap_steps=mode)
+        warm = engine.warm_waits_enabled
+        log.info(
+            "decode_loop_started", max_batch=engine.max_batch, overlap_steps=mode, warm_wait=warm
+        )
         try:
             await self.requests.run()
         except asyncio.CancelledError:  # the shutdown: what the loop did, for the log
@@ -108,6 +112,7 @@ class DecodeServer(DaemonServer):
                 steps=engine.steps,
                 overlapped=engine.overlapped,
                 held=engine.held,
+                warm_waits=engine.warm_waits,
             )
             raise
         except Exception as exc:  # not attributable to one sequence
