@@ -7,7 +7,9 @@ targets see identical work.
 
 The driver is open-loop: each request is sent at its arrival time whatever the others are doing.
 Latencies count from the request's scheduled arrival, so a client that falls behind shows in them
-instead of hiding (no coordinated omission). A target is one function, `open_stream(spec)`, that
+instead of hiding (no coordinated omission). The send itself is on time to within microseconds
+(`until`): the event loop's timers wake up to ~1 ms late, and every latency would count that;
+how late each request actually went is kept (`sent`) and summarized (`send_lag_ms`). A target is one function, `open_stream(spec)`, that
 yields one request's output as it arrives, each chunk timestamped by the driver on arrival: token
 ids, or text for a target that streams text (the HTTP API), then for those a `Usage` with the
 target's own count of output tokens; a target that knows the server's own timings of a request
@@ -47,7 +49,8 @@ class RequestRecord:
     index: int
     prompt_len: int
     output_len: int
-    start: float = 0.0  # when it was sent (its arrival, or its previous turn's end)
+    start: float = 0.0  # when it was due (its arrival, or its previous turn's end)
+    sent: float = 0.0  # when it was sent (`start` plus the client's own lag)
     turn: int = 0
     token_times: list[float] = field(default_factory=list)  # one per frame of tokens or text
     tokens: list[int] = field(default_factory=list)
@@ -82,6 +85,7 @@ class RequestRecord:
             "ok": self.ok,
             "error": self.error,
             "start_s": self.start,
+            "sent_s": self.sent,
             "turn": self.turn,
             "ttft_ms": self.ttft() * 1e3 if ok else None,
             "e2e_ms": (self.end - self.start) * 1e3,
@@ -160,10 +164,11 @@ async def run_load(
     ended = {s.index: asyncio.Event() for s in specs}
 
     async def one(spec: RequestSpec, rec: RequestRecord) -> None:
-        await asyncio.sleep(max(0.0, t0 + spec.arrival_s - time.perf_counter()))
+        await until(t0 + spec.arrival_s)
         if spec.after is not None:  # a later turn waits for the one before
             await ended[spec.after].wait()
             rec.start = time.perf_counter() - t0
+        rec.sent = time.perf_counter() - t0
         try:
             async for chunk in open_stream(spec):
                 if isinstance(chunk, Usage):
@@ -189,6 +194,20 @@ async def run_load(
     finally:
         reporter.cancel()
     return records, max((r.end for r in records), default=0.0)
+
+
+#: the last stretch before a request is due is spent yielding to the loop, not in a timer
+SPIN_S = 0.002
+
+
+async def until(due: float) -> None:
+    """Return at `due` (time.perf_counter() seconds) to within a loop turn: a timer for all but
+    the last SPIN_S (the loop's timers fire up to ~1 ms late: epoll's millisecond timeout),
+    then yields to the loop, which goes on reading other requests' frames meanwhile."""
+    if (left := due - time.perf_counter()) > SPIN_S:
+        await asyncio.sleep(left - SPIN_S)
+    while time.perf_counter() < due:
+        await asyncio.sleep(0)
 
 
 async def _progress(
@@ -249,6 +268,7 @@ def summarize(records: Sequence[RequestRecord], duration: float) -> dict:
         ),
         "e2e_ms": _dist([r.end - r.start for r in ok]),
         "second_token_ms": _dist([r.itls()[0] for r in ok if len(r.token_times) > 1]),
+        "send_lag_ms": _dist([r.sent - r.start for r in records if r.sent]),
         "server_timings": _server_timings(ok),
         "ttft_ms_by_turn": _by_turn(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],

@@ -27,6 +27,9 @@ def print_table(runs: list[dict]) -> None:
             print(
                 f"    2nd token after the 1st, ms: p50 {second['p50']:.2f}  p99 {second['p99']:.2f}"
             )
+        lag = s.get("send_lag_ms", {})
+        if lag.get("p99") is not None and lag["p99"] >= 0.1:  # the client itself fell behind
+            print(f"    sent late by the client, ms: p50 {lag['p50']:.2f}  p99 {lag['p99']:.2f}")
         server = s.get("server_timings") or {}
         if server:
             parts = [f"{k} {d['p50']:.1f}/{d['p99']:.1f}" for k, d in server.items()]

@@ -97,6 +97,10 @@ def test_summary_figures_are_consistent(report: dict) -> None:
         assert s["ttft_ms"]["p99"] <= s["e2e_ms"]["p99"] + 1e-9
         assert s["request_throughput"] > 0 and s["output_throughput"] > 0
         assert s["duration_s"] > 0
+        lag = s["send_lag_ms"]  # every request went, none before it was due
+        assert 0 <= lag["p50"] <= lag["p99"], (run["target"], lag)
+        for q in run["requests"]:
+            assert q["sent_s"] >= q["start_s"], q
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +189,19 @@ def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
     pulled_on, pulled_off = on["summary"]["pulled_blocks"], off["summary"]["pulled_blocks"]
     assert 0 < pulled_on < pulled_off, (pulled_on, pulled_off)
     assert on["summary"]["pulled_mib"] < off["summary"]["pulled_mib"]
+
+
+def test_a_request_is_never_sent_before_it_is_due() -> None:
+    sys.path.insert(0, str(SERVE.parent))
+    import asyncio
+    import time
+
+    from serve_load import SPIN_S, until
+
+    async def lateness(ahead: float) -> float:
+        due = time.perf_counter() + ahead
+        await until(due)
+        return time.perf_counter() - due
+
+    for ahead in (0.0, SPIN_S / 2, SPIN_S * 3, -1.0):  # within the spin, past it, overdue
+        assert asyncio.run(lateness(ahead)) >= 0, ahead
