@@ -13,6 +13,8 @@
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
 #   tcp     16 × 2000-token prompts at 2/s, 8 out: the Unix socket against a TCP link with NIXL
 #           push, early and late handoff (issue 24 item 3: TTFT ≤ 1.10×, 2nd token ≤ 1.2×)
+#   warm    the same 16 × 2000 over the Unix socket, --warm-wait on against off (issue 24
+#           item 2: the 2nd token), alternated twice
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -23,7 +25,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -123,6 +125,21 @@ if want tcp; then  # issue 24 item 3, alternated twice
         --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
         --json "$R/tcp_${link}_${early}_$round.json" > "$R/tcp_${link}_${early}_$round.log" 2>&1
       grep -E "^daemons|2nd token|handoff_us" "$R/tcp_${link}_${early}_$round.log" | tee -a "$log"
+      pack
+    done
+  done
+fi
+if want warm; then  # issue 24 item 2, alternated twice
+  for round in 1 2; do
+    for warm in on off; do
+      step "warm $warm round $round"
+      PDKV_WARM_WAIT=$warm timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+        --num-blocks 4096 --target daemons --requests 16 --rate 2 \
+        --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
+        --json "$R/warm_${warm}_$round.json" > "$R/warm_${warm}_$round.log" 2>&1
+      grep -E "^daemons|2nd token" "$R/warm_${warm}_$round.log" | tee -a "$log"
+      grep -oE "first_launch_us [0-9.]+/[0-9.]+|first_read_us [0-9.]+/[0-9.]+" \
+        "$R/warm_${warm}_$round.log" | tee -a "$log"
       pack
     done
   done
