@@ -118,7 +118,7 @@ class BlockAllocator:
     def can_allocate(self, n: int, reuse: Sequence[int] = ()) -> bool:
         """True if `allocate(_, n, reuse=reuse)` would succeed now."""
         _check_count(n)
-        return n <= self.num_free - sum(1 for b in reuse if self._names.is_parked(b))
+        return n <= self.num_free - self._names.count_parked(reuse)
 
     def allocate(self, request_id: str, n: int, *, reuse: Sequence[int] = ()) -> list[int]:
         """Give `request_id` the named blocks `reuse` (shared with their other holders; from
@@ -137,22 +137,23 @@ class BlockAllocator:
                 f"request {request_id!r} is leased to {req.lease.holder!r}; "
                 "a leased request cannot grow — release or free it first"
             )
-        self._check_reuse(request_id, reuse)
-        if not self.can_allocate(n, reuse):
+        parked = self._check_reuse(request_id, reuse)
+        if n > self.num_free - parked:  # can_allocate's test, counting `reuse` only once
             raise OutOfBlocks(n, self.num_free, self._total)
         if req is None:
             if not isinstance(request_id, str) or not request_id:
                 raise AllocatorError(f"request id must be a non-empty str, got {request_id!r}")
             req = self._requests[request_id] = _Request()
-        for block in reuse:
-            self._names.unpark(block)
+        if parked:
+            self._names.unpark_all(reuse)
         take = min(n, len(self._free))
         blocks = [*reuse, *self._free.take(take)]
         # least recently freed first, in ascending ids: a request's blocks go back to the cache
         # together (deepest first), so they come out as its runs again
         blocks += sorted(self._names.evict() for _ in range(n - take))
+        users = self._users
         for block in blocks:
-            self._users[block].add(request_id)
+            users[block].add(request_id)
         req.blocks.extend(blocks)
         return blocks
 
@@ -163,15 +164,16 @@ class BlockAllocator:
         if req.lease is not None:
             self._end_lease(request_id, req)
         unnamed = []
+        holders, name_of, park = self._users, self._names.name_of, self._names.park  # per block
         for block in reversed(req.blocks):  # a chain's deepest blocks are evicted first
-            users = self._users[block]
+            users = holders[block]
             users.discard(request_id)
             if users:
                 continue
-            if self._names.name_of(block) is None:
+            if name_of(block) is None:
                 unnamed.append(block)
             else:
-                self._names.park(block)
+                park(block)
         self._free.put(sorted(unnamed))
         return len(req.blocks)
 
@@ -188,12 +190,13 @@ class BlockAllocator:
                 f"request {request_id!r} has {len(req.blocks)} blocks, cannot name {len(names)}"
             )
         named = 0
+        name_of, give = self._names.name_of, self._names.name  # bound once: ~100 blocks a prompt
         for block, name in zip(req.blocks, names, strict=False):
-            if (old := self._names.name_of(block)) is not None:
+            if (old := name_of(block)) is not None:
                 if old != name:
                     raise AllocatorError(f"block {block} is already named otherwise")
                 continue
-            named += self._names.name(block, name)
+            named += give(block, name)
         return named
 
     def lookup(self, names: Iterable[bytes]) -> list[int]:
@@ -335,15 +338,25 @@ class BlockAllocator:
         del self._requests[request_id]
         return req
 
-    def _check_reuse(self, request_id: str, reuse: Sequence[int]) -> None:
+    def _check_reuse(self, request_id: str, reuse: Sequence[int]) -> int:
+        """AllocatorError unless `request_id` may reuse every block of `reuse`: each a block id,
+        named, not already its own, none twice. Returns how many of them are CACHED (parked),
+        i.e. would leave the free count.
+
+        On every prefix hit's way to its forward (~100 blocks for a long shared prefix), so one
+        pass with the lookups bound locally; state_of is only called for what the plain-int
+        range test refuses, to raise its error (or pass an int subclass, as it always did)."""
+        total, name_of, users = self._total, self._names.name_of, self._users
         for block in reuse:
-            self.state_of(block)  # range check
-            if self._names.name_of(block) is None:
+            if not (type(block) is int and 0 <= block < total):
+                self.state_of(block)  # range check
+            if name_of(block) is None:
                 raise AllocatorError(f"block {block} is not named: only cached KV can be reused")
-            if request_id in self._users[block]:
+            if request_id in users[block]:
                 raise AllocatorError(f"block {block} is already held by {request_id!r}")
         if len(set(reuse)) != len(reuse):
             raise AllocatorError(f"reused blocks repeat: {list(reuse)}")
+        return self._names.count_parked(reuse)
 
     def _end_lease(self, request_id: str, req: _Request) -> None:
         assert req.lease is not None

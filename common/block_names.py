@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
+from functools import partial
+from itertools import takewhile
+from operator import is_not
+
+_is_block = partial(is_not, None)  # x -> None is not x: a block id, not a miss
 
 
 class BlockNames:
@@ -35,13 +40,8 @@ class BlockNames:
 
     def lookup(self, names: Iterable[bytes]) -> list[int]:
         """Blocks named names[0], names[1], ... up to the first name not known."""
-        blocks = []
-        for name in names:
-            block = self._by_name.get(name)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
+        # the same loop in C (a long hit is ~100 names): stop at the first name get() misses
+        return list(takewhile(_is_block, map(self._by_name.get, names)))
 
     def name(self, block: int, name: bytes) -> bool:
         """Give an unnamed block `name`, unless another block has it: True if named."""
@@ -62,6 +62,11 @@ class BlockNames:
     def is_parked(self, block: int) -> bool:
         return block in self._parked
 
+    def count_parked(self, blocks: Iterable[int]) -> int:
+        """How many of `blocks` are parked (a block listed twice counts twice); C-level, as it
+        runs over every prefix hit."""
+        return sum(map(self._parked.__contains__, blocks))
+
     def park(self, block: int) -> None:
         """A named block nobody holds any more: last in the eviction order."""
         self._parked[block] = None
@@ -69,6 +74,12 @@ class BlockNames:
     def unpark(self, block: int) -> None:
         """A parked block is held again (reused), or nothing if it was not parked."""
         self._parked.pop(block, None)
+
+    def unpark_all(self, blocks: Iterable[int]) -> None:
+        """`unpark` each of `blocks`."""
+        pop = self._parked.pop
+        for block in blocks:
+            pop(block, None)
 
     def evict(self) -> int:
         """The least recently parked block, its name forgotten."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import array
 import hashlib
 import json
-import sys
+import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,23 +39,39 @@ def block_names(tokens: Sequence[int], block_size: int, seed: bytes) -> list[byt
 
     On every prompt's way to its forward (both daemons), so kept cheap: the ids packed once as
     little-endian int64, each block's hash a copy of one keyed-up BLAKE2b state (no per-block
-    parameter parsing): ~1 µs a block."""
+    parameter parsing): ~0.5 µs a block."""
     full = len(tokens) // block_size
     if not full:
         return []
-    packed = array.array("q", tokens[: full * block_size])
-    if sys.byteorder != "little":
-        packed.byteswap()
-    ids = memoryview(packed).cast("B")
-    step = block_size * 8
-    names = []
-    parent = seed
-    for start in range(0, full * step, step):
-        h = _BLOCK.copy()
+    return _chain(_pack(tokens[: full * block_size]), block_size * 8, seed)
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    """The token ids as little-endian int64s ("<": whatever the host's byte order): the bytes a
+    block's name hashes.
+
+    struct packs a list ~2-3x faster than array.array did; an id it cannot pack raises what
+    array.array raised (TypeError, OverflowError), as block_names always did."""
+    try:
+        return struct.pack(f"<{len(tokens)}q", *tokens)
+    except struct.error:
+        array.array("q", tokens)  # the same check, raising its own error
+        raise
+
+
+def _chain(ids: bytes, step: int, parent: bytes) -> list[bytes]:
+    """Names of the consecutive `step`-byte blocks of `ids`, block i's = H(name i-1, its bytes),
+    name -1 being `parent`. The hot loop (~0.5 µs a block, mostly the four BLAKE2b calls), so
+    the bound methods are local."""
+    copy = _BLOCK.copy
+    names: list[bytes] = []
+    append = names.append
+    for start in range(0, len(ids), step):
+        h = copy()
         h.update(parent)
         h.update(ids[start : start + step])
         parent = h.digest()
-        names.append(parent)
+        append(parent)
     return names
 
 
@@ -81,22 +97,28 @@ class LazyNames(Sequence[bytes]):
         if n <= len(self._done):
             return
         bs, start = self._block_size, len(self._done)
-        more = block_names(self._tokens[start * bs : n * bs], bs, self._parent)
+        more = _chain(_pack(self._tokens[start * bs : n * bs]), bs * 8, self._parent)
         self._done.extend(more)
-        self._parent = self._done[-1]
+        self._parent = more[-1]
 
     def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        # by position in the whole prompt, never relative to the names known so far: with 4 of
+        # 5 known, [-2] is the 4th name and [1:-1] three of them
         if isinstance(index, slice):
-            self._upto(max(range(self._full)[index], default=-1) + 1)
-        else:
-            self._upto((index if index >= 0 else self._full + index) + 1)
-        return self._done[: self._full][index]
+            wanted = range(self._full)[index]
+            self._upto(max(wanted[0], wanted[-1]) + 1 if wanted else 0)
+            return list(map(self._done.__getitem__, wanted))
+        i = range(self._full)[index]  # IndexError out of range, as a list's
+        self._upto(i + 1)
+        return self._done[i]
 
     def __iter__(self) -> Iterator[bytes]:
-        for i in range(self._full):
-            if i == len(self._done):  # doubling: a long hit costs O(log n) calls, not n
-                self._upto(2 * i + 1)
-            yield self._done[i]
+        i = 0
+        while i < self._full:
+            self._upto(2 * i + 1)  # doubling: a long hit costs O(log n) calls, not n
+            known = self._done[i:]  # a copy: a reader may compute more meanwhile
+            yield from known
+            i += len(known)
 
     @property
     def computed(self) -> int:

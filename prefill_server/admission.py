@@ -14,6 +14,7 @@ import contextlib
 import time
 
 from common.allocator import BlockAllocator
+from common.errors import OutOfBlocks
 from common.model.paged import blocks_for
 from common.prefix_cache import PrefixCache
 from common.protocol import ErrorCode
@@ -67,15 +68,17 @@ class Capacity:
         deadline = time.monotonic() + timeout_s
         while True:
             hit = cache.hit(names, num_tokens) if cache is not None and names and lookup else []
-            if alloc.can_allocate(need - len(hit), reuse=hit):
+            try:  # allocate checks what can_allocate would: asking both walks `hit` twice
+                blocks = alloc.allocate(request_id, need - len(hit), reuse=hit)
                 break
+            except OutOfBlocks:
+                pass
             if not await self._wait(deadline):
                 raise RequestFailed(
                     ErrorCode.NO_CAPACITY,
                     f"no {need} free KV blocks within {timeout_s}s "
                     f"({alloc.num_free} free of {alloc.total})",
                 )
-        blocks = alloc.allocate(request_id, need - len(hit), reuse=hit)
         if cache is not None and lookup:
             cache.counted(num_tokens, len(hit))
         return blocks, len(hit)

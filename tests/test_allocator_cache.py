@@ -4,8 +4,10 @@ leased blocks never handed out; names from common.blockhash."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -200,3 +202,59 @@ TestCacheMachine = CacheMachine.TestCase
 TestCacheMachine.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, database=None
 )
+
+
+class _Id(int):
+    """An int subclass: a block id state_of accepts."""
+
+
+def _reuse_error(alloc: BlockAllocator, rid: str, reuse: list[Any]) -> str | None:
+    """What allocate(rid, _, reuse=reuse) must refuse, by the checks' plain definition: each a
+    block id, named, not the request's own, none twice."""
+    for block in reuse:
+        try:
+            alloc.state_of(block)
+        except AllocatorError as exc:
+            return str(exc)
+        if alloc.name_of(block) is None:
+            return f"block {block} is not named: only cached KV can be reused"
+        if rid in alloc.holders_of(block):
+            return f"block {block} is already held by {rid!r}"
+    return f"reused blocks repeat: {reuse}" if len(set(reuse)) != len(reuse) else None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=st.sampled_from(["h", "new"]),
+    n=st.integers(0, 6),
+    reuse=st.lists(
+        st.integers(-2, 9) | st.builds(_Id, st.integers(0, 7)) | st.sampled_from([True, 1.5]),
+        max_size=5,
+    ),
+)
+def test_reuse_is_checked_and_counted_as_defined(rid: str, n: int, reuse: list[Any]) -> None:
+    """The one-pass check in allocate refuses exactly what the definition refuses (changing
+    nothing), and otherwise succeeds exactly when can_allocate says so."""
+    alloc = BlockAllocator(8)
+    _computed(alloc, "a", list(range(8)))  # two named blocks ...
+    alloc.free("a")  # ... CACHED
+    _computed(alloc, "h", [*range(50, 58), 9])  # two named blocks h holds, one unnamed
+    before = [alloc.state_of(b) for b in range(8)], alloc.num_free
+    want = _reuse_error(alloc, rid, reuse)
+    fits = alloc.can_allocate(n, reuse=reuse)
+    if want is not None:
+        with pytest.raises(AllocatorError) as err:
+            alloc.allocate(rid, n, reuse=reuse)
+        assert str(err.value) == want and not isinstance(err.value, OutOfBlocks)
+    elif not fits:
+        with pytest.raises(OutOfBlocks):
+            alloc.allocate(rid, n, reuse=reuse)
+    else:
+        blocks = alloc.allocate(rid, n, reuse=reuse)
+        assert blocks[: len(reuse)] == reuse and len(blocks) == len(reuse) + n
+        assert all(alloc.state_of(b) is BlockState.OWNED for b in blocks)
+        assert alloc.num_free == before[1] - n - sum(
+            before[0][b] is BlockState.CACHED for b in reuse
+        )
+        return
+    assert ([alloc.state_of(b) for b in range(8)], alloc.num_free) == before
