@@ -31,7 +31,7 @@ from pathlib import Path
 from common import client
 from common.sampling_params import SamplingParams
 
-_KEYS = ("handoff_us", "decode_handoff_us", "pull_us")
+_KEYS = ("handoff_us", "decode_handoff_us", "first_read_us", "pull_us", "enqueue_us")
 
 
 def pct(xs: list[float], q: float) -> float:
