@@ -108,6 +108,9 @@ class FakeDecode:
         self.deaf = False
         self.no_capacity = False  # answer every HANDOFF with ERROR NO_CAPACITY
         self.no_capacity_once: set[str] = set()  # answer these ids' first HANDOFF so
+        # answer these ids' first HANDOFF so and then close its connection: the daemon reads the
+        # refusal before it sees the link end, whatever its own timing
+        self.refuse_then_drop: set[str] = set()
         self.finish_on_first = False
         self.frames: list[tuple[str, str]] = []  # (type, request id) of every request's frame
         self.first_tokens: list[KvReady] = []  # KV_READY from the prefill (early handoffs)
@@ -182,12 +185,16 @@ class FakeDecode:
             self.frames.append(("HANDOFF", msg.request_id))
             self.handoffs.append(msg)
             self.handoff_links.append(link_id)
-            if self.no_capacity or msg.request_id in self.no_capacity_once:
+            drop = msg.request_id in self.refuse_then_drop
+            if self.no_capacity or msg.request_id in self.no_capacity_once or drop:
                 self.no_capacity_once.discard(msg.request_id)
+                self.refuse_then_drop.discard(msg.request_id)
                 self._refused.add(msg.request_id)
                 await ch.send(
                     Error(code=ErrorCode.NO_CAPACITY, message="fake", request_id=msg.request_id)
                 )
+                if drop:
+                    ch.close()
             elif self.finish_on_first and msg.first_token is not None:
                 self._refused.discard(msg.request_id)
                 await self._finish(ch, msg.request_id)
