@@ -4,11 +4,12 @@
 #   tests   the GPU tests of the decode step (overlapped or not), the daemons' fp32 reference,
 #           the kernels and the prefill graphs
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
-#   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO)
+#   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO; an
+#           entry MODE+MS also gives the decode --prefill-first-ms MS: "on on+50 on on+50")
 #   nanomps the same, overlapped, both daemons under MPS
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),
-#           once per --overlap-steps mode in $PREFIX (default on)
+#           once per --overlap-steps mode in $PREFIX (default on; MODE+MS as in $NANO)
 #   goodput bench/serve.py's rate sweep with SLO bounds, daemons and one process (issue 24 item 5)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
 #   tcp     16 × 2000-token prompts at 2/s, 8 out: the Unix socket against a TCP link with NIXL
@@ -61,8 +62,11 @@ nano() {  # $1: tag, then the environment for the daemons
   grep -E "^daemons|2nd token|KV pulled" "$R/nano_$tag.log" | tail -6 | tee -a "$log"
   pack
 }
+pf() { [[ $1 == *+* ]] && echo "${1#*+}" || echo 0; }  # MODE+MS -> MS, MODE -> 0
 if want nano; then  # NANO: the --overlap-steps modes to run, in order
-  for mode in ${NANO:-on always off}; do nano "$mode" PDKV_OVERLAP_STEPS="$mode"; done
+  for spec in ${NANO:-on always off}; do
+    nano "$spec" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
+  done
 fi
 if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
@@ -86,7 +90,7 @@ fi
 if want prefix; then  # PREFIX: the --overlap-steps modes to run it with
   for mode in ${PREFIX:-on}; do
     step "prefix $mode"
-    PDKV_OVERLAP_STEPS=$mode timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+    PDKV_OVERLAP_STEPS=${mode%%+*} PDKV_PREFILL_FIRST_MS=$(pf "$mode") timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
       --num-blocks 4096 --target cache --shared-prefix 1536 --prompt-len 128:128 \
       --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$mode.json" \
       > "$R/prefix_$mode.log" 2>&1

@@ -47,6 +47,19 @@ class DecodeConfig(DaemonConfig):
             "the wake-ups would be taken from the prefill's forward).",
         ),
     )
+    prefill_first_ms: float = field(
+        default=0.0,
+        metadata=opt(
+            "--prefill-first-ms",
+            min=0,
+            metavar="MS",
+            help="Both daemons on one GPU without MPS: before a step, while a prefill computes "
+            "prompts it handed to this decode early, launch no step for up to MS ms (then step "
+            "at least once before holding again), so the GPU computes those prompts first. "
+            "Lower TTFT and more tokens/s in bursts, for up to MS ms more between two tokens of "
+            "the sequences decoding meanwhile. 0: off.",
+        ),
+    )
     listen: str | None = field(
         default=None,
         metadata=opt(

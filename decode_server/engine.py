@@ -115,6 +115,11 @@ class DecodeEngine:
     def __len__(self) -> int:
         return len(self._active) + len(self._waiting)
 
+    @property
+    def ahead(self) -> bool:
+        """Whether a step launched ahead is still to be read (overlap)."""
+        return self._ahead is not None
+
     def in_flight(self, key: str) -> bool:
         """Whether a step launched and not read yet holds the sequence `key` (overlap): that
         step may still write its K/V, so its blocks must not be freed yet."""

@@ -43,6 +43,7 @@ from decode_server.admission import admit
 from decode_server.answers import Outbox, finish, out_of_phase
 from decode_server.engine import DecodeEngine
 from decode_server.peer import Peer
+from decode_server.prefill_first import PrefillFirst
 from decode_server.sequence import Phase, Sequence, seq_key
 
 log = structlog.get_logger(__name__)
@@ -52,7 +53,13 @@ StartPull = Callable[[PullDone], Any]  # starts a pull with its `done`: what a r
 
 class DecodeRequests:
     def __init__(
-        self, rt: ModelRuntime, *, max_batch: int, overlap: str = "off", warm_wait: bool = False
+        self,
+        rt: ModelRuntime,
+        *,
+        max_batch: int,
+        overlap: str = "off",
+        warm_wait: bool = False,
+        prefill_first_ms: float = 0.0,
     ) -> None:
         self.rt = rt
         self.overlap = overlap  # --overlap-steps as resolved: "on", "always" or "off"
@@ -61,6 +68,8 @@ class DecodeRequests:
         self.engine = DecodeEngine(
             rt, max_batch=max_batch, overlap=overlap != "off", hold=hold, expecting=expecting
         )
+        # --prefill-first-ms (prefill_first.py): hold a step while a prefill computes our prompts
+        self.prefill_first = PrefillFirst(prefill_first_ms) if prefill_first_ms > 0 else None
         self.vocab_size = rt.model.config.vocab_size
         self._stop_ids = rt.model.config.stop_token_ids  # a property that builds a set: once
         self._table: dict[str, Sequence] = {}  # seq_key(link, request id) -> its sequence
@@ -83,6 +92,10 @@ class DecodeRequests:
         between steps to that forward."""
         return any(s.phase is Phase.AWAITING_KV for s in self._table.values())
 
+    def _awaiting_kv(self) -> list[str]:
+        """The keys of the sequences handed to us early whose KV a prefill still computes."""
+        return [k for k, s in self._table.items() if s.phase is Phase.AWAITING_KV]
+
     def phase(self, link_id: str, request_id: str) -> Phase | None:
         """Where the request is; None once the decode holds nothing of it."""
         seq = self._table.get(seq_key(link_id, request_id))
@@ -94,6 +107,8 @@ class DecodeRequests:
         try:
             while True:
                 await self.engine.wait_for_work()
+                if self.prefill_first is not None and not self.engine.ahead:
+                    await self.prefill_first.hold(self._awaiting_kv)
                 self._stepping = True
                 try:
                     results = await self.engine.step()
@@ -182,6 +197,8 @@ class DecodeRequests:
         plan, seq.plan = seq.plan, None
         consumer = peer.consumer
         assert consumer is not None and plan is not None  # planned at HANDOFF
+        if self.prefill_first is not None:
+            self.prefill_first.moved()
         self._start_pull(seq, lambda done: consumer.start(plan, done))
 
     def pull_done(self, seq: Sequence, exc: BaseException | None) -> None:
@@ -313,6 +330,8 @@ class DecodeRequests:
         if seq.phase is Phase.DECODING:
             self.engine.remove(seq.key)
         plan, consumer = seq.plan, seq.link.consumer
+        if seq.phase is Phase.AWAITING_KV and self.prefill_first is not None:
+            self.prefill_first.moved()
         seq.phase, seq.plan = Phase.ENDING, None
         if plan is not None and consumer is not None:
             landed = functools.partial(self._discarded, seq)

@@ -65,7 +65,13 @@ class DecodeServer(DaemonServer):
         self._spin_s = cfg.spin_us / 1e6
         overlap = cfg.overlap_mode(rt.device.type)
         warm = cfg.warm_wait_on(rt.device.type)
-        self.requests = DecodeRequests(rt, max_batch=cfg.max_batch, overlap=overlap, warm_wait=warm)
+        self.requests = DecodeRequests(
+            rt,
+            max_batch=cfg.max_batch,
+            overlap=overlap,
+            warm_wait=warm,
+            prefill_first_ms=cfg.prefill_first_ms,
+        )
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
         self.peers: dict[str, Peer] = {}
@@ -101,8 +107,13 @@ class DecodeServer(DaemonServer):
         engine = self.requests.engine
         mode = self.requests.overlap
         warm = engine.warm_waits_enabled
+        first = self.requests.prefill_first
         log.info(
-            "decode_loop_started", max_batch=engine.max_batch, overlap_steps=mode, warm_wait=warm
+            "decode_loop_started",
+            max_batch=engine.max_batch,
+            overlap_steps=mode,
+            warm_wait=warm,
+            prefill_first_ms=self.cfg.prefill_first_ms,
         )
         try:
             await self.requests.run()
@@ -113,6 +124,9 @@ class DecodeServer(DaemonServer):
                 overlapped=engine.overlapped,
                 held=engine.held,
                 warm_waits=engine.warm_waits,
+                prefill_first_holds=None if first is None else first.holds,
+                prefill_first_timeouts=None if first is None else first.timeouts,
+                prefill_first_held_s=None if first is None else round(first.held_s, 3),
             )
             raise
         except Exception as exc:  # not attributable to one sequence

@@ -62,8 +62,26 @@ def test_overlapped_decode_steps_equal_reference(pair_factory, tiny):
     """--overlap-steps on (auto turns it on for CUDA only): greedy requests of many lengths, some
     stopped by a stop token, and seeded sampled ones that make the batch leave the overlap now
     and then, through real daemons: every stream is the reference's and no block stays owned."""
+    stopped = _mixed_requests_equal_reference(pair_factory, tiny, "--overlap-steps", "on")
+    assert stopped["overlapped"] > 0, "no step ran ahead"
+
+
+def test_prefill_first_holds_equal_reference(pair_factory, tiny):
+    """--prefill-first-ms: the decode holds its steps while the prefill computes prompts it
+    handed off early; the same mixed requests, arriving together, still give the reference's
+    streams, free every block, and the decode did hold (none of its holds is a no-op)."""
+    args = ("--overlap-steps", "on", "--prefill-first-ms", "200")
+    stopped = _mixed_requests_equal_reference(pair_factory, tiny, *args)
+    assert stopped["prefill_first_holds"] > 0, stopped
+    assert stopped["prefill_first_held_s"] > 0, stopped
+
+
+def _mixed_requests_equal_reference(pair_factory, tiny, *decode_args: str) -> dict:  # type: ignore[no-untyped-def]
+    """24 mixed requests at once through a pair whose decode takes `decode_args`: each stream
+    equals the reference, no block stays owned, both exit 0. -> the decode's decode_loop_stopped
+    log line."""
     model, _ = tiny
-    pair_factory.start("decode", "--overlap-steps", "on")
+    pair_factory.start("decode", *decode_args)
     pair_factory.start("prefill")
     prompts = _prompts(24, seed=3)
     params = []
@@ -98,7 +116,8 @@ def test_overlapped_decode_steps_equal_reference(pair_factory, tiny):
     stopped = [
         json.loads(line) for line in decode.log_text().splitlines() if "decode_loop_stopped" in line
     ]
-    assert stopped and stopped[0]["overlapped"] > 0, "no step ran ahead"
+    assert stopped, "the decode did not log its loop's end"
+    return stopped[0]
 
 
 def test_text_prompt_streams_and_seeded_sampling_matches_reference(pair, tiny):
