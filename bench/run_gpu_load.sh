@@ -65,7 +65,7 @@ nano() {  # $1: tag, then the environment for the daemons
 pf() { [[ $1 == *+* ]] && echo "${1#*+}" || echo 0; }  # MODE+MS -> MS, MODE -> 0
 if want nano; then  # NANO: the --overlap-steps modes to run, in order
   for spec in ${NANO:-on always off}; do
-    nano "$spec" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
+    nano "${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
   done
 fi
 if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
@@ -89,17 +89,18 @@ if want kernel && [ -f bench/context_kernel.py ]; then
 fi
 if want prefix; then  # PREFIX: the --overlap-steps modes to run it with
   for mode in ${PREFIX:-on}; do
-    step "prefix $mode"
+    tag=${mode/+/_pf}
+    step "prefix $tag"
     PDKV_OVERLAP_STEPS=${mode%%+*} PDKV_PREFILL_FIRST_MS=$(pf "$mode") timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
       --num-blocks 4096 --target cache --shared-prefix 1536 --prompt-len 128:128 \
-      --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$mode.json" \
-      > "$R/prefix_$mode.log" 2>&1
-    grep -E "^daemons|2nd token|KV pulled|same tokens" "$R/prefix_$mode.log" | tee -a "$log"
+      --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$tag.json" \
+      > "$R/prefix_$tag.log" 2>&1
+    grep -E "^daemons|2nd token|KV pulled|same tokens" "$R/prefix_$tag.log" | tee -a "$log"
     pack
   done
 fi
 if want goodput; then  # issue 24 item 5: daemons against one process over a rate sweep
-  step goodput
+  step "goodput prefill-first-ms ${PDKV_PREFILL_FIRST_MS:-0}"
   timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 8192 \
     --requests 64 --prompt-len 128:1024 --output-len 32:256 --sweep "${RATES:-8,16,32,64}" \
     --slo-ttft-ms "${SLO_TTFT_MS:-100}" --slo-itl-ms "${SLO_ITL_MS:-4}" --progress 30 \
