@@ -6,7 +6,7 @@
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
 #   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO; an
 #           entry MODE+MS also gives the decode --prefill-first-ms MS: "on on+50 on on+50")
-#   nanomps the same, overlapped, both daemons under MPS
+#   nanomps the same, both daemons under MPS ($NANOMPS, entries as in $NANO; default on)
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),
 #           once per --overlap-steps mode in $PREFIX (default on; MODE+MS as in $NANO)
@@ -71,7 +71,11 @@ fi
 if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  nvidia-cuda-mps-control -d && nano mps PDKV_OVERLAP_STEPS=on
+  if nvidia-cuda-mps-control -d; then  # NANOMPS: entries as in NANO (default on)
+    for spec in ${NANOMPS:-on}; do
+      nano "mps_${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
+    done
+  fi
   echo quit | nvidia-cuda-mps-control
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 fi
