@@ -5,7 +5,7 @@
 #           the kernels and the prefill graphs
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
 #   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO; an
-#           entry MODE+MS also gives the decode --prefill-first-ms MS: "on on+50 on on+50")
+#           entry MODE+MS gives the decode --prefill-first-ms MS, MODE alone 0: "on on+50 on on+50")
 #   nanomps the same, both daemons under MPS ($NANOMPS, entries as in $NANO; default on)
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),

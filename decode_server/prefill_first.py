@@ -13,8 +13,10 @@ least once before it holds again, so decoding sequences advance one step per pre
 the least, and a token waits at most N ms more than it would. Sequences that arrive during a
 hold are not waited for in it.
 
-Off (0) by default: it trades the decoding sequences' inter-token latency for the waiting
-prompts' TTFT and the burst's throughput (docs/operations.md, "Both daemons on one GPU").
+Only sequences from a link whose consumer `shares_device` count: a prefill on another GPU or
+host does not take turns with our steps. 50 ms on CUDA by default, off on the CPU: it trades the
+decoding sequences' inter-token latency in a burst for the waiting prompts' TTFT and the burst's
+throughput (docs/operations.md, "Both daemons on one GPU: prefill first").
 """
 
 from __future__ import annotations

@@ -93,8 +93,15 @@ class DecodeRequests:
         return any(s.phase is Phase.AWAITING_KV for s in self._table.values())
 
     def _awaiting_kv(self) -> list[str]:
-        """The keys of the sequences handed to us early whose KV a prefill still computes."""
-        return [k for k, s in self._table.items() if s.phase is Phase.AWAITING_KV]
+        """The keys of the sequences handed to us early whose KV a prefill on our own device
+        still computes (a prefill on another GPU or host does not take turns with our steps)."""
+        return [
+            k
+            for k, s in self._table.items()
+            if s.phase is Phase.AWAITING_KV
+            and s.link.consumer is not None
+            and s.link.consumer.shares_device
+        ]
 
     def phase(self, link_id: str, request_id: str) -> Phase | None:
         """Where the request is; None once the decode holds nothing of it."""

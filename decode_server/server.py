@@ -70,7 +70,7 @@ class DecodeServer(DaemonServer):
             max_batch=cfg.max_batch,
             overlap=overlap,
             warm_wait=warm,
-            prefill_first_ms=cfg.prefill_first_ms,
+            prefill_first_ms=cfg.prefill_first_for(rt.device.type),
         )
         self._decoding: asyncio.Task[None] | None = None  # DecodeRequests.run
         self._failure: BaseException | None = None  # why the decode loop ended, if it did
@@ -113,7 +113,7 @@ class DecodeServer(DaemonServer):
             max_batch=engine.max_batch,
             overlap_steps=mode,
             warm_wait=warm,
-            prefill_first_ms=self.cfg.prefill_first_ms,
+            prefill_first_ms=self.cfg.prefill_first_for(self.rt.device.type),
         )
         try:
             await self.requests.run()

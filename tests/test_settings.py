@@ -59,7 +59,7 @@ def _changed(s: Setting, tmp_path: Path) -> Any:
     if s.type is int:
         return 2 if s.default is None else s.default + 1
     if s.type is float:
-        return s.default + 1.5
+        return 2.5 if s.default is None else s.default + 1.5
     return f"{s.name}-value"
 
 

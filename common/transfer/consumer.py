@@ -134,6 +134,11 @@ class KVConsumer(Consumer):
     def peer_blocks(self) -> int:
         return self._peer().num_blocks
 
+    @property
+    def shares_device(self) -> bool:
+        peer = self.peer
+        return peer is not None and peer.device == self.local.device
+
     def into(self, local: KVPool) -> KVConsumer:
         """This link, pulling into another local pool of the same layout on the same device
         (CacheManager pulls one import into many caches). The view shares the mapping, the ring

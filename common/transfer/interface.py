@@ -219,6 +219,12 @@ class Consumer(ABC):
     def peer_blocks(self) -> int:
         """How many blocks the peer's pool has."""
 
+    @property
+    def shares_device(self) -> bool:
+        """Whether the peer's pool is on this consumer's own device (one GPU for both daemons,
+        whose kernels then take turns on it). False by default: another host's memory."""
+        return False
+
     def registered(self) -> Registered:
         """The REGISTERED answering the REGISTER this consumer was opened from."""
         return Registered(num_blocks=self.local.num_blocks)

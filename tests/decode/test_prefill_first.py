@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 
 import pytest
 
+from common.config import DecodeConfig
 from common.model import reference
 from common.protocol import Finish, KvReady, Tokens
+from common.transfer import KVConsumer
 from decode_server.prefill_first import PrefillFirst
 from decode_server.requests import DecodeRequests
 from tests.decode.conftest import FakeLink, Side
@@ -127,3 +130,43 @@ async def test_an_abort_or_a_later_arrival_does_not_prolong_a_hold(side: Side, l
 def test_a_hold_needs_a_positive_bound():
     with pytest.raises(ValueError, match="positive"):
         PrefillFirst(0)
+
+
+class ElsewhereConsumer(KVConsumer):
+    """A link whose prefill computes on another device (another GPU, another host): what a CPU
+    machine cannot have, so the one fake here is its answer to shares_device."""
+
+    @property
+    def shares_device(self) -> bool:
+        return False
+
+
+async def test_a_prefill_on_another_device_is_not_waited_for(side: Side, rt):
+    """Its forwards do not take turns with our steps: no hold for its early handoffs."""
+    reg, fds = side.producer.register()
+    consumer = ElsewhereConsumer.open(reg, lambda n: [os.dup(fd) for fd in fds[:n]], rt.pool)
+    link = FakeLink("link-far", consumer)
+    table = DecodeRequests(rt, max_batch=8, prefill_first_ms=10_000)
+    first = table.prefill_first
+    assert first is not None
+    h1, h2 = side.prefill("d1", PROMPT, GREEDY), side.prefill("e1", OTHER, GREEDY)
+    table.handoff(link, h1)
+    table.handoff(link, early(h2))
+    try:
+        async with running(table) as loop:
+            await until(lambda: finished(link, "d1"), loop, timeout=5)
+        assert first.holds == 0
+        assert tokens_of(link, "d1", h1.first_token) == ref(rt, PROMPT)
+        table.abort(link, "e1")
+    finally:
+        consumer.close()
+    for rid in ("d1", "e1"):
+        side.producer.allocator.free(rid)
+    assert rt.allocator.num_free == rt.allocator.total
+
+
+def test_the_hold_is_on_by_default_on_cuda_only(tmp_path):
+    cfg = DecodeConfig(runtime_dir=tmp_path)
+    assert (cfg.prefill_first_for("cuda"), cfg.prefill_first_for("cpu")) == (50.0, 0.0)
+    explicit = DecodeConfig(runtime_dir=tmp_path, prefill_first_ms=0)
+    assert explicit.prefill_first_for("cuda") == 0.0
