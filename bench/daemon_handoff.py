@@ -78,10 +78,11 @@ async def measure(rt: Path, requests: int, warmup: int) -> dict[str, list[float]
         prompt = [(i + j) % 250 for j in range(64)]
         res = await client.generate(str(rt / "prefill.sock"), prompt_tokens=prompt, sampling=params)
         assert res.finish is not None and len(res.tokens) == 2, res
-        if i >= warmup:
+        if i >= warmup:  # first_read_us only after an early HANDOFF (KV_READY)
             for k in _KEYS:
-                got[k].append(res.finish.timings[k])
-    return got
+                if k in res.finish.timings:
+                    got[k].append(res.finish.timings[k])
+    return {k: v for k, v in got.items() if v}
 
 
 def main() -> None:

@@ -147,7 +147,7 @@ if want warm; then  # issue 24 item 2, alternated twice
         --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
         --json "$R/warm_${warm}_$round.json" > "$R/warm_${warm}_$round.log" 2>&1
       grep -E "^daemons|2nd token" "$R/warm_${warm}_$round.log" | tee -a "$log"
-      grep -oE "first_launch_us [0-9.]+/[0-9.]+|first_read_us [0-9.]+/[0-9.]+" \
+      grep -oE "(first_(launch|prep|fill|read|sync)|usable|pull|enqueue|join)_us [0-9.]+/[0-9.]+" \
         "$R/warm_${warm}_$round.log" | tee -a "$log"
       pack
     done

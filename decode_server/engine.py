@@ -83,10 +83,11 @@ class DecodeEngine:
         self.steps = 0
         self.overlapped = 0  # steps launched ahead of the previous step's read
         self.held = 0  # steps that could have been launched ahead but were held (`hold`)
-        # the last step's torch-thread clock (monotonic ns): started, launched (every kernel
-        # queued, before the host sync), synced (tokens on the host); set on the torch thread,
-        # read on the loop after the step returned
-        self.last_step_ns = (0, 0, 0)
+        # the last step's torch-thread clock (monotonic ns): started, prepared (pulls waited
+        # for, inputs computed), replaying (the graph's inputs copied, its replay called),
+        # launched (every kernel queued, before the host sync), synced (tokens on the host); set
+        # on the torch thread, read on the loop after the step returned
+        self.last_step_ns = (0, 0, 0, 0, 0)
         self._tables = BlockTables()  # torch thread only
 
     @property
@@ -196,13 +197,15 @@ class DecodeEngine:
         """A read step's tokens applied to its sequences still in the batch (module docstring):
         each one's (sequence, token), token -1 for one that failed alone."""
         self.steps += 1
-        started, launched, synced = self.last_step_ns
+        started, prepared, replaying, launched, synced = self.last_step_ns
         results = []
         for i, (seq, tok) in enumerate(zip(batch, tokens, strict=True)):
             if self._active.get(seq.key) is not seq:
                 continue  # removed while the step ran
             if not seq.steps:  # its first step: where the 2nd token's time goes
                 seq.marks.stamp("first_step_started", started)
+                seq.marks.stamp("first_step_prepared", prepared)
+                seq.marks.stamp("first_step_replaying", replaying)
                 seq.marks.stamp("first_step_launched", launched)
                 seq.marks.stamp("first_step_synced", synced)
             else:  # later steps, for comparison with the first
@@ -229,7 +232,7 @@ class DecodeEngine:
         if ahead is None:
             return new, [], []
         tokens = ahead.read()
-        self.last_step_ns = (ahead.started, ahead.launched, time.monotonic_ns())
+        self.last_step_ns = (*ahead.clock, time.monotonic_ns())
         return new, ahead.batch, tokens
 
     def _launch(self, batch: list[Sequence], ahead: Launched | None) -> Launched:
@@ -243,10 +246,12 @@ class DecodeEngine:
         carry = (src, ahead.argmax) if ahead is not None and (src >= 0).any() else None
         dev = self.rt.device
         assert self._readback is not None
+        prepared = replaying = time.monotonic_ns()
         with self.rt.on_stream():
             if self._graphable(n, tables):
                 assert self.rt.runner is not None
                 argmax, logits = self.rt.runner.run(tokens, positions, slots, tables, carry=carry)
+                replaying = self.rt.runner.replay_ns
             else:
                 tok = torch.tensor(tokens, dtype=torch.long).to(dev)
                 if carry is not None:
@@ -256,7 +261,8 @@ class DecodeEngine:
             host, done = self._readback.start(argmax, logits)
         self.overlapped += ahead is not None
         keys = {s.key: i for i, s in enumerate(batch)}
-        return Launched(batch, keys, argmax, host, done, started, time.monotonic_ns())
+        clock = (started, prepared, replaying, time.monotonic_ns())
+        return Launched(batch, keys, argmax, host, done, clock)
 
     def _wait_for_pulls(self, batch: list[Sequence]) -> None:
         """Torch thread, before the step's first launch: the compute stream waits (on the GPU)
@@ -319,20 +325,22 @@ class DecodeEngine:
         self._wait_for_pulls(batch)
         dev = self.rt.device
         tokens, positions, slots, tables = self._inputs(batch)
+        prepared = time.monotonic_ns()
         if self._graphable(len(batch), tables):
             assert self.rt.runner is not None
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
                 argmax, logits = self.rt.runner.run(tokens, positions, slots, tables)
                 launched = time.monotonic_ns()
                 out = self._draw(batch, logits, argmax)
-            self.last_step_ns = (started, launched, time.monotonic_ns())
+            replaying = self.rt.runner.replay_ns
+            self.last_step_ns = (started, prepared, replaying, launched, time.monotonic_ns())
             return out
         with self.rt.on_stream():
             tok = torch.tensor(tokens, dtype=torch.long).to(dev)
             logits = self._eager(tok, positions, slots, tables)
             launched = time.monotonic_ns()
             out = self._draw(batch, logits)
-        self.last_step_ns = (started, launched, time.monotonic_ns())
+        self.last_step_ns = (started, prepared, prepared, launched, time.monotonic_ns())
         return out
 
     def _graphable(self, n: int, tables: np.ndarray) -> bool:

@@ -42,8 +42,9 @@ class Launched:
     argmax: torch.Tensor  # [n] int64 on the device; valid until the next step's launch
     host: torch.Tensor  # [2, n] int64 on the host: ids, finite flags, once `done` completed
     done: Any  # torch.cuda.Event recorded after the copy; None where the copy was synchronous
-    started: int  # monotonic ns: the launch began, every kernel queued
-    launched: int
+    # monotonic ns: the launch began, its inputs were computed, its graph's replay was called,
+    # every kernel was queued (DecodeEngine.last_step_ns)
+    clock: tuple[int, int, int, int]
 
     def read(self) -> list[int | SamplingError]:
         """Each row's token, or the SamplingError of a row whose logits were not finite (waits

@@ -13,7 +13,8 @@ stamps marks on `seq.marks` (CLOCK_MONOTONIC ns), under these names:
     usable                     joined, and its pull's start returned: the KV is usable on our
                                stream (a NIXL transfer: once done)
     pulled                     the copy seen complete on the host (RELEASE goes)
-    first_step_started, first_step_launched, first_step_synced   its first step (engine.py)
+    first_step_started, first_step_prepared, first_step_replaying, first_step_launched,
+    first_step_synced          its first step (engine.py's last_step_ns)
     first_posted, finished     its first decoded token posted; its FINISH built
 
 A mark from P's clock is stamped only from a frame that carries one (`sent_ns` is 0 on a link
@@ -41,6 +42,8 @@ SPANS = (
     Span("enqueue_us", "pull_started", "enqueued"),
     Span("join_us", "joined", "first_step_started"),
     Span("first_launch_us", "first_step_started", "first_step_launched"),
+    Span("first_prep_us", "first_step_started", "first_step_prepared"),
+    Span("first_fill_us", "first_step_prepared", "first_step_replaying"),
     Span("first_sync_us", "first_step_launched", "first_step_synced"),
 )
 DECODE_MS = Span("decode_ms", "pull_started", "finished", 1_000_000)

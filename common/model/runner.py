@@ -18,6 +18,7 @@ generator of (seed, step), so its token is the one any other process draws.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,6 +57,7 @@ class DecodeRunner:
         self._host_np = self._host.numpy()
         self._dev = torch.zeros_like(self._host, device=model.device)
         self._copied = torch.cuda.Event()  # the host buffer is free again once this completes
+        self.replay_ns = 0  # monotonic ns: the last `run` called its graph's replay
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._logits: dict[int, torch.Tensor] = {}
         self._argmax: dict[int, torch.Tensor] = {}
@@ -160,6 +162,7 @@ class DecodeRunner:
         self._copied.record()
         if carry is not None:
             carry_tokens(self._views(n)[0], self._carried(n), carry[1])
+        self.replay_ns = time.monotonic_ns()
         self._graphs[bucket].replay()
         return self._argmax[bucket][:n], self._logits[bucket][:n]
 

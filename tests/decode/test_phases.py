@@ -35,6 +35,8 @@ LATE_KEYS = {
     "enqueue_us",
     "join_us",
     "first_launch_us",
+    "first_prep_us",
+    "first_fill_us",
     "first_sync_us",
     "later_step_us",
     "decode_ms",
