@@ -153,7 +153,7 @@ class PrefillConfig(DaemonConfig):
         metadata=opt(
             "--max-prefill-tokens",
             min=1,
-            show_default="8192 on CUDA, 1 on CPU",
+            show_default="16384 on CUDA, 1 on CPU",
             help="Most prompt tokens prefilled in one forward: prompts that arrive while a forward "
             "runs share the next one up to this. 1: one prompt per forward, the CPU default (a "
             "forward there costs about its tokens). Set, it is also the chunk size: a prompt "
@@ -162,12 +162,13 @@ class PrefillConfig(DaemonConfig):
         ),
     )
     event_slots: int = field(
-        default=64,
+        default=256,
         metadata=opt(
             "--event-slots",
             min=1,
             max=1024,
-            help="CUDA: interprocess events in the handoff ring (handoffs in flight at once).",
+            help="CUDA: interprocess events in the handoff ring (handoffs in flight at once; "
+            "a request past them waits before its forward).",
         ),
     )
     prefill_graph_tokens: int = field(
@@ -217,11 +218,13 @@ class PrefillConfig(DaemonConfig):
     )
 
     def prefill_budget(self, device_type: str) -> int:
-        """--max-prefill-tokens, or 8192 on CUDA and 1 (one prompt a forward) on CPU, where a
-        forward costs about its tokens and batching buys no throughput (docs/benchmarks.md)."""
+        """--max-prefill-tokens, or 16384 on CUDA (as one process's burst prefill: on an H200
+        a burst of 256 prompts reached its first tokens sooner than with 8192) and 1 (one
+        prompt a forward) on CPU, where a forward costs about its tokens and batching buys no
+        throughput (docs/benchmarks.md)."""
         if self.max_prefill_tokens is not None:
             return self.max_prefill_tokens
-        return 8192 if device_type == "cuda" else 1
+        return 16384 if device_type == "cuda" else 1
 
     def prefill_chunk(self) -> int:
         """Most positions of one prompt computed in one forward (chunked prefill):
