@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from common.errors import OutOfBlocks
 from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode, Handoff, KvReady, Release, make_error
 from common.throughput import Throughput
@@ -130,6 +131,36 @@ class DecodeRequests:
             self._free_ended()
 
     # ---- events ----------------------------------------------------------------------------------
+    def warm_pull(self, peer: Peer) -> None:
+        """A new link: one pull through it into a scratch block (Consumer.warm), so its
+        first-time costs fall now, not on its first request. Best effort: a full pool or a
+        failure only skips it (logged)."""
+        consumer, alloc = peer.consumer, self.rt.allocator
+        owner = f"warm-pull@{peer.link_id}"  # no sequence key: those are LINK/REQUEST
+        if consumer is None:
+            return
+        try:
+            (scratch,) = alloc.allocate(owner, 1)
+        except OutOfBlocks:
+            return
+        started = time.perf_counter()
+
+        def done(exc: BaseException | None) -> None:
+            alloc.free(owner)
+            ms = round((time.perf_counter() - started) * 1e3, 3)
+            if exc is None:
+                log.info("link_warm_pull_done", link=peer.link_id, ms=ms)
+            else:
+                log.warning("link_warm_pull_failed", link=peer.link_id, error=str(exc), ms=ms)
+
+        try:
+            warmed = consumer.warm(scratch, done)
+        except Exception as exc:  # never worth a link: the first request pays instead
+            log.warning("link_warm_pull_failed", link=peer.link_id, error=str(exc))
+            warmed = False
+        if not warmed:
+            alloc.free(owner)
+
     def handoff(self, peer: Peer, h: Handoff) -> None:
         """HANDOFF: check it and reserve blocks for the request's whole life (or answer
         BAD_REQUEST / NO_CAPACITY); early (no first token): AWAITING_KV with its pull planned;

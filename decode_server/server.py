@@ -236,6 +236,7 @@ class DecodeServer(DaemonServer):
         if not isinstance(reg, Register):
             raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
         peer.post(peer.register(reg, self.sides[peer.kind]))
+        self.requests.warm_pull(peer)  # its first-time costs now, not on its first request
         channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
         self.peers[peer.link_id] = peer
         watchdog = asyncio.create_task(

@@ -182,6 +182,19 @@ class KVConsumer(Consumer):
         self._track(ready, done)
         return ready
 
+    def warm(self, scratch: int, done: PullDone) -> bool:
+        """CUDA: the peer's block 0 copied into `scratch` on the pull stream, tracked by the
+        waiter thread (interface.Consumer.warm). On the H200 a fresh decode's first pull took
+        30 ms to enqueue and held its loop meanwhile, with every KV_READY of the first burst
+        behind it. No event slot is waited on: the copy may read a block the peer is writing,
+        into a block nobody reads."""
+        if self._stream is None:
+            return False
+        peer = self._peer()
+        ready = self._enqueue(peer, self.plan([0], [scratch], -1))
+        self._track(ready, done)
+        return True
+
     def _enqueue(self, peer: KVPool, plan: PullPlan) -> Ready:
         """CUDA: the pull stream waits on the peer's event `slot`, the copy follows on that
         stream, and an event recorded after it is returned. Nothing here waits on the host."""

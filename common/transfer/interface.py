@@ -248,6 +248,14 @@ class Consumer(ABC):
         """An early HANDOFF's plan: ask now for what the peer must do (nothing, by default)."""
         return plan
 
+    def warm(self, scratch: int, done: PullDone) -> bool:
+        """Pull one peer block into the local block `scratch` the way a request's pull goes, so
+        that what a process does only the first time (a kernel's load, the completion thread)
+        falls at link setup and not on the first request. The caller owns `scratch` until
+        `done` runs (once, as for `start`); False (and `done` never runs) when this transport
+        has nothing to warm."""
+        return False
+
     def discard(self, plan: PullPlan, done: PullDone, *, may_land: bool) -> bool:
         """A planned pull that will never start (contract); False: its blocks are free now."""
         return False

@@ -139,3 +139,11 @@ async def test_a_sequence_aborted_mid_step_keeps_its_blocks_until_the_step_retur
             await loop
     assert link.of(Tokens) == []  # the aborted sequence's token was dropped
     side.producer.allocator.free("r1")
+
+
+def test_a_links_warm_pull_on_cpu_takes_no_block_and_posts_nothing(side: Side, rt, table):
+    link = FakeLink("link-w", open_consumer(side, rt.pool))
+    free = rt.allocator.num_free
+    table.warm_pull(link)  # nothing to warm where the copy runs inline
+    assert rt.allocator.num_free == free and "warm-pull@link-w" not in rt.allocator
+    assert link.frames == []

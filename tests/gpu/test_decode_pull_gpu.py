@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -79,3 +80,25 @@ async def test_sequences_join_before_their_pull_completes_and_decode_the_referen
     assert rt.allocator.num_free == rt.allocator.total
     consumer.close()
     side.producer.close()
+
+
+async def test_a_links_warm_pull_copies_a_peer_block_into_scratch_and_frees_it(rt) -> None:
+    layout = PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 64})
+    peer = KVPool.create(layout, rt.device)
+    peer.tensor.copy_(torch.randn(layout.shape, device=rt.device))
+    consumer = KVConsumer(
+        rt.pool, peer, SimpleNamespace(close=lambda: None), None, torch.cuda.Stream(rt.device)
+    )
+    done: list[BaseException | None] = []
+    assert consumer.warm(5, done.append)
+    await consumer.drain()  # done ran on the loop, once the waiter saw the copy complete
+    assert done == [None]
+    assert torch.equal(rt.pool.tensor[5], peer.tensor[0])
+    link = FakeLink("link-w", consumer)
+    table = DecodeRequests(rt, max_batch=8)
+    table.warm_pull(link)  # through the table: its scratch block is owned until done
+    assert "warm-pull@link-w" in rt.allocator and rt.allocator.num_free == rt.allocator.total - 1
+    await consumer.drain()
+    assert "warm-pull@link-w" not in rt.allocator
+    assert rt.allocator.num_free == rt.allocator.total and link.frames == []
+    consumer.close()
