@@ -19,6 +19,7 @@ import uvicorn
 
 from api_server.app import Api
 from api_server.config import ApiConfig, base_url
+from common import heap
 from common.rundir import StartupError, remove_file, write_pidfile
 
 log = structlog.get_logger(__name__)
@@ -74,9 +75,12 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
     # raises the signal again: with these no-op handlers that ends in a clean exit 0, not -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    heap.freeze_startup_heap()  # as the daemons do (common.heap)
+    pauses = heap.watch_pauses()
     try:
         server.run(sockets=[sock])
     finally:
+        pauses.close()
         sock.close()
         api.daemons.close()
         remove_file(urlfile)

@@ -23,6 +23,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import structlog
 
+from common import heap
 from common.channel import peer_credentials
 from common.notify import notify
 from common.protocol import ErrorCode, encode, make_error
@@ -191,10 +192,13 @@ async def serve_until_stopped(
             return 0
         server = make_server(loaded, stop)
         await server.start()
+        heap.freeze_startup_heap()  # no full collection walks the model's objects again
+        pauses = heap.watch_pauses()
         ready = asyncio.create_task(_notify_ready(server), name="sd-notify-ready")
         await stop.event.wait()
         ready.cancel()
         notify("STOPPING=1", "STATUS=draining")
+        pauses.close()
         try:
             await server.shutdown()
         except Exception:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import time
 
-from common import daemon
+from common import daemon, heap
 
 
 class FakeServer:
@@ -31,6 +32,9 @@ def test_sigterm_while_serving_runs_the_shutdown_sequence():
     assert code == 0
     assert events == ["start", "shutdown"]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+    assert gc.get_freeze_count() > 0  # the heap as it stood once serving was frozen (heap.py)
+    gc.unfreeze()  # this test process's, not a daemon's
+    assert not [cb for cb in gc.callbacks if isinstance(cb, heap.PauseWatch)]  # closed at stop
 
 
 def test_sigterm_during_model_load_stops_cleanly_without_serving():
