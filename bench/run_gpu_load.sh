@@ -138,8 +138,8 @@ if want tcp; then  # issue 24 item 3, alternated twice
     done
   done
 fi
-if want warm; then  # issue 24 item 2, alternated twice
-  for round in 1 2; do
+if want warm; then  # issue 24 item 2, alternated twice (WARM_ROUNDS)
+  for round in $(seq "${WARM_ROUNDS:-2}"); do
     for warm in on off; do
       step "warm $warm round $round"
       PDKV_WARM_WAIT=$warm timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
