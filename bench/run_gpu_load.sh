@@ -104,7 +104,7 @@ if want prefix; then  # PREFIX: the --overlap-steps modes to run it with
   done
 fi
 if want goodput; then  # issue 24 item 5: daemons against one process over a rate sweep
-  step "goodput prefill-first-ms ${PDKV_PREFILL_FIRST_MS:-0}"
+  step "goodput prefill-first-ms ${PDKV_PREFILL_FIRST_MS:-default}"
   timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 8192 \
     --requests 64 --prompt-len 128:1024 --output-len 32:256 --sweep "${RATES:-8,16,32,64}" \
     --slo-ttft-ms "${SLO_TTFT_MS:-100}" --slo-itl-ms "${SLO_ITL_MS:-4}" --progress 30 \
