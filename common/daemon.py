@@ -23,7 +23,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import structlog
 
-from common import heap
+from common import heap, sched
 from common.channel import peer_credentials
 from common.notify import notify
 from common.protocol import ErrorCode, encode, make_error
@@ -184,6 +184,7 @@ async def serve_until_stopped(
     find and report."""
     stop = StopFlag()
     stop.install()
+    sched.default_slice()  # not a slice of whoever started us: the threads made from here on
     try:
         loaded = await asyncio.to_thread(load)
         if stop.event.is_set():
@@ -193,6 +194,9 @@ async def serve_until_stopped(
         server = make_server(loaded, stop)
         await server.start()
         heap.freeze_startup_heap()  # no full collection walks the model's objects again
+        # a frame that wakes the loop preempts what runs on its CPU (a client, the other
+        # daemon's torch thread) instead of waiting for it to sleep: common/sched.py
+        sched.set_slice(sched.LOOP_SLICE_US)
         pauses = heap.watch_pauses()
         ready = asyncio.create_task(_notify_ready(server), name="sd-notify-ready")
         await stop.event.wait()

@@ -29,6 +29,7 @@ from common.model.loader import load_model, resolve_dtype
 from common.model.paged import blocks_for
 from common.prefix_cache import PrefixCache
 from common.protocol import ModelCard, compat_fields, fingerprint
+from common.sched import default_slice
 from common.throughput import Throughput
 from common.transfer.regions import default_backend
 
@@ -202,7 +203,9 @@ class ModelRuntime:
         )
         pool = KVPool.create(layout, device=device)
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pdkv-{role}-torch")
+        executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"pdkv-{role}-torch", initializer=default_slice
+        )
         stream = prefill_graphs = None
         # the widest block table a sequence can have: the graphs' static tables are this wide
         max_blocks = min(

@@ -35,9 +35,10 @@ from common.protocol import (
     encode,
     make_error,
 )
+from common.sched import cpus_apart
 from common.tcplink import new_nonce, proof, proof_ok
 from common.transfer import Consumer, TransferRefused
-from common.transfer.registry import ConsumerSide
+from common.transfer.registry import UNIX, ConsumerSide
 
 log = structlog.get_logger(__name__)
 _ids = itertools.count(1)
@@ -69,6 +70,9 @@ class Peer:
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.greeted = False  # a HELLO was accepted: this connection is a link
+        # the prefill may run on none of our CPUs (common.sched.cpus_apart; REGISTER on): this
+        # loop may poll for its KV_READY while it computes (server.py, AWAIT_KV_SPIN_S)
+        self.cpus_apart = False
         self._closed = False
         self.log = log.bind(link=self.link_id)
 
@@ -121,8 +125,13 @@ class Peer:
             self.consumer = side.open(reg, self.channel.take_fds, self.post)
         except TransferRefused as exc:
             raise HandshakeError(exc.code, str(exc)) from exc
+        if self.kind == UNIX:  # the process at the socket's other end, as our kernel names it
+            self.cpus_apart = cpus_apart(self.channel.peer_credentials()[0])
         self.log.info(
-            "peer_registered", backend=self.consumer.kind, num_blocks=self.consumer.peer_blocks
+            "peer_registered",
+            backend=self.consumer.kind,
+            num_blocks=self.consumer.peer_blocks,
+            cpus_apart=self.cpus_apart,
         )
         return self.consumer.registered()
 

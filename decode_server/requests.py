@@ -104,6 +104,14 @@ class DecodeRequests:
             and s.link.consumer.shares_device
         ]
 
+    def awaits_kv(self, peer: Peer) -> bool:
+        """Whether the loop has nothing to step and a sequence of `peer`'s awaits its KV: while
+        so, the link may be polled for that KV_READY (server.py) without taking the CPU from a
+        step."""
+        if self._stepping or len(self.engine) or self.engine.ahead:
+            return False
+        return any(s.link is peer and s.phase is Phase.AWAITING_KV for s in self._table.values())
+
     def phase(self, link_id: str, request_id: str) -> Phase | None:
         """Where the request is; None once the decode holds nothing of it."""
         seq = self._table.get(seq_key(link_id, request_id))

@@ -626,3 +626,46 @@ async def test_write_nowait_to_a_peer_that_never_reads_fails_the_channel_at_its_
     finally:
         ch.close()
         b.close()
+
+
+async def test_a_conditional_spin_lasts_while_its_condition_holds(
+    pair: tuple[FrameChannel, FrameChannel],
+) -> None:
+    """spin(..., while_=cond): the window closes as soon as cond() turns false (not at its end),
+    frames arrive meanwhile as with any spin, and a window without a condition is kept whole."""
+    left, right = pair
+    got: list[Message] = []
+    task = asyncio.create_task(right.dispatch(got.append))
+    await asyncio.sleep(0)
+    awaited = [True]
+    asked = [0]
+
+    def cond() -> bool:
+        asked[0] += 1
+        return awaited[0]
+
+    loop = asyncio.get_running_loop()
+    right.spin(30, while_=cond)
+    assert right.spinning
+    await left.send(Ping(seq=1))
+    deadline = loop.time() + 5
+    while not got:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    assert got == [Ping(seq=1)] and right.spinning and asked[0] > 0  # polled, still open
+    awaited[0] = False
+    while right.spinning:  # closes at the next poll, long before its 30 s
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    asked[0] = 0
+    right.spin(0.05)  # unconditional: the old condition is not asked again
+    right.spin(30, while_=cond)  # false from the start: the 50 ms window still runs whole
+    await asyncio.sleep(0.02)
+    assert right.spinning
+    while right.spinning:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.005)
+    assert asked[0] >= 1  # asked once the 50 ms were over, then the window closed
+    right.close()
+    with pytest.raises(ConnectionClosed):
+        await task

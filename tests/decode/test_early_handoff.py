@@ -160,3 +160,29 @@ def test_shutdown_reaches_a_sequence_awaiting_its_first_token(
     assert [(e.code, e.request_id) for e in link.of(Error)] == [(ErrorCode.SHUTTING_DOWN, "r1")]
     assert table.sequences() == [] and "link-a/r1" not in rt.allocator
     side.producer.allocator.free("r1")
+
+
+async def test_awaits_kv_while_an_early_handoff_awaits_it_and_nothing_is_to_step(
+    side: Side,
+    link: FakeLink,
+    table,
+    rt,
+):
+    """What bounds the decode's polling for a KV_READY (server.py): a sequence of that link
+    awaits its KV and the loop has nothing to step."""
+    other = FakeLink("link-b", link.consumer)
+    assert not table.awaits_kv(link)
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(link, early(h))
+    assert table.awaits_kv(link) and not table.awaits_kv(other)
+    table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))
+    assert not table.awaits_kv(link)  # pulled and decoding
+    h2 = side.prefill("r2", [5, 6, 7, 8, 9], GREEDY)
+    table.handoff(link, early(h2))
+    assert not table.awaits_kv(link)  # awaited, but r1 is to step: the loop has work
+    await decode_until(table, lambda: link.of(Finish))
+    assert table.awaits_kv(link)  # r1 done: only r2 left, awaiting its KV
+    table.abort(link, "r2")
+    assert not table.awaits_kv(link)
+    side.producer.allocator.free("r1")
+    side.producer.allocator.free("r2")
