@@ -185,6 +185,7 @@ async def serve_until_stopped(
     stop = StopFlag()
     stop.install()
     sched.default_slice()  # not a slice of whoever started us: the threads made from here on
+    pauses: heap.PauseWatch | None = None
     try:
         loaded = await asyncio.to_thread(load)
         if stop.event.is_set():
@@ -202,7 +203,6 @@ async def serve_until_stopped(
         await stop.event.wait()
         ready.cancel()
         notify("STOPPING=1", "STATUS=draining")
-        pauses.close()
         try:
             await server.shutdown()
         except Exception:
@@ -210,6 +210,9 @@ async def serve_until_stopped(
             return EXIT_FATAL
         return stop.exit_code
     finally:
+        if pauses is not None:
+            pauses.close()
+        sched.default_slice()  # the caller's thread as it was (a test process's, say)
         stop.uninstall()
 
 

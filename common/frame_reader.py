@@ -63,6 +63,7 @@ class FrameReader:
         self._spin_while: Callable[[], bool] | None = None  # a conditional window's condition
         self._spin_while_until = 0.0
         self._spinning = False
+        self._polled = False  # a conditional window's poll is reading (see polled)
         self._loop.add_reader(self._fileno, self._on_readable)
 
     # ---- reading -------------------------------------------------------------------------------
@@ -189,11 +190,22 @@ class FrameReader:
         """True while spin() keeps the loop polling this socket."""
         return self._spinning
 
+    @property
+    def polled(self) -> bool:
+        """True while the frame being handled was read by a conditional window's poll (spin's
+        `while_`), not by epoll or a plain window: for counting what the polling caught."""
+        return self._polled
+
     def _spin(self) -> None:
-        if self._handler is None or not self._reading or not self._spin_on(time.monotonic()):
+        now = time.monotonic()
+        if self._handler is None or not self._reading or not self._spin_on(now):
             self._spinning = False
             return
-        self._on_readable()  # BlockingIOError inside while nothing has arrived
+        self._polled = now >= self._spin_until  # only the conditional window keeps it open
+        try:
+            self._on_readable()  # BlockingIOError inside while nothing has arrived
+        finally:
+            self._polled = False
         self._loop.call_soon(self._spin)
 
     def _spin_on(self, now: float) -> bool:

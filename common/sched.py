@@ -15,6 +15,7 @@ refuses the request, and nothing changes.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import platform
@@ -22,7 +23,13 @@ import struct
 
 #: the loop thread's slice: the kernel's lower bound (0.1 ms)
 LOOP_SLICE_US = 100
-_SYS_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}.get(platform.machine())
+# the 64-bit ABIs' numbers (asm-generic's 274 for arm64, riscv64, loongarch64); none for a 32-bit
+# process, whose table differs even on a 64-bit kernel
+_SYS_SCHED_SETATTR = (
+    {"x86_64": 314, "aarch64": 274, "riscv64": 274, "loongarch64": 274}.get(platform.machine())
+    if struct.calcsize("P") == 8
+    else None
+)
 _ATTR = struct.Struct("IIQiIQQQII")  # struct sched_attr, SCHED_ATTR_SIZE_VER1 (56 bytes)
 
 
@@ -44,8 +51,10 @@ def set_slice(us: int) -> bool:
 
 
 def default_slice() -> None:
-    """The calling thread back to the kernel's default slice (a thread inherits its creator's)."""
-    set_slice(0)
+    """The calling thread back to the kernel's default slice (a thread inherits its creator's).
+    Never raises: it is a thread pool's initializer, and a failing one breaks the pool."""
+    with contextlib.suppress(Exception):  # best effort, as set_slice itself
+        set_slice(0)
 
 
 def cpus_apart(pid: int) -> bool:

@@ -243,8 +243,10 @@ class DecodeServer(DaemonServer):
             return
         if not isinstance(reg, Register):
             raise ProtocolError(f"expected REGISTER after HELLO, got {reg.TYPE.name}")
-        peer.post(peer.register(reg, self.sides[peer.kind]))
-        self.requests.warm_pull(peer)  # its first-time costs now, not on its first request
+        registered = peer.register(reg, self.sides[peer.kind])
+        # its first-time costs now, before the prefill may send HANDOFFs (REGISTERED)
+        self.requests.warm_pull(peer)
+        peer.post(registered)
         channel.max_fds = 0  # no later frame carries fds: any that come are closed at once
         self.peers[peer.link_id] = peer
         watchdog = asyncio.create_task(
@@ -265,7 +267,7 @@ class DecodeServer(DaemonServer):
                 awaits = functools.partial(self.requests.awaits_kv, peer)
                 peer.channel.spin(AWAIT_KV_SPIN_S, while_=awaits)
         elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token
-            self.kv_ready_polled += peer.channel.spinning
+            self.kv_ready_polled += peer.channel.polled
             self.requests.kv_ready(peer, msg)
         elif isinstance(msg, Ping):  # with our load: a prefill with several decodes picks by it
             free, live = self.rt.allocator.num_free, len(self.requests.sequences())

@@ -635,7 +635,13 @@ async def test_a_conditional_spin_lasts_while_its_condition_holds(
     frames arrive meanwhile as with any spin, and a window without a condition is kept whole."""
     left, right = pair
     got: list[Message] = []
-    task = asyncio.create_task(right.dispatch(got.append))
+    polled: list[bool] = []  # whether each frame was read by the conditional poll
+
+    def take(msg: Message) -> None:
+        got.append(msg)
+        polled.append(right.polled)
+
+    task = asyncio.create_task(right.dispatch(take))
     await asyncio.sleep(0)
     awaited = [True]
     asked = [0]
@@ -653,10 +659,16 @@ async def test_a_conditional_spin_lasts_while_its_condition_holds(
         assert loop.time() < deadline
         await asyncio.sleep(0.001)
     assert got == [Ping(seq=1)] and right.spinning and asked[0] > 0  # polled, still open
+    assert polled == [True]
     awaited[0] = False
     while right.spinning:  # closes at the next poll, long before its 30 s
         assert loop.time() < deadline
         await asyncio.sleep(0.001)
+    await left.send(Ping(seq=2))  # no window open: read through epoll
+    while len(got) < 2:
+        assert loop.time() < deadline
+        await asyncio.sleep(0.001)
+    assert polled == [True, False] and not right.polled
     asked[0] = 0
     right.spin(0.05)  # unconditional: the old condition is not asked again
     right.spin(30, while_=cond)  # false from the start: the 50 ms window still runs whole

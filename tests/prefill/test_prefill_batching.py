@@ -16,7 +16,7 @@ from common.protocol import Error, ErrorCode, Generate
 from tests.integration.conftest import Pair
 from tests.prefill.conftest import BLOCK, burst, events, prompts
 
-BATCHING = ("--max-prefill-tokens", "8192")  # the CUDA default; on CPU the default is 1
+BATCHING = ("--max-prefill-tokens", "8192")  # batching on: the CPU default is 1
 
 
 def _start(pair: Pair, *prefill_args: str) -> Pair:
