@@ -4,8 +4,9 @@ A daemon starts with a large heap of objects that live as long as it does (torch
 model's modules, the tokenizer): ~180k objects after the imports alone. CPython's full
 collection walks every one of them each time it runs, and it runs every so often on its own while
 requests allocate: 60 ms a pass on the 2-vCPU VM, a stall of every thread at once (the GIL),
-which a request meets as a TTFT or inter-token gap far out in the tail. On the H200 the decode's
-loop stood still for 30-50 ms during the first burst after a start (2026-12-04).
+which a request meets as a TTFT or inter-token gap far out in the tail. (On the H200 the decode's
+loop stood still for ~30 ms during the first burst after a start, 2026-12-04; whether a
+collection was the cause was not separated from the first pull's cost, docs/benchmarks.md.)
 
 `freeze_startup_heap()`, once the daemon has loaded and warmed everything it keeps: one full
 collection, then `gc.freeze()` moves every survivor to the permanent generation, which no

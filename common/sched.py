@@ -9,7 +9,8 @@ task sleeps; with a short slice requested (`sched_attr.sched_runtime` of a SCHED
 Linux 6.12 and later) EEVDF gives it an earlier deadline, and the wake-up preempts the running
 task at once. The share of CPU time, the nice level and the policy stay as they were; the torch
 thread keeps the default slice (`default_slice`, its executor's initializer): a forward
-preempted every 100 µs would lose its caches. Best effort: a kernel without it ignores or
+preempted every 100 µs would lose its caches. A thread the loop starts later (the pull's
+waiter, asyncio's helper threads) inherits the short slice; those mostly sleep. Best effort: a kernel without it ignores or
 refuses the request, and nothing changes.
 """
 
