@@ -16,6 +16,8 @@
 #           push, early and late handoff (issue 24 item 3: TTFT ≤ 1.10×, 2nd token ≤ 1.2×)
 #   warm    the same 16 × 2000 over the Unix socket, --warm-wait on against off (issue 24
 #           item 2: the 2nd token), alternated twice
+#   launch  the same 16 × 2000, the prefill's --launch-early (KV_LAUNCHED) on against off,
+#           alternated $WARM_ROUNDS times (default 2)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -26,7 +28,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -138,19 +140,23 @@ if want tcp; then  # issue 24 item 3, alternated twice
     done
   done
 fi
-if want warm; then  # issue 24 item 2, alternated twice (WARM_ROUNDS)
+second_token() {  # $1: step name, $2: the daemons' setting, on against off, $WARM_ROUNDS times
+  local name=$1 var=$2 round value
   for round in $(seq "${WARM_ROUNDS:-2}"); do
-    for warm in on off; do
-      step "warm $warm round $round"
-      PDKV_WARM_WAIT=$warm timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+    for value in on off; do
+      step "$name $value round $round"
+      env "$var=$value" timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
         --num-blocks 4096 --target daemons --requests 16 --rate 2 \
         --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
-        --json "$R/warm_${warm}_$round.json" > "$R/warm_${warm}_$round.log" 2>&1
-      grep -E "^daemons|2nd token" "$R/warm_${warm}_$round.log" | tee -a "$log"
-      grep -oE "(first_(launch|prep|fill|read|sync)|usable|pull|enqueue|join)_us [0-9.]+/[0-9.]+" \
-        "$R/warm_${warm}_$round.log" | tee -a "$log"
+        --json "$R/${name}_${value}_$round.json" > "$R/${name}_${value}_$round.log" 2>&1
+      grep -E "^daemons|2nd token" "$R/${name}_${value}_$round.log" | tee -a "$log"
+      grep -oE "(launch_(lead|send|ahead)|first_(launch|prep|fill|read|sync)|usable|pull|enqueue|join)_us \
+[0-9.-]+/[0-9.-]+" "$R/${name}_${value}_$round.log" | tee -a "$log"
       pack
     done
   done
-fi
+}
+# issue 24 item 2 (the 2nd token): --warm-wait, then the prefill's --launch-early (KV_LAUNCHED)
+want warm && second_token warm PDKV_WARM_WAIT
+want launch && second_token launch PDKV_LAUNCH_EARLY
 pack

@@ -70,7 +70,8 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise AllocatorError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self._total = num_blocks
+        self._total = num_blocks  # less the reserved ones (reserve)
+        self._ids = num_blocks  # block ids are 0 .. num_blocks-1, reserved or not
         self._free = FreeRuns(num_blocks)
         self._names = BlockNames(num_blocks)  # the named blocks and the CACHED ones' LRU order
         self._users: list[set[str]] = [set() for _ in range(num_blocks)]
@@ -114,6 +115,16 @@ class BlockAllocator:
         return self._total - self.num_free - self._num_leased
 
     # -- allocate / free --------------------------------------------------------------------
+
+    def reserve(self) -> int:
+        """Take one FREE block out of the pool for good, for the daemon's own use (the
+        producer's first-token mailbox): it leaves `total`, so the counters and allocations
+        describe only the blocks requests may hold. OutOfBlocks if no block is FREE."""
+        if not len(self._free):
+            raise OutOfBlocks(1, 0, self._total)
+        (block,) = self._free.take(1)
+        self._total -= 1
+        return block
 
     def can_allocate(self, n: int, reuse: Sequence[int] = ()) -> bool:
         """True if `allocate(_, n, reuse=reuse)` would succeed now."""
@@ -281,11 +292,11 @@ class BlockAllocator:
         return self._get(request_id).lease
 
     def state_of(self, block_id: int) -> BlockState:
-        """State of one block; AllocatorError for an id outside [0, total)."""
+        """State of one block; AllocatorError for an id outside the pool [0, num_blocks)."""
         if isinstance(block_id, bool) or not isinstance(block_id, int):
             raise AllocatorError(f"block id must be an int, got {block_id!r}")
-        if not 0 <= block_id < self._total:
-            raise AllocatorError(f"block id {block_id} out of range [0, {self._total})")
+        if not 0 <= block_id < self._ids:
+            raise AllocatorError(f"block id {block_id} out of range [0, {self._ids})")
         if self._lease_refs[block_id]:
             return BlockState.LEASED
         if self._users[block_id]:
@@ -346,7 +357,7 @@ class BlockAllocator:
         On every prefix hit's way to its forward (~100 blocks for a long shared prefix), so one
         pass with the lookups bound locally; state_of is only called for what the plain-int
         range test refuses, to raise its error (or pass an int subclass, as it always did)."""
-        total, name_of, users = self._total, self._names.name_of, self._users
+        total, name_of, users = self._ids, self._names.name_of, self._users
         for block in reuse:
             if not (type(block) is int and 0 <= block < total):
                 self.state_of(block)  # range check

@@ -28,6 +28,12 @@ of the sequences it holds after `step()` returned. While `hold()` says so (a pre
 a prompt handed off early), steps are not launched ahead. While the batch is empty and
 `expecting()` says a sequence will join soon (one awaits its KV), `wait_for_work` keeps the torch
 thread awake (decode_server/warm.py).
+
+A sequence may also join before the host has its first token (KV_LAUNCHED, v12: requests.py):
+`seq.first_on_device` is a device int64 [1] its pull fills with that token. Its first step is
+launched ahead whatever `hold()` says, the token carried from there on the GPU (as from a step
+ahead), one position past the prompt; `first_pending()` names the sequences of the step ahead
+whose first token the host still lacks, and the owner reads that step only once it has it.
 """
 
 from __future__ import annotations
@@ -79,6 +85,7 @@ class DecodeEngine:
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
         self._ahead: Launched | None = None  # overlap: the step launched and not read yet
+        self._launch_first: Sequence | None = None  # queued with its first token on the GPU
         self._readback = Readback(max_batch, rt.device) if overlap else None
         self.steps = 0
         self.overlapped = 0  # steps launched ahead of the previous step's read
@@ -98,6 +105,8 @@ class DecodeEngine:
     def add(self, seq: Sequence) -> None:
         """Queue a sequence; it joins the batch at the next step."""
         self._waiting[seq.key] = seq
+        if seq.first_on_device is not None:
+            self._launch_first = seq
         self._work.set()
 
     def expect(self) -> None:
@@ -108,6 +117,8 @@ class DecodeEngine:
 
     def remove(self, key: str) -> Sequence | None:
         """Take a sequence out by its key (abort, link loss); its blocks are the caller's to free."""
+        if self._launch_first is not None and self._launch_first.key == key:
+            self._launch_first = None
         return self._active.pop(key, None) or self._waiting.pop(key, None)
 
     def sequences(self) -> list[Sequence]:
@@ -115,6 +126,18 @@ class DecodeEngine:
 
     def __len__(self) -> int:
         return len(self._active) + len(self._waiting)
+
+    @property
+    def launching(self) -> bool:
+        """Whether a sequence waits to be launched with its first token on the GPU."""
+        return self._launch_first is not None
+
+    def first_pending(self) -> list[Sequence]:
+        """The sequences of the step ahead whose first token the host does not have yet
+        (launched on KV_LAUNCHED): that step's results wait for them."""
+        if self._ahead is None or not self._ahead.firsts:
+            return []
+        return [s for s in self._ahead.firsts if s.first_pending]
 
     @property
     def ahead(self) -> bool:
@@ -158,7 +181,11 @@ class DecodeEngine:
         ahead = self._ahead
         launch = self._launchable(ahead)
         ahead_ok = self.overlap and all(s.plain for s in launch)
-        if ahead_ok and self._hold is not None and self._hold():
+        first = None  # decided here, on the loop: the torch thread reads no flag KV_READY moves
+        if ahead is None and self._launch_first is not None:  # launched alone, and ahead
+            first, self._launch_first = self._launch_first, None
+            launch, ahead_ok = [first], True
+        elif ahead_ok and self._hold is not None and self._hold():
             ahead_ok = False
             self.held += 1
         if ahead is None and not (ahead_ok and launch):
@@ -169,7 +196,7 @@ class DecodeEngine:
         else:  # read the step ahead; launch the next first when it may run ahead too
             self._ahead = None
             launched, batch, tokens = await self.rt.run(
-                self._cycle, launch if ahead_ok else [], ahead
+                self._cycle, launch if ahead_ok else [], ahead, first
             )
             self._ahead, logprobs = launched, None
             if not batch:
@@ -224,26 +251,35 @@ class DecodeEngine:
         return results
 
     def _cycle(
-        self, launch: list[Sequence], ahead: Launched | None
+        self, launch: list[Sequence], ahead: Launched | None, first: Sequence | None = None
     ) -> tuple[Launched | None, list[Sequence], list[int | SamplingError]]:
         """Torch thread, overlapped: launch `launch` (if any) behind the step ahead, then read
-        the step ahead (if any): (the new launch, the read step's batch and tokens)."""
-        new = self._launch(launch, ahead) if launch else None
+        the step ahead (if any): (the new launch, the read step's batch and tokens). `first`:
+        `launch` is that one sequence, its first token on the GPU (`_launch`)."""
+        new = self._launch(launch, ahead, first) if launch else None
         if ahead is None:
             return new, [], []
         tokens = ahead.read()
         self.last_step_ns = (*ahead.clock, time.monotonic_ns())
         return new, ahead.batch, tokens
 
-    def _launch(self, batch: list[Sequence], ahead: Launched | None) -> Launched:
+    def _launch(
+        self, batch: list[Sequence], ahead: Launched | None, first: Sequence | None = None
+    ) -> Launched:
         """Torch thread: queue one step of `batch` (all plain) without reading it; a sequence in
-        `ahead` takes that step's argmax as its token, one position further."""
+        `ahead` takes that step's argmax as its token, one position further. `first` (the whole
+        batch, nothing ahead): its first token is taken from `first.first_on_device` on the GPU
+        and its position is the prompt's end, whatever the host holds by now (KV_READY may
+        append that token on the loop meanwhile)."""
         started = time.monotonic_ns()
         self._wait_for_pulls(batch)
         n, rows = len(batch), {} if ahead is None else ahead.rows
         src = np.fromiter((rows.get(s.key, -1) for s in batch), np.int64, n)
-        tokens, positions, slots, tables = self._inputs(batch, pending=src >= 0)
         carry = (src, ahead.argmax) if ahead is not None and (src >= 0).any() else None
+        if first is not None:
+            src[0] = 0
+            carry = (src, first.first_on_device)
+        tokens, positions, slots, tables = self._inputs(batch, pending=src >= 0, first=first)
         dev = self.rt.device
         assert self._readback is not None
         prepared = replaying = time.monotonic_ns()
@@ -262,7 +298,8 @@ class DecodeEngine:
         self.overlapped += ahead is not None
         keys = {s.key: i for i, s in enumerate(batch)}
         clock = (started, prepared, replaying, time.monotonic_ns())
-        return Launched(batch, keys, argmax, host, done, clock)
+        firsts = [] if first is None else [first]
+        return Launched(batch, keys, argmax, host, done, clock, firsts)
 
     def _wait_for_pulls(self, batch: list[Sequence]) -> None:
         """Torch thread, before the step's first launch: the compute stream waits (on the GPU)
@@ -300,19 +337,25 @@ class DecodeEngine:
         return out, None if all(lp is None for lp in lps) else lps
 
     def _inputs(
-        self, batch: list[Sequence], pending: np.ndarray | None = None
+        self,
+        batch: list[Sequence],
+        pending: np.ndarray | None = None,
+        first: Sequence | None = None,
     ) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
         """Torch thread: the step's (tokens, positions, slots, block tables [n, width]): one
         pass over the batch for the tokens and positions, the tables kept from the last step
         (BlockTables), the slots computed from them at once (sequence.Sequence.slot's rule).
         `pending` [n] bool: rows whose token a step ahead has made and the host not read (one
         position further; their token here is a stale one the device replaces)."""
-        tokens = [s.generated[-1] for s in batch]
+        # a sequence launched with its first token on the GPU has none on the host yet
+        tokens = [s.generated[-1] if s.generated else 0 for s in batch]
         positions = np.fromiter(
             (s.prompt_len + len(s.generated) - 1 for s in batch), np.int64, len(batch)
         )
         if pending is not None:
             positions += pending
+        if first is not None:  # batch == [first]: its first token goes right after the prompt
+            positions[0] = first.prompt_len
         tables = self._tables.update(batch)
         bs = self.rt.layout.block_size
         slots = tables[np.arange(len(batch)), positions // bs] * bs + positions % bs

@@ -23,7 +23,7 @@ step launches and is read in one go.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +45,8 @@ class Launched:
     # monotonic ns: the launch began, its inputs were computed, its graph's replay was called,
     # every kernel was queued (DecodeEngine.last_step_ns)
     clock: tuple[int, int, int, int]
+    # the sequences launched with their first token on the GPU (KV_LAUNCHED: engine.py)
+    firsts: list[Sequence] = field(default_factory=list)
 
     def read(self) -> list[int | SamplingError]:
         """Each row's token, or the SamplingError of a row whose logits were not finite (waits

@@ -3,6 +3,8 @@ id), each in one phase (`Sequence.phase`), moved only by the event methods below
 
     HANDOFF ─┬─ early: no first token ──► AWAITING_KV ── KV_READY ──┐
              └─ with its first token ────────────────────────────┴──► its pull starts: PULLING
+    AWAITING_KV ── KV_LAUNCHED, nothing else to decode ──► its pull starts (first_pending)
+    first_pending DECODING ── KV_READY: its first token, its RELEASE if due ──► DECODING
     PULLING ── the start returned a stream-ordered pull (CUDA) ──► DECODING, pull outstanding
     PULLING ── pull done: RELEASE ─┬─► DECODING  (CPU: inside the start; NIXL: later)
                                    └─► FINISH, ENDING  (its first token finished it)
@@ -22,10 +24,23 @@ An event that is illegal in a sequence's phase is logged (`event_out_of_phase`, 
 request id and the phase) and answered only where docs/protocol.md says so.
 
 `run()` is the decode loop: the engine steps, and each step's results are the step event.
+
+KV_LAUNCHED (v12, CUDA): the prefill has queued the forward, the first token (into its mailbox)
+and the event slot's record on its GPU, and KV_READY follows once its host has the token. A
+plain sequence that arrives while nothing else is to be decoded (no step running, launched or
+queued) starts its pull then, behind the slot, with the mailbox entry copied into
+`_first_token` by the same pull, and joins the batch: its first step is launched ahead
+(overlap), its input token taken from `_first_token` on the GPU, so the 2nd token does not wait
+for our host's work after the forward. That step's result is read only once KV_READY has given
+the host the first token (`_first_tokens`), and its RELEASE waits for KV_READY too (the
+prefill's phase takes none before). After KV_LAUNCHED an ABORT is answered with RELEASE (the
+prefill keeps the slot from reuse until then), whether or not the pull started on it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import functools
 import os
 import time
@@ -34,10 +49,11 @@ from logging import ERROR, INFO, WARNING
 from typing import Any
 
 import structlog
+import torch
 
 from common.errors import OutOfBlocks
 from common.modelrt import ModelRuntime
-from common.protocol import ErrorCode, Handoff, KvReady, Release, make_error
+from common.protocol import ErrorCode, Handoff, KvLaunched, KvReady, Release, make_error
 from common.throughput import Throughput
 from common.transfer.interface import AFTER_DONE, PullDone
 from decode_server.admission import admit
@@ -50,6 +66,9 @@ from decode_server.sequence import Phase, Sequence, seq_key
 log = structlog.get_logger(__name__)
 BAD_REQUEST, CACHE_NOT_EXIST = ErrorCode.BAD_REQUEST, ErrorCode.CACHE_NOT_EXIST
 StartPull = Callable[[PullDone], Any]  # starts a pull with its `done`: what a reader waits on
+#: how long a step launched on KV_LAUNCHED waits to be read for its KV_READY (which follows the
+#: prefill forward's host sync) before that sequence is failed and the batch goes on
+FIRST_TOKEN_WAIT_S = 10.0
 
 
 class DecodeRequests:
@@ -79,6 +98,13 @@ class DecodeRequests:
         self.handoffs = 0
         self.throughput = Throughput()  # tokens decoded, sequences finished: for status
         self._yield_after_release = rt.device.type == "cpu"
+        # KV_LAUNCHED: where a launched sequence's pull puts its first token (one at a time:
+        # only a sequence that finds nothing else to decode is launched so)
+        self._first_token = None
+        if rt.device.type == "cuda" and overlap != "off":
+            self._first_token = torch.zeros(1, dtype=torch.int64, device=rt.device)
+        self._first_known = asyncio.Event()  # a KV_READY for a launched sequence, or its end
+        self.launched_first = 0  # sequences whose pull and first step started on KV_LAUNCHED
 
     def __len__(self) -> int:
         return len(self.engine)  # DECODING: in the batch or queued for it
@@ -123,8 +149,10 @@ class DecodeRequests:
         try:
             while True:
                 await self.engine.wait_for_work()
-                if self.prefill_first is not None and not self.engine.ahead:
+                launching = self.engine.launching
+                if self.prefill_first is not None and not self.engine.ahead and not launching:
                     await self.prefill_first.hold(self._awaiting_kv)
+                await self._first_tokens()
                 self._stepping = True
                 try:
                     results = await self.engine.step()
@@ -137,6 +165,21 @@ class DecodeRequests:
             self._stepping = False
             self.engine.settle()  # a step launched ahead may still write its sequences' K/V
             self._free_ended()
+
+    async def _first_tokens(self) -> None:
+        """Before the step ahead is read: every sequence in it that was launched on KV_LAUNCHED
+        has its first token on the host (KV_READY) or has ended. One whose KV_READY does not
+        come within FIRST_TOKEN_WAIT_S fails (ERROR INTERNAL) and the rest go on."""
+        while pending := self.engine.first_pending():
+            self._first_known.clear()
+            try:
+                await asyncio.wait_for(self._first_known.wait(), FIRST_TOKEN_WAIT_S)
+            except TimeoutError:
+                for seq in pending:
+                    if seq.first_pending and seq.phase is not Phase.ENDING:
+                        why = f"no KV_READY within {FIRST_TOKEN_WAIT_S:g} s of KV_LAUNCHED"
+                        seq.link.post_error(ErrorCode.INTERNAL, why, seq.request_id)
+                        self._end(seq)
 
     # ---- events ----------------------------------------------------------------------------------
     def warm_pull(self, peer: Peer) -> None:
@@ -215,12 +258,62 @@ class DecodeRequests:
             self.rt.prefix.complete(seq.names)
         self.engine.expect()  # it joins within about one prefill forward: stay warm for it
 
+    def kv_launched(self, peer: Peer, msg: KvLaunched) -> None:
+        """KV_LAUNCHED: an AWAITING_KV sequence's forward and first token are queued on the
+        prefill's GPU. When it may (`_may_launch`) its pull starts now, behind the event slot,
+        and it joins the batch with its first token on the GPU (module docstring); else KV_READY
+        starts it as usual. For a request not awaiting its KV, dropped (as KV_READY)."""
+        read = time.monotonic_ns()
+        seq = self._table.get(seq_key(peer.link_id, msg.request_id))
+        if seq is None or seq.phase is not Phase.AWAITING_KV:
+            phase = None if seq is None else seq.phase
+            race = phase in (None, Phase.ENDING)  # refused, or ended meanwhile: dropped
+            out_of_phase("KV_LAUNCHED", peer, msg.request_id, phase, INFO if race else WARNING)
+            return
+        seq.launched = True
+        seq.marks.stamp("kv_launched_read", read)
+        seq.marks.stamp("kv_launched_sent", msg.sent_ns)
+        consumer, plan, first = peer.consumer, seq.plan, self._first_token
+        if not self._may_launch(seq) or consumer is None or plan is None or first is None:
+            return
+        seq.marks.stamp("launch_started", read)
+        seq.marks.stamp("kv_read", read)
+        seq.marks.stamp("kv_sent", msg.sent_ns)
+        seq.plan, seq.first_on_device, seq.first_pending = None, first, True
+        launch = dataclasses.replace(plan, first_into=first)
+        self.launched_first += 1
+        if self.prefill_first is not None:
+            self.prefill_first.moved()
+        self._start_pull(seq, lambda done: consumer.start(launch, done))
+
+    def _may_launch(self, seq: Sequence) -> bool:
+        """Whether `seq` may start on KV_LAUNCHED: plain, on a link with the prefill's mailbox
+        and on our GPU (one stream order for the copy; another GPU's events are left to
+        KV_READY), an event slot named, steps overlapped, and nothing else to decode (no step
+        running, launched ahead or queued): its first step then waits for the prefill alone."""
+        consumer = seq.link.consumer
+        return (
+            self._first_token is not None
+            and seq.plain
+            and seq.event_slot >= 0
+            and consumer is not None
+            and consumer.mailbox is not None
+            and consumer.shares_device
+            and not self._stepping
+            and not len(self.engine)
+            and not self.engine.ahead
+        )
+
     def kv_ready(self, peer: Peer, msg: KvReady) -> None:
         """KV_READY: an AWAITING_KV sequence's KV is written and `msg.first_token` is its first
-        token: its pull starts. A first token past the vocabulary: BAD_REQUEST, ENDING. For a
+        token: its pull starts (for one launched on KV_LAUNCHED: the host has its first token,
+        `_first_arrived`). A first token past the vocabulary: BAD_REQUEST, ENDING. For a
         request not awaiting its KV, dropped (the protocol's answer to one it does not hold)."""
         read = time.monotonic_ns()
         seq = self._table.get(seq_key(peer.link_id, msg.request_id))
+        if seq is not None and seq.first_pending and seq.phase is not Phase.ENDING:
+            self._first_arrived(seq, msg, read)
+            return
         if seq is None or seq.phase is not Phase.AWAITING_KV:
             phase = None if seq is None else seq.phase
             race = phase in (None, Phase.ENDING)  # refused, or ended meanwhile: dropped
@@ -247,6 +340,25 @@ class DecodeRequests:
             self.prefill_first.moved()
         self._start_pull(seq, lambda done: consumer.start(plan, done))
 
+    def _first_arrived(self, seq: Sequence, msg: KvReady, read: int) -> None:
+        """KV_READY for a sequence launched on KV_LAUNCHED: the host has its first token (its
+        first step's result may be read now), and its RELEASE goes if the pull is done."""
+        seq.first_pending = False
+        self._first_known.set()
+        if msg.first_token >= self.vocab_size:
+            why = f"first token {msg.first_token} is not below the vocab size {self.vocab_size}"
+            seq.link.post_error(ErrorCode.BAD_REQUEST, why, seq.request_id)
+            self._end(seq)
+            return
+        seq.generated.append(msg.first_token)
+        seq.marks.stamp("kv_ready_read", read)
+        seq.marks.stamp("kv_ready_sent", msg.sent_ns)
+        if seq.release_due:
+            self._release(seq)
+        if seq.check_finished():  # never for a plain launched one (P would have sent ABORT)
+            seq.link.post(finish(seq))
+            self._end(seq)
+
     def pull_done(self, seq: Sequence, exc: BaseException | None) -> None:
         """Pull done (the consumer's `done`, once per started pull): RELEASE (the peer may reuse
         its blocks and event slot); PULLING joins the batch, or gets its FINISH when its first
@@ -260,15 +372,16 @@ class DecodeRequests:
             self._fail(seq, exc)
             return
         seq.marks.stamp("pulled")
-        if self.rt.prefix is not None:  # its prompt blocks are written: reusable from now on
+        # its prompt blocks are written: reusable from now on; not an ended one's, whose peer
+        # may have freed (and reused) its blocks before our copy read them
+        if self.rt.prefix is not None and seq.phase is not Phase.ENDING:
             self.rt.prefix.publish(seq.key, seq.names)
-        seq.link.post(Release(request_id=seq.request_id, event_slot=seq.event_slot))
-        if self._yield_after_release:
-            # CPU: the RELEASE wakes the prefill onto the CPU this loop runs on, and this loop
-            # would go on into the next step first (0.1-1.8 ms on a 2-vCPU VM); let it read it
-            os.sched_yield()
         seq.link.handoffs += 1
         self.handoffs += 1
+        if seq.first_pending and seq.phase is not Phase.ENDING:
+            seq.release_due = True  # the prefill takes no RELEASE before its KV_READY
+        else:
+            self._release(seq)
         if seq.phase is Phase.PULLING:
             if seq.finish_reason:
                 seq.link.post(finish(seq))
@@ -277,6 +390,15 @@ class DecodeRequests:
                 self._join(seq, None)
         elif seq.phase is Phase.ENDING:
             self._free_if_done(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """RELEASE: the pull is done, the peer may reuse its blocks and event slot."""
+        seq.release_due = False
+        seq.link.post(Release(request_id=seq.request_id, event_slot=seq.event_slot))
+        if self._yield_after_release:
+            # CPU: the RELEASE wakes the prefill onto the CPU this loop runs on, and this loop
+            # would go on into the next step first (0.1-1.8 ms on a 2-vCPU VM); let it read it
+            os.sched_yield()
 
     def step_done(self, results: list[tuple[Sequence, int]]) -> None:
         """A step's results: each sequence's token in its link's STEP_TOKENS, with the FINISH
@@ -311,6 +433,8 @@ class DecodeRequests:
             why = "ABORT names no request of this link"
             out_of_phase("ABORT", peer, request_id, phase, INFO, (CACHE_NOT_EXIST, why))
             return
+        if seq.launched and seq.phase is Phase.AWAITING_KV:  # P waits for our answer to it
+            self._release(seq)  # nothing started on its slot: answered at once
         self._end(seq, may_land=False)  # an early one: P ended it before writing its KV
         log.info("request_aborted", request_id=request_id, link=peer.link_id)
 
@@ -379,6 +503,11 @@ class DecodeRequests:
         if seq.phase is Phase.AWAITING_KV and self.prefill_first is not None:
             self.prefill_first.moved()
         seq.phase, seq.plan = Phase.ENDING, None
+        if seq.first_pending:  # launched on KV_LAUNCHED: the loop waits for it no more
+            seq.first_pending = False
+            self._first_known.set()
+        if seq.release_due:  # its pull is done: the peer's slot and blocks are free to go
+            self._release(seq)
         if plan is not None and consumer is not None:
             landed = functools.partial(self._discarded, seq)
             seq.pull_outstanding = consumer.discard(plan, landed, may_land=may_land)

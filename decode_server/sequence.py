@@ -30,7 +30,9 @@ class Phase(enum.Enum):
     DECODING     in the batch or queued for it: each step sends its token (STEP_TOKENS), the
                  last one FINISH. With `pull_outstanding` (CUDA: its first step's stream
                  waits for the pull on the GPU) its RELEASE goes once the host sees the pull
-                 done.
+                 done. After KV_LAUNCHED (`first_pending`) it joins before its KV_READY: its
+                 first step reads the first token on the GPU, and its result and RELEASE
+                 wait for KV_READY.
     ENDING       answered (FINISH, ERROR) or aborted, out of the batch: its blocks are freed
                  once no pull is outstanding (its RELEASE went) and no step is in flight.
     """
@@ -81,6 +83,15 @@ class Sequence:
     prompt: list[int] = field(default_factory=list)
     history: TokenHistory | None = None  # penalized: built by its first step (torch thread)
     last_logprob: TokenLogprob | None = None  # its last step's token's, when it asks for them
+    # v12, KV_LAUNCHED (requests.py): `launched` the frame came (an ABORT is answered with
+    # RELEASE from then on); `first_on_device` the device int64 [1] its pull copies the first
+    # token into, read by its first step's launch; `first_pending` it is in the
+    # batch while the host lacks its first token (KV_READY brings it: no result is read before);
+    # `release_due` its pull is done and its RELEASE waits for that KV_READY
+    launched: bool = False
+    first_on_device: Any = None
+    first_pending: bool = False
+    release_due: bool = False
     # unique across links (request ids are only unique per prefill daemon): seq_key, made once
     key: str = field(init=False)
     # greedy, no penalty, no min_tokens, no logprobs: its token is the argmax of the raw logits,

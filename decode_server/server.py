@@ -36,6 +36,7 @@ from common.protocol import (
     ErrorCode,
     Handoff,
     Hello,
+    KvLaunched,
     KvReady,
     Message,
     Ping,
@@ -132,6 +133,7 @@ class DecodeServer(DaemonServer):
                 held=engine.held,
                 warm_waits=engine.warm_waits,
                 kv_ready_polled=self.kv_ready_polled,
+                launched_first=self.requests.launched_first,
                 prefill_first_holds=None if first is None else first.holds,
                 prefill_first_timeouts=None if first is None else first.timeouts,
                 prefill_first_held_s=None if first is None else round(first.held_s, 3),
@@ -258,7 +260,7 @@ class DecodeServer(DaemonServer):
             watchdog.cancel()
 
     def _dispatch(self, peer: Peer, msg: Message) -> None:
-        if isinstance(msg, (Handoff, KvReady)) and not peer.same_host and msg.sent_ns:
+        if isinstance(msg, (Handoff, KvReady, KvLaunched)) and not peer.same_host and msg.sent_ns:
             msg = msgspec.structs.replace(msg, sent_ns=0)  # another host's clock: not comparable
         if isinstance(msg, Handoff):
             self.requests.handoff(peer, msg)
@@ -269,6 +271,8 @@ class DecodeServer(DaemonServer):
         elif isinstance(msg, KvReady):  # an early HANDOFF's KV is written: its first token
             self.kv_ready_polled += peer.channel.polled
             self.requests.kv_ready(peer, msg)
+        elif isinstance(msg, KvLaunched):  # its forward and first token queued on P's GPU
+            self.requests.kv_launched(peer, msg)
         elif isinstance(msg, Ping):  # with our load: a prefill with several decodes picks by it
             free, live = self.rt.allocator.num_free, len(self.requests.sequences())
             peer.post(Pong(seq=msg.seq, sent_ns=msg.sent_ns, free_blocks=free, sequences=live))

@@ -6,8 +6,11 @@ stamps marks on `seq.marks` (CLOCK_MONOTONIC ns), under these names:
     handoff_sent, handoff_rx   the HANDOFF's send (P's clock), its bytes read here
     handoff_read, admitted     handed to the request table; checked and blocks reserved
     kv_ready_sent, kv_ready_read   an early HANDOFF's KV_READY: sent (P's clock), read
-    kv_sent, kv_read           the frame that made the KV ready to move (KV_READY after an early
-                               HANDOFF, else the HANDOFF): sent, read
+    kv_launched_sent, kv_launched_read   its KV_LAUNCHED (v12): sent (P's clock), read
+    launch_started             its pull and first step started on KV_LAUNCHED (not KV_READY)
+    kv_sent, kv_read           the frame that made the KV ready to move (KV_LAUNCHED when the
+                               pull started on it, else KV_READY after an early HANDOFF, else
+                               the HANDOFF): sent, read
     pull_started, enqueued     the pull's start called, returned
     joined                     in the batch (or queued for it)
     usable                     joined, and its pull's start returned: the KV is usable on our
@@ -39,6 +42,7 @@ SPANS = (
     Span("wire_us", "handoff_sent", "handoff_rx"),
     Span("first_wait_us", "admitted", "kv_ready_read"),
     Span("first_read_us", "kv_ready_sent", "kv_ready_read"),
+    Span("launch_lead_us", "launch_started", "kv_ready_read"),
     Span("enqueue_us", "pull_started", "enqueued"),
     Span("join_us", "joined", "first_step_started"),
     Span("first_launch_us", "first_step_started", "first_step_launched"),

@@ -28,8 +28,10 @@ the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -44,6 +46,9 @@ from prefill_server.request import RequestFailed
 
 log = structlog.get_logger(__name__)
 _LOGGED_IDS = 16  # request ids named in one prefill_batch log line
+#: how long the torch thread lets go of the GIL for the loop to send a batch's KV_LAUNCHED frames
+#: before it goes on to the draw (whose host sync may not let go of it until the GPU is done)
+LAUNCH_SEND_WAIT_S = 0.002
 
 
 @dataclass(eq=False)
@@ -74,10 +79,23 @@ class PrefillBatcher:
     """Created by the pipeline; the server runs `run()` as a task for the daemon's life."""
 
     def __init__(
-        self, rt: ModelRuntime, producer: Producer, max_tokens: int, chunk: int | None = None
+        self,
+        rt: ModelRuntime,
+        producer: Producer,
+        max_tokens: int,
+        chunk: int | None = None,
+        launched: Callable[[list[str], int], None] | None = None,
+        quiet: Callable[[list[str]], bool] | None = None,
     ) -> None:
         self.rt = rt
         self.producer = producer
+        # on the loop: the request ids whose forward, first token (the producer's mailbox) and
+        # slot record a batch has queued on the GPU, before that batch's host sync, and when
+        # (monotonic ns, on the torch thread)
+        self.launched = launched
+        # whether a batch of these request ids is all the daemon has in flight: only then does
+        # a decode wait idle for them (KV_LAUNCHED is of use to an idle decode alone)
+        self.quiet = quiet
         self.max_tokens = max_tokens
         self.chunk = chunk or max_tokens  # most positions of one prompt in one forward
         self.forwards = 0  # batches run since start
@@ -154,6 +172,28 @@ class PrefillBatcher:
         for job, _ in taken:
             if job.marks is not None and "forward_started" not in job.marks:
                 job.marks.stamp("forward_started", started_ns)
+        on_launched = None
+        if (
+            self.launched is not None
+            and self.producer.mailbox is not None
+            and (self.quiet is None or self.quiet(ids))
+        ):
+            loop, tell = asyncio.get_running_loop(), self.launched
+
+            def on_launched(rows: list[int]) -> None:  # torch thread
+                queued, sent = time.monotonic_ns(), threading.Event()
+
+                def send() -> None:  # on the loop
+                    try:
+                        tell([ids[i] for i in rows], queued)
+                    finally:
+                        sent.set()
+
+                loop.call_soon_threadsafe(send)
+                # wait with the GIL released until the loop has sent them: the draw below holds
+                # the GIL while it waits for the GPU, and the frames would leave only after it
+                sent.wait(LAUNCH_SEND_WAIT_S)
+
         try:
             firsts = await self.rt.run(
                 run_prefill_batch,
@@ -161,6 +201,7 @@ class PrefillBatcher:
                 pieces,
                 self.producer,
                 token_budget=max(self.max_tokens, tokens),
+                launched=on_launched,
             )
         except Exception as exc:  # the forward failed: its requests fail, the daemon goes on
             log.exception(

@@ -4,7 +4,7 @@ token of each prompt whose last piece it is."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +17,17 @@ from common.model.sampling import SamplingError, SamplingParams, draw, make_gene
 from common.modelrt import ModelRuntime
 from common.sampling_params import TokenLogprob
 from common.transfer import Producer
+
+#: most prompts of one forward whose first token goes to the mailbox (KV_LAUNCHED): an idle
+#: decode takes one such launch at a time, and a busy one none
+MAX_LAUNCHED = 4
+
+
+def launches_early(p: SamplingParams) -> bool:
+    """Whether a request's first token may go to the decode on the GPU (KV_LAUNCHED): plain
+    greedy, so that token is the raw logits' argmax on both sides, and more tokens to come."""
+    plain = p.greedy and not p.penalized and p.min_tokens == 0
+    return plain and p.logprobs is None and p.prompt_logprobs is None and p.max_tokens > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +60,7 @@ def run_prefill_batch(
     producer: Producer | None = None,
     *,
     token_budget: int,
+    launched: Callable[[list[int]], None] | None = None,
 ) -> list[FirstToken | SamplingError | None]:
     """Write each piece's K/V into its blocks of the pool; for each piece that ends its prompt,
     the prompt's first token (with its logprobs and the prompt's when its params ask), or a
@@ -68,6 +80,12 @@ def run_prefill_batch(
     on it sees every write of that prompt's K/V, earlier chunks' and cached blocks' included
     (written by earlier forwards on this stream). A failure of the forward itself raises, for
     the whole batch.
+
+    With `launched` and the producer's mailbox (v12), the first token of up to MAX_LAUNCHED
+    pieces whose request `launches_early` is written into the mailbox entry of its slot (the
+    argmax of its logits, the token the draw below takes) before the slot is recorded, and
+    `launched(indices of those pieces)` is called right after the records, before the host
+    waits for anything: the decode may then queue work behind the slot (KV_LAUNCHED).
     """
     bs = rt.layout.block_size
     ids = [p.prompt[p.start : p.end] for p in pieces]
@@ -98,15 +116,28 @@ def run_prefill_batch(
                 block_tables=tables,
             )
         last = [i for i, p in enumerate(pieces) if p.sampling is not None]
+        params = [p.sampling for p in pieces if p.sampling is not None]  # those of `last`
+        mailbox = None if producer is None or launched is None else producer.mailbox
+        early = [] if mailbox is None else _early_rows(pieces, last, params)
+        answers: list[FirstToken | SamplingError | None] = [None] * len(pieces)
+        argmax = None
+        if last:
+            rows, full = split_rows(out, lengths, every)
+            logits = rows[last]
+            if early:
+                assert mailbox is not None
+                argmax = torch.argmax(logits, dim=-1)
+                for j in early:
+                    slot = pieces[last[j]].slot
+                    mailbox[slot : slot + 1].copy_(argmax[j : j + 1])
         if producer is not None:
             for i in last:
                 producer.record(pieces[i].slot, rt.stream)
-        answers: list[FirstToken | SamplingError | None] = [None] * len(pieces)
+        if early:
+            assert launched is not None
+            launched([last[j] for j in early])
         if not last:
             return answers
-        rows, full = split_rows(out, lengths, every)
-        logits = rows[last]
-        params = [p.sampling for p in pieces if p.sampling is not None]  # those of `last`
         vocab, dev = logits.shape[-1], logits.device
         histories = [
             TokenHistory.start(pieces[i].prompt, [], vocab, dev) if p.penalized else None
@@ -120,6 +151,7 @@ def run_prefill_batch(
             steps=[0] * len(last),
             histories=histories,
             eos_ids=rt.model.config.stop_token_ids,
+            argmax=argmax,  # the mailbox's tokens, where it has some: the same argmax
         )
         for i, p, first, lp in zip(last, params, firsts, lps, strict=True):
             if isinstance(first, SamplingError):
@@ -132,3 +164,12 @@ def run_prefill_batch(
             else:
                 answers[i] = FirstToken(first, lp, scored)
         return answers
+
+
+def _early_rows(
+    pieces: Sequence[Piece], last: list[int], params: list[SamplingParams]
+) -> list[int]:
+    """The positions in `last` (at most MAX_LAUNCHED) of the prompts whose first token goes to
+    the mailbox: recorded on an event slot, their request `launches_early`."""
+    rows = [j for j, i in enumerate(last) if pieces[i].slot >= 0 and launches_early(params[j])]
+    return rows[:MAX_LAUNCHED]

@@ -2,6 +2,9 @@
 
 - `offer`: HANDOFF, without its first token (the early handoff, while the forward runs: the KV is
   not written) or with it (the KV written: the blocks are leased to the link first).
+- `launched`: KV_LAUNCHED after an early offer (v12, CUDA), once the forward, the first token's
+  mailbox entry and the slot's record are queued on the GPU: the decode may queue its pull and
+  first step behind the slot (the blocks are leased to the link first); KV_READY still follows.
 - `ready`: KV_READY after an early offer, once the first token is on our host: the KV is written,
   the decode's pull may start (the blocks are leased to the link first).
 - `hand_over`: after the first token, offers the request unless it went early, and while a
@@ -26,14 +29,15 @@ import time
 
 from common.allocator import BlockAllocator
 from common.config import PrefillConfig
-from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Message
+from common.protocol import Abort, Error, ErrorCode, Handoff, KvLaunched, KvReady, Message
 from common.transfer import Producer
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.link import DecodeLink
 from prefill_server.phase import Event, Phase
 from prefill_server.request import PrefillRequest, RequestFailed
 
-_DECODE_MAY_HOLD = (Phase.OFFERED, Phase.LEASED, Phase.RELEASED)
+_DECODE_MAY_HOLD = (Phase.OFFERED, Phase.LAUNCHED, Phase.LEASED, Phase.RELEASED)
+_DECODE_MAY_WAIT = (Phase.LAUNCHED, Phase.LEASED)  # on the event slot: quarantined if it ends
 
 
 class HandoffPath:
@@ -102,11 +106,25 @@ class HandoffPath:
             req.advance(Event.UNSENT)
             raise RequestFailed(ErrorCode.LINK_LOST, str(exc)) from None
 
-    async def ready(self, req: PrefillRequest, first: int) -> None:
-        """After an early offer the decode has not answered yet: KV_READY with its first token,
-        on the link that has the HANDOFF. A failed write is the relay's to report (LINK_LOST,
-        from link_lost)."""
+    def launched(self, req: PrefillRequest) -> None:
+        """After an early offer the decode has not answered yet, its forward, first token
+        (mailbox) and slot record queued on the GPU: KV_LAUNCHED on the link that has the
+        HANDOFF, the blocks leased to it first. Nothing else changes for a request past that."""
         if req.phase is not Phase.OFFERED or not req.inbox.empty():
+            return
+        link = self.links.by_id(req.link_id)
+        if link is None:  # lost: link_lost moved the request on
+            return
+        req.advance(Event.LAUNCH)
+        self._lease(req)
+        sent = req.marks.stamp("kv_launched")
+        link.post(KvLaunched(request_id=req.request_id, sent_ns=sent))
+
+    async def ready(self, req: PrefillRequest, first: int) -> None:
+        """After an early offer the decode has not answered yet (KV_LAUNCHED may have gone):
+        KV_READY with its first token, on the link that has the HANDOFF. A failed write is the
+        relay's to report (LINK_LOST, from link_lost)."""
+        if req.phase not in (Phase.OFFERED, Phase.LAUNCHED) or not req.inbox.empty():
             return
         req.advance(Event.READY)
         self._lease(req)
@@ -170,7 +188,7 @@ class HandoffPath:
         link = self.links.by_id(req.link_id) if req.phase in _DECODE_MAY_HOLD else None
         if link is not None:
             link.post(Abort(request_id=req.request_id))
-        if req.phase is Phase.LEASED and req.event_slot >= 0:
+        if req.phase in _DECODE_MAY_WAIT and req.event_slot >= 0:
             self.producer.quarantine(req.event_slot)  # until the decode answers the ABORT
             req.advance(Event.ABORT)
             return

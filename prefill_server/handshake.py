@@ -62,7 +62,10 @@ def check_decode_option(cfg: PrefillConfig) -> dict[str, TcpSettings | None]:
 def make_producer(cfg: PrefillConfig, rt: ModelRuntime) -> Producer:
     """The producer of the transport the --decode links use (one kind: check_decode_option)."""
     settings = ProducerSettings(
-        backend=rt.backend, event_slots=cfg.event_slots, transfer=cfg.transfer
+        backend=rt.backend,
+        event_slots=cfg.event_slots,
+        transfer=cfg.transfer,
+        mailbox=cfg.early_handoff and cfg.launch_early,
     )
     kind = transport(link_kind(cfg.decode_addresses[0]))
     if kind.kind == TCP and cfg.transfer == "pull":

@@ -37,6 +37,10 @@ TIMINGS = (  # `always`: a stage the request skipped (no handoff, no RELEASE bef
     Span("handoff_us", "kv_offered", "released", always=True),
     # the first token on the loop -> the (last) HANDOFF sent: negative for an early handoff
     Span("handoff_after_first_us", "first_token", "handoff_sent", always=True),
+    # v12, after a KV_LAUNCHED: its first token queued on the GPU (the torch thread) -> the
+    # frame sent (the loop); and that frame -> KV_READY sent (how much sooner the decode knew)
+    Span("launch_send_us", "launch_queued", "kv_launched"),
+    Span("launch_ahead_us", "kv_launched", "kv_offered"),
     Span("total_ms", "arrived", "finished", _MS, always=True),
 )
 """The timings the prefill adds to the decode's in FINISH (docs/protocol.md, "FINISH")."""

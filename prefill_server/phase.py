@@ -5,10 +5,15 @@ ADMITTED ─QUEUE─▶ QUEUED ─OFFER_EARLY─▶ OFFERED ─READY─▶ LEASE
                     │                                   ▲    │
                     └────────────────OFFER──────────────┘    └─FINISH─▶ ANSWERED ─RELEASE─▶ DONE
 
-OFFERED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED    OFFERED, REFUSED ─LINK_LOST─▶ REFUSED
-ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE
-OFFERED, LEASED, REFUSED ─UNSENT─▶ DONE LEASED … ANSWERED ─LINK_LOST─▶ DONE
-it ends:  LEASED, with an event slot ─ABORT─▶ ABORTING ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
+OFFERED ─LAUNCH─▶ LAUNCHED ─READY─▶ LEASED   (KV_LAUNCHED, then KV_READY)
+
+OFFERED, LAUNCHED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED
+OFFERED, REFUSED ─LINK_LOST─▶ REFUSED
+ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE, LAUNCHED ─ERROR─▶ ANSWERED
+OFFERED, LAUNCHED, LEASED, REFUSED ─UNSENT─▶ DONE
+LAUNCHED, LEASED … ANSWERED ─LINK_LOST─▶ DONE
+it ends:  LAUNCHED or LEASED, with an event slot ─ABORT─▶ ABORTING
+              ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
           any other phase ─END─▶ ENDED
 ```
 
@@ -19,6 +24,11 @@ follows from it alone):
 - QUEUED: its forward queued at the batcher (or run); nothing offered to the decode yet.
 - OFFERED: an early HANDOFF went out: the decode may hold it (blocks reserved), but the KV is
   not written, so the decode never waits on its slot and never reads its blocks.
+- LAUNCHED: after an early HANDOFF, KV_LAUNCHED went out: the forward, the first token's
+  mailbox entry and the slot's record are queued on our GPU, not done. The blocks are leased to
+  the link, the decode may wait on the slot (and read the mailbox entry), and KV_READY (with the
+  token on our host) is still due. The decode sends no RELEASE, TOKENS or FINISH before it has
+  read KV_READY (or, after an ABORT, anything but RELEASE or ERROR).
 - LEASED: the KV is written and offered (HANDOFF with its first token, or KV_READY after an early
   one): the blocks are leased to the link, the decode may wait on the slot.
 - RELEASED: RELEASE came: blocks and slot are free; the decode holds the sequence and decodes.
@@ -46,6 +56,7 @@ class Phase(enum.Enum):
     ADMITTED = "admitted"
     QUEUED = "queued"
     OFFERED = "offered"
+    LAUNCHED = "launched"
     LEASED = "leased"
     RELEASED = "released"
     REFUSED = "refused"
@@ -59,6 +70,7 @@ class Event(enum.Enum):
     QUEUE = "queue"  # the prompt queued for its forward
     OFFER_EARLY = "offer_early"  # HANDOFF without its first token
     OFFER = "offer"  # HANDOFF with its first token: the blocks leased
+    LAUNCH = "launch"  # KV_LAUNCHED: the blocks leased, KV_READY still due
     READY = "ready"  # KV_READY: the blocks leased
     UNSENT = "unsent"  # the HANDOFF's write failed: the decode cannot act on it
     RELEASE = "release"  # the decode's RELEASE
@@ -77,23 +89,31 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
     Event.QUEUE: {P.ADMITTED: P.QUEUED},
     Event.OFFER_EARLY: {P.QUEUED: P.OFFERED},
     Event.OFFER: {P.QUEUED: P.LEASED, P.REFUSED: P.LEASED},
-    Event.READY: {P.OFFERED: P.LEASED},
+    Event.LAUNCH: {P.OFFERED: P.LAUNCHED},
+    Event.READY: {P.OFFERED: P.LEASED, P.LAUNCHED: P.LEASED},
     # in DONE or REFUSED: the link was lost while the write was blocked (LINK_LOST moves an
     # early offer to REFUSED); the decode holds nothing either way
-    Event.UNSENT: {P.OFFERED: P.DONE, P.LEASED: P.DONE, P.DONE: P.DONE, P.REFUSED: P.DONE},
+    Event.UNSENT: {
+        **dict.fromkeys((P.OFFERED, P.LAUNCHED, P.LEASED, P.DONE, P.REFUSED), P.DONE),
+    },
     Event.RELEASE: {P.LEASED: P.RELEASED, P.ANSWERED: P.DONE},
     Event.TOKENS: {P.LEASED: P.LEASED, P.RELEASED: P.RELEASED},
     Event.FINISH: {P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},
-    Event.ERROR: {P.OFFERED: P.DONE, P.LEASED: P.ANSWERED, P.RELEASED: P.DONE},
-    Event.NO_CAPACITY: {P.OFFERED: P.REFUSED, P.LEASED: P.REFUSED},
+    Event.ERROR: {
+        P.OFFERED: P.DONE,
+        P.LAUNCHED: P.ANSWERED,
+        P.LEASED: P.ANSWERED,
+        P.RELEASED: P.DONE,
+    },
+    Event.NO_CAPACITY: dict.fromkeys((P.OFFERED, P.LAUNCHED, P.LEASED), P.REFUSED),
     Event.LINK_LOST: {
         # the decode held nothing of it, or nothing readable: offered again, to another decode
         P.OFFERED: P.REFUSED,
         P.REFUSED: P.REFUSED,
-        **dict.fromkeys((P.LEASED, P.RELEASED, P.ANSWERED), P.DONE),
+        **dict.fromkeys((P.LAUNCHED, P.LEASED, P.RELEASED, P.ANSWERED), P.DONE),
         P.ABORTING: P.ENDED,
     },
-    Event.ABORT: {P.LEASED: P.ABORTING},
+    Event.ABORT: {P.LAUNCHED: P.ABORTING, P.LEASED: P.ABORTING},
     Event.ABORT_ANSWERED: {P.ABORTING: P.ENDED},
     Event.END: {p: P.ENDED for p in P if p not in (P.ABORTING, P.ENDED)},
 }

@@ -12,7 +12,10 @@ hold it, its event slot freed or quarantined).
 The early handoff (Unix-socket links, `--early-handoff`, on by default): the HANDOFF goes out
 without its first token when the prompt is queued for its forward, so the decode reads it and
 reserves its blocks while we compute; once the first token is on our host (the KV is written) it
-goes to the decode in KV_READY, which starts the decode's pull, then to the client. The 2nd
+goes to the decode in KV_READY, which starts the decode's pull, then to the client. On CUDA a
+plain greedy request's decode hears sooner (`--launch-early`): KV_LAUNCHED goes as soon as its
+forward, its first token (into the producer's mailbox) and its slot's record are queued on the
+GPU, so an idle decode queues its pull and first step behind them. The 2nd
 token then waits for one small frame, the pull's enqueue and one decode step, not for the
 HANDOFF's transfer and checks. A decode that answers the early HANDOFF with NO_CAPACITY gets it
 again later, the first token in it.
@@ -69,7 +72,9 @@ class RequestPipeline:
         self.producer = producer
         self.links = links
         budget = cfg.prefill_budget(rt.device.type)
-        self.batcher = PrefillBatcher(rt, producer, budget, cfg.prefill_chunk())
+        self.batcher = PrefillBatcher(
+            rt, producer, budget, cfg.prefill_chunk(), launched=self._launched, quiet=self._quiet
+        )
         self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
         self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
@@ -239,6 +244,24 @@ class RequestPipeline:
             req.inbox.put_nowait(
                 Error(code=ErrorCode.SHUTTING_DOWN, message="prefill daemon is shutting down")
             )
+
+    def _quiet(self, request_ids: list[str]) -> bool:
+        """Whether these requests (one forward's) are all we have in flight: their decode then
+        has nothing else of ours to decode, and a KV_LAUNCHED lets it start their first step
+        behind the forward. Under load nothing is launched early (no frames, no waits)."""
+        return len(self.requests) <= len(request_ids) and all(
+            rid in request_ids for rid in self.requests
+        )
+
+    def _launched(self, request_ids: list[str], queued_ns: int) -> None:
+        """The batcher queued these requests' forwards, first tokens (mailbox) and slot records
+        on the GPU at `queued_ns`: KV_LAUNCHED to the decode of each still offered early (and
+        not answered)."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                req.marks.stamp("launch_queued", queued_ns)
+                self.handoff.launched(req)
 
     # ---- one request -----------------------------------------------------------------------------
     async def run(

@@ -28,6 +28,7 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    KvLaunched,
     KvReady,
     Message,
     MsgType,
@@ -66,7 +67,8 @@ FINGERPRINT = "3f9a1c0e5b7d2468"
 
 
 def _register() -> Register:
-    """A cuda-raw pool: one 64-byte memory handle and a ring of two 64-byte event handles."""
+    """A cuda-raw pool: one 64-byte memory handle, a ring of two 64-byte event handles, and
+    block 63 as the first-token mailbox (v12)."""
     region = RegionDescriptor(
         kind="cuda-raw",
         handle=bytes(range(64)),
@@ -78,7 +80,7 @@ def _register() -> Register:
         device_uuid="GPU-8f2c6a1e-0b7d-4e39-9a51-3c6d2e8f1b40",
     )
     events = [bytes([0xE0 + slot]) * 64 for slot in range(2)]
-    return Register.build(LAYOUT, [region], [0], events)
+    return Register.build(LAYOUT, [region], [0], events, mailbox_block=63)
 
 
 def examples() -> list[Message]:
@@ -107,6 +109,7 @@ def examples() -> list[Message]:
             sent_ns=123456789,
         ),
         KvReady(request_id="req-7", first_token=101, sent_ns=123459999),
+        KvLaunched(request_id="req-7", sent_ns=123458888),
         Release(request_id="req-7", event_slot=1),
         Tokens(
             request_id="req-7",

@@ -185,6 +185,76 @@ def test_expired_heap_stays_bounded_under_churn() -> None:
     assert alloc.expired(1e9) == []
 
 
+def _counts(alloc: BlockAllocator) -> tuple[int, int, int, int]:
+    return (alloc.total, alloc.num_free, alloc.num_owned, alloc.num_leased)
+
+
+def test_reserve_takes_a_free_block_out_of_the_pool_for_good() -> None:
+    alloc = BlockAllocator(8)
+    mine = alloc.reserve()
+    assert 0 <= mine < 8
+    assert _counts(alloc) == (7, 7, 0, 0)  # it left the total: nothing counts it
+    blocks = alloc.allocate("a", 7)  # every block a request may hold
+    assert mine not in blocks and sorted([*blocks, mine]) == list(range(8))
+    assert _counts(alloc) == (7, 0, 7, 0)
+    assert not alloc.can_allocate(1)
+    with pytest.raises(OutOfBlocks) as info:
+        alloc.allocate("b", 1)
+    assert (info.value.requested, info.value.free, info.value.total) == (1, 0, 7)
+    with pytest.raises(OutOfBlocks) as info:
+        alloc.reserve()  # nothing FREE: nothing reserved, nothing changed
+    assert (info.value.requested, info.value.free, info.value.total) == (1, 0, 7)
+    assert _counts(alloc) == (7, 0, 7, 0)
+    alloc.lease("a", "link", None)
+    assert _counts(alloc) == (7, 0, 0, 7)
+    assert alloc.release("a") == 7
+    assert _counts(alloc) == (7, 7, 0, 0)
+    for rid in ("b", "c"):  # the freed blocks come back without the reserved one, ever
+        again = alloc.allocate(rid, 7)
+        assert mine not in again and sorted(again) == sorted(blocks)
+        assert alloc.free(rid) == 7
+    assert _counts(alloc) == (7, 7, 0, 0)
+
+
+def test_reserve_twice_gives_distinct_blocks_and_leaves_others_allocated_alone() -> None:
+    alloc = BlockAllocator(6)
+    held = alloc.allocate("a", 2)
+    first, second = alloc.reserve(), alloc.reserve()
+    assert first != second and not {first, second} & set(held)
+    assert _counts(alloc) == (4, 2, 2, 0)
+    assert alloc.blocks_of("a") == held
+    rest = alloc.allocate("b", 2)
+    assert sorted([*held, *rest, first, second]) == list(range(6))
+    assert alloc.num_free + alloc.num_owned + alloc.num_leased == alloc.total == 4
+    alloc.free("a")
+    alloc.free("b")
+    assert sorted(alloc.allocate("c", 4)) == sorted([*held, *rest])
+
+
+def test_reserve_never_takes_a_cached_block() -> None:
+    alloc = BlockAllocator(2)
+    alloc.allocate("a", 2)
+    alloc.publish("a", [b"x", b"y"])
+    alloc.free("a")  # both CACHED: free to allocate, but they name KV
+    assert (alloc.num_free, alloc.num_cached) == (2, 2)
+    with pytest.raises(OutOfBlocks):
+        alloc.reserve()
+    assert _counts(alloc) == (2, 2, 0, 0) and alloc.lookup([b"x", b"y"]) == [0, 1]
+
+
+def test_every_block_a_request_holds_after_reserve_is_in_range() -> None:
+    """reserve() lowers `total`, but block ids still span the whole pool: the highest one can
+    be looked at and reused from the cache."""
+    alloc = BlockAllocator(4)
+    alloc.reserve()
+    blocks = alloc.allocate("a", 3)
+    alloc.publish("a", [b"x", b"y", b"z"])
+    assert [alloc.state_of(b) for b in blocks] == [BlockState.OWNED] * 3
+    alloc.free("a")
+    hit = alloc.lookup([b"x", b"y", b"z"])
+    assert alloc.allocate("b", 0, reuse=hit) == hit  # a prefix-cache hit on those blocks
+
+
 class AllocatorMachine(RuleBasedStateMachine):
     """Drives the allocator against a dict model; checks the pool is partitioned after each step."""
 

@@ -89,6 +89,8 @@ class Register(Message, frozen=True):
     event_handles: bytes = b""
     nixl: NixlRegion | None = None  # v3
     proof: Proof = ""  # v3
+    # v12: the pool block holding one int64 first token per event slot (KV_LAUNCHED); -1: none
+    mailbox_block: Annotated[int, msgspec.Meta(ge=-1)] = -1
 
     @classmethod
     def build(
@@ -97,6 +99,7 @@ class Register(Message, frozen=True):
         descs: list[RegionDescriptor],
         fd_counts: list[int],
         event_handles: list[bytes],
+        mailbox_block: int = -1,
     ) -> Register:
         size = len(event_handles[0]) if event_handles else 0
         if any(len(h) != size for h in event_handles):
@@ -122,6 +125,7 @@ class Register(Message, frozen=True):
             event_handle_size=size,
             mem_handles=b"".join(d.handle for d in descs),
             event_handles=b"".join(event_handles),
+            mailbox_block=mailbox_block,
         )
 
     def descriptors(self) -> list[RegionDescriptor]:

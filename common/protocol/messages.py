@@ -93,6 +93,19 @@ class KvReady(Message, frozen=True):
     sent_ns: NonNeg = 0
 
 
+class KvLaunched(Message, frozen=True):
+    """P → D (v12), after an early HANDOFF of a plain greedy request on a Unix-socket CUDA link:
+    its forward, its first token (the argmax, into the mailbox entry of its event slot: REGISTER's
+    `mailbox_block`) and the record of its event slot are queued on P's GPU, not done. D may
+    queue its pull behind the slot and a first step that reads the token on the GPU; KV_READY
+    (or ABORT) still follows. From this frame on P holds the blocks leased and an ABORT is
+    answered as after KV_READY. `sent_ns`: P's CLOCK_MONOTONIC at send (same host)."""
+
+    TYPE = MsgType.KV_LAUNCHED
+    request_id: RequestId
+    sent_ns: NonNeg = 0
+
+
 class Tokens(Message, frozen=True):
     """D → P → C: new tokens of a request, in order. `text` is filled by P for its client.
 
@@ -276,6 +289,7 @@ ALL_MESSAGES: tuple[type[Message], ...] = (
     Registered,
     Handoff,
     KvReady,
+    KvLaunched,
     Release,
     Tokens,
     Finish,

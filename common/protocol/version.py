@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -42,6 +42,11 @@ HISTORY: dict[int, str] = {
     11: "TCP links hand off early: after an early HANDOFF the decode sends PUSH at once (push "
     "links), with the HANDOFF's `request_id`, and the prefill WRITEs it when the KV is written, "
     "leasing the blocks and sending KV_READY; on pull links the decode READs on KV_READY",
+    12: "KV_LAUNCHED P → D: an early HANDOFF's forward, first token and event record are queued "
+    "on the prefill's GPU (not done); the first token is on the GPU in the mailbox entry of its "
+    "event slot, in the prefill pool's block that REGISTER's new `mailbox_block` names, so the "
+    "decode may queue its pull and first step behind the slot before KV_READY; an ABORT after "
+    "KV_LAUNCHED is answered as after KV_READY",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})

@@ -34,6 +34,7 @@ class MsgType(enum.IntEnum):
     PUSH_FAILED = 14  # v3
     KV_READY = 15  # v5
     STEP_TOKENS = 16  # v10
+    KV_LAUNCHED = 17  # v12
     GENERATE = 20
     STATUS = 21
     STATUS_REPLY = 22

@@ -124,7 +124,14 @@ class KVConsumer(Consumer):
                 raise TransferRefused(
                     ErrorCode.BAD_REQUEST, f"cannot open the peer's event handles: {exc}"
                 ) from exc
-        return cls(local, peer, region, events, stream)
+        consumer = cls(local, peer, region, events, stream)
+        if reg.mailbox_block >= 0 and events is not None:
+            try:
+                consumer.mailbox = mailbox_of(peer, reg.mailbox_block, len(events))
+            except TransferRefused:
+                consumer.close()
+                raise
+        return consumer
 
     @property
     def kind(self) -> str:
@@ -204,6 +211,9 @@ class KVConsumer(Consumer):
             plan.kernel.launch(self._stream)
         else:
             self.local.copy_blocks_from(peer, plan.src_ids, plan.dst_ids, self._stream)
+        if plan.first_into is not None and self.mailbox is not None and plan.slot >= 0:
+            with torch.cuda.stream(self._stream):  # behind the slot: the first token is written
+                plan.first_into.copy_(self.mailbox[plan.slot : plan.slot + 1], non_blocking=True)
         copied = torch.cuda.Event(blocking=True)  # the waiter thread sleeps on it, never spins
         copied.record(self._stream)
         return copied
@@ -253,6 +263,18 @@ class KVConsumer(Consumer):
         self._region.close()
 
 
+def mailbox_of(peer: KVPool, block: int, slots: int) -> torch.Tensor:
+    """The peer's first-token mailbox (v12): `slots` int64 entries at the start of its pool's
+    block `block`. TransferRefused(BAD_REQUEST) when the block does not exist or is too small."""
+    if block >= peer.num_blocks or peer.layout.block_nbytes // 8 < slots:
+        raise TransferRefused(
+            ErrorCode.BAD_REQUEST,
+            f"bad REGISTER: mailbox block {block} cannot hold {slots} entries in a pool of "
+            f"{peer.num_blocks} blocks of {peer.layout.block_nbytes} bytes",
+        )
+    return peer.tensor[block].view(-1).view(torch.int64)[:slots]
+
+
 def check_same_blocks(local: PoolLayout, peer: PoolLayout) -> None:
     """TransferRefused(INCOMPATIBLE) unless the two pools' blocks have one shape and dtype."""
     mine, theirs = local.compat_fields(), peer.compat_fields()
@@ -298,4 +320,5 @@ __all__ = [
     "TransferRefused",
     "check_handoff",
     "check_same_blocks",
+    "mailbox_of",
 ]

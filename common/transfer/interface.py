@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from common.allocator import BlockAllocator
 from common.errors import PdkvError
 from common.kvpool import KVPool
@@ -59,6 +61,9 @@ class PullPlan:
     slot: int
     kernel: Any = None
     tag: int | None = None  # a NIXL push asked for at plan time (`Consumer.early`)
+    # v12: a device int64 [1] the pull also copies the peer's mailbox entry of `slot` into,
+    # behind the slot, before its completion event (KV_LAUNCHED: the first token on the GPU)
+    first_into: Any = None
 
 
 class TransferRefused(PdkvError):
@@ -84,9 +89,14 @@ class Producer(ABC):
       `link_id` (`reply` answers on that link); True when it took `msg`.
     - `link_lost(link_id)` frees that link's leases and stops what still moves to its peer;
       `expired(now)` frees overdue leases; `close()` once, after the last link ended.
+    - `mailbox` (v12, IPC on CUDA, when asked for): one int64 per event slot on the device, in
+      a pool block of its own that REGISTER names; the forward writes a plain greedy request's
+      first token into its slot's entry before it records the slot, so a KV_LAUNCHED decode
+      reads it on its GPU. None: the transport offers none (no KV_LAUNCHED is sent).
     """
 
     caps = Capabilities(stream_wait=True, early_handoff=True)
+    mailbox: torch.Tensor | None = None
 
     def __init__(self, pool: KVPool, allocator: BlockAllocator) -> None:
         self.pool = pool
@@ -208,6 +218,9 @@ class Consumer(ABC):
 
     caps = Capabilities(stream_wait=True, early_handoff=True)
     local: KVPool
+    # v12 (IPC on CUDA): the peer's first-token mailbox, one int64 per event slot, when its
+    # REGISTER named one; a plan's `first_into` is then filled from it. None: KV_LAUNCHED unused
+    mailbox: torch.Tensor | None = None
 
     @property
     @abstractmethod

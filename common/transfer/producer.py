@@ -6,6 +6,10 @@
 - On CUDA it owns the event ring: `acquire_slot()` before a request's writes, `record(slot,
   stream)` right after them on the same stream; the slot is named in the HANDOFF. On CPU there
   is no ring (the HANDOFF frame itself orders after the writes): every slot is -1, ignored.
+- With `mailbox` (CUDA, v12) one block of the pool, reserved from the allocator for the daemon's
+  life (it leaves the allocator's total), holds one int64 per event slot (`self.mailbox`): the forward writes a plain greedy
+  request's first token there before it records the slot, and REGISTER names the block, so a
+  decode sent KV_LAUNCHED reads the token on its GPU behind the slot (docs/protocol.md).
 - A slot named in a HANDOFF whose request ended without a RELEASE is `quarantine`d: the peer may
   still wait on it, and `cudaStreamWaitEvent` binds to the latest record at call time, so it is
   recorded again only after a late RELEASE (`ack_late`) or the end of the link (`link_lost`).
@@ -32,7 +36,13 @@ class KVProducer(Producer):
     """`interface.Producer` over a pool exported to peers on this host (module docstring)."""
 
     def __init__(
-        self, pool: KVPool, allocator: BlockAllocator, backend: str | None, *, event_slots: int
+        self,
+        pool: KVPool,
+        allocator: BlockAllocator,
+        backend: str | None,
+        *,
+        event_slots: int,
+        mailbox: bool = False,
     ) -> None:
         super().__init__(pool, allocator)
         device = pool.device
@@ -41,11 +51,26 @@ class KVProducer(Producer):
         self.region = export_region(pool.tensor, backend)
         self.events = EventRing.create(event_slots, device) if device.type == "cuda" else None
         self._quarantine: set[int] = set()
+        self.mailbox_block = -1
+        if mailbox and self.events is not None:
+            self._take_mailbox(len(self.events))
+
+    def _take_mailbox(self, slots: int) -> None:
+        """One pool block of our own for the daemon's life, as `slots` int64 entries (too small
+        a block for them: no mailbox, logged)."""
+        entries = self.pool.layout.block_nbytes // 8
+        if entries < slots:
+            log.warning("mailbox_block_too_small", entries=entries, event_slots=slots)
+            return
+        block = self.allocator.reserve()  # out of the counters: status shows what requests hold
+        self.mailbox_block = block
+        self.mailbox = self.pool.tensor[block].view(-1).view(torch.int64)[:slots]
 
     def register(self) -> tuple[Register, list[int]]:
         fds = self.region.fds()
         handles = self.events.handles() if self.events is not None else []
-        reg = Register.build(self.pool.layout.to_wire(), [self.region.desc], [len(fds)], handles)
+        layout = self.pool.layout.to_wire()
+        reg = Register.build(layout, [self.region.desc], [len(fds)], handles, self.mailbox_block)
         return reg, fds
 
     # ---- event slots -----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ class ProducerSettings:
     backend: str | None = None  # IPC: the region backend (None: the device's default)
     event_slots: int = 0  # IPC on CUDA: the event ring's size
     transfer: str = "push"  # NIXL: "push" (the prefill WRITEs) or "pull" (the decode READs)
+    mailbox: bool = False  # IPC on CUDA: a first-token mailbox for KV_LAUNCHED (v12)
 
 
 class ConsumerSide(ABC):

@@ -43,7 +43,13 @@ class UnixTransport(Transport):
         settings: ProducerSettings,
         loop: asyncio.AbstractEventLoop,
     ) -> KVProducer:
-        return KVProducer(pool, allocator, settings.backend, event_slots=settings.event_slots)
+        return KVProducer(
+            pool,
+            allocator,
+            settings.backend,
+            event_slots=settings.event_slots,
+            mailbox=settings.mailbox,
+        )
 
     def consumer_side(self, pool: KVPool, loop: asyncio.AbstractEventLoop) -> UnixConsumers:
         return UnixConsumers(pool)

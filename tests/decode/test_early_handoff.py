@@ -14,7 +14,7 @@ import msgspec
 
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
+from common.protocol import Error, ErrorCode, Finish, Handoff, KvLaunched, KvReady, Release, Tokens
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_deferred_pull import PROMPT
 from tests.decode.test_requests import decode_until
@@ -184,5 +184,95 @@ async def test_awaits_kv_while_an_early_handoff_awaits_it_and_nothing_is_to_step
     assert table.awaits_kv(link)  # r1 done: only r2 left, awaiting its KV
     table.abort(link, "r2")
     assert not table.awaits_kv(link)
+    side.producer.allocator.free("r1")
+    side.producer.allocator.free("r2")
+
+
+# ---- KV_LAUNCHED (v12) --------------------------------------------------------------------------
+# On CPU the decode has no first-token buffer (and the link no mailbox): KV_LAUNCHED only marks
+# the sequence launched, KV_READY starts its pull as before, and an ABORT after it is answered.
+
+
+def _counts(rt) -> tuple[int, int, int, int]:  # type: ignore[no-untyped-def]
+    a = rt.allocator
+    return (a.total, a.num_free, a.num_owned, a.num_leased)
+
+
+def test_kv_launched_for_a_request_not_held_is_dropped_without_an_answer(
+    side: Side,
+    link: FakeLink,
+    table,
+    rt,
+):
+    before = _counts(rt)
+    table.kv_launched(link, KvLaunched(request_id="nobody", sent_ns=5))
+    assert link.sent == [] and link.frames == [] and table.sequences() == []
+    table.handoff(link, early(side.prefill("r1", PROMPT, GREEDY)))
+    table.abort(link, "r1")  # not launched: ended with no answer, and forgotten
+    table.kv_launched(link, KvLaunched(request_id="r1", sent_ns=6))  # crossed the ABORT
+    assert link.sent == [] and table.sequences() == [] and len(table) == 0
+    assert _counts(rt) == before
+    side.producer.allocator.free("r1")
+
+
+async def test_kv_launched_then_kv_ready_on_cpu_decodes_to_the_reference(
+    side: Side,
+    link: FakeLink,
+    table,
+    rt,
+):
+    h = side.prefill("r1", PROMPT, GREEDY)
+    table.handoff(link, early(h))
+    (seq,) = table.sequences()
+    assert not seq.launched
+    table.kv_launched(link, KvLaunched(request_id="r1", sent_ns=1))
+    assert seq.launched and not seq.first_pending  # CPU: nothing starts on it
+    assert link.sent == [] and len(table) == 0  # still awaiting its KV
+    assert table.launched_first == 0
+    table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))
+    assert link.of(Release) == [Release(request_id="r1", event_slot=-1)]  # pulled inline
+    assert len(table) == 1
+    table.kv_launched(link, KvLaunched(request_id="r1", sent_ns=2))  # decoding: dropped
+    assert [type(m) for m in link.sent] == [Release]
+    await decode_until(table, lambda: link.of(Finish))
+    tokens = [h.first_token] + [t for m in link.of(Tokens) for t in m.tokens]
+    assert tokens == reference.generate(rt.model, PROMPT, GREEDY, block_size=rt.layout.block_size)
+    assert len(link.of(Release)) == 1 and link.of(Error) == []
+    timings = link.of(Finish)[0].timings
+    assert "first_wait_us" in timings  # KV_READY started it, as after any early HANDOFF
+    assert "launch_lead_us" not in timings  # its pull did not start on KV_LAUNCHED
+    assert table.launched_first == 0
+    side.producer.allocator.free("r1")
+
+
+def test_abort_after_kv_launched_answers_one_release_and_frees_the_blocks(
+    side: Side,
+    dlink,
+    table,
+    rt,
+):
+    """P may have queued the slot's record: after KV_LAUNCHED it waits for our answer to an
+    ABORT before it reuses the slot. No pull started here, so RELEASE goes at once; a request
+    aborted without KV_LAUNCHED still gets no answer."""
+    before = _counts(rt)
+    launched = early(side.prefill("r1", PROMPT, GREEDY))  # CPU: no event ring, slot -1
+    plain = early(side.prefill("r2", [5, 6, 7, 8, 9], GREEDY))
+    table.handoff(dlink, launched)
+    table.handoff(dlink, plain)
+    assert _counts(rt)[1] < before[1]  # both hold decode blocks
+    table.kv_launched(dlink, KvLaunched(request_id="r1", sent_ns=3))
+    table.kv_launched(dlink, KvLaunched(request_id="r1", sent_ns=4))  # a repeat: one answer
+    assert dlink.sent == []
+    table.abort(dlink, "r1")
+    assert dlink.sent == [Release(request_id="r1", event_slot=-1)]  # its slot echoed
+    assert [s.request_id for s in table.sequences()] == ["r2"]
+    assert "link-d/r1" not in rt.allocator and "link-d/r2" in rt.allocator
+    table.abort(dlink, "r2")  # no KV_LAUNCHED: P reuses the slot without an answer
+    assert dlink.sent == [Release(request_id="r1", event_slot=-1)]
+    assert table.sequences() == [] and dlink.consumer.events == []  # nothing was pulled
+    assert _counts(rt) == before
+    table.kv_ready(dlink, KvReady(request_id="r1", first_token=5))  # late: dropped
+    table.kv_launched(dlink, KvLaunched(request_id="r2", sent_ns=5))  # late: dropped
+    assert len(dlink.sent) == 1 and len(table) == 0
     side.producer.allocator.free("r1")
     side.producer.allocator.free("r2")

@@ -21,12 +21,12 @@ pytestmark = [
 ]
 
 
-def _run(pair, prompts, params):
+def _run(pair, prompts, params, tag="g"):
     async def go():
         return await asyncio.gather(
             *(
                 client.generate(
-                    pair.client_socket, prompt_tokens=p, sampling=params, request_id=f"g{i}"
+                    pair.client_socket, prompt_tokens=p, sampling=params, request_id=f"{tag}{i}"
                 )
                 for i, p in enumerate(prompts)
             )
@@ -145,3 +145,39 @@ def test_gpu_prefix_cache_repeats_give_the_first_requests_tokens(pair_factory, d
         assert res.finish.usage.cached_tokens >= 64
         assert res.tokens == reference.generate(model, turn2, params)
     _assert_all_free(pair_factory)
+
+
+def test_gpu_first_step_launched_on_kv_launched_equals_reference_fp32(pair_factory):
+    """KV_LAUNCHED (on by default on CUDA): a greedy request that finds the decode idle has its
+    pull and first step queued behind the prefill's forward, its first token read from the
+    prefill's mailbox on the GPU. One request at a time (each launched so), then 8 at once (at most one
+    launched, the rest through KV_READY: a prefill with other requests in flight launches none
+    early), then one whose first token is a stop token (the
+    prefill ABORTs after KV_LAUNCHED; the decode must answer with RELEASE, or the daemon's one
+    event slot stays quarantined and the next request never runs), then one more: every token
+    equals the single-process reference and nothing leaks."""
+    args = ("--device", "cuda:0", "--dtype", "float32")
+    dec = pair_factory.start("decode", *args)
+    pre = pair_factory.start("prefill", *args, "--event-slots", "1", "--handoff-timeout", "20")
+    model, _ = load_model(None, device="cuda:0", dtype=torch.float32)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = _prompts(14)
+    for i, p in enumerate(prompts[:5]):
+        (res,) = _run(pair_factory, [p], params, tag=f"one{i}-")
+        assert res.tokens == reference.generate(model, p, params), f"request {i} differs"
+        assert "launch_lead_us" in res.finish.timings, res.finish.timings  # the launched path
+    together = _run(pair_factory, prompts[5:13], params, tag="together-")
+    for i, (res, p) in enumerate(zip(together, prompts[5:13], strict=True)):
+        assert res.tokens == reference.generate(model, p, params), f"request {5 + i} differs"
+    last = prompts[13]
+    first = reference.generate(model, last, SamplingParams(max_tokens=1))[0]
+    stop = SamplingParams(max_tokens=8, stop_token_ids=[first])
+    (res,) = _run(pair_factory, [last], stop, tag="stop-")
+    assert res.tokens == [first] and res.finish.reason == "stop"
+    (res,) = _run(pair_factory, [prompts[0]], params, tag="after-")  # the slot came back
+    assert res.tokens == reference.generate(model, prompts[0], params)
+    assert "launch_lead_us" in res.finish.timings
+    _assert_all_free(pair_factory)
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}, pre.log_text()[-2000:]
+    stopped = [json.loads(x) for x in dec.log_text().splitlines() if "decode_loop_stopped" in x]
+    assert stopped and stopped[0]["launched_first"] >= 7, stopped

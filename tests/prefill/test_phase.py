@@ -56,6 +56,30 @@ PATHS = {
         [P.QUEUED, P.OFFERED, P.REFUSED, P.ENDED],
     ),
     "the HANDOFF's write failed": ([E.QUEUE, E.OFFER, E.UNSENT], [P.QUEUED, P.LEASED, P.DONE]),
+    "launched, ready, released, finished": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.READY, E.RELEASE, E.TOKENS, E.FINISH, E.END],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.LEASED, P.RELEASED, P.RELEASED, P.DONE, P.ENDED],
+    ),
+    "launched, aborted before its KV_READY, answered": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.ABORT, E.ABORT_ANSWERED],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.ABORTING, P.ENDED],
+    ),
+    "launched, refused (NO_CAPACITY crossed it), offered again": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.NO_CAPACITY, E.OFFER, E.RELEASE],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.REFUSED, P.LEASED, P.RELEASED],
+    ),
+    "launched, link lost (the decode may have waited on the slot)": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.LINK_LOST],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.DONE],
+    ),
+    "launched, the decode's ERROR, then its RELEASE": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.ERROR, E.RELEASE],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.ANSWERED, P.DONE],
+    ),
+    "launched, the KV_LAUNCHED's write failed": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.UNSENT],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.DONE],
+    ),
     "ended before its forward": ([E.END], [P.ENDED]),
 }
 
@@ -86,6 +110,12 @@ ILLEGAL = [
     (P.ABORTING, E.END),  # ended twice
     (P.ENDED, E.END),
     (P.ENDED, E.TOKENS),
+    (P.LAUNCHED, E.RELEASE),  # a RELEASE before the decode read KV_READY
+    (P.LAUNCHED, E.TOKENS),  # tokens before the decode has the first token on its host
+    (P.LAUNCHED, E.FINISH),
+    (P.LAUNCHED, E.LAUNCH),  # a second KV_LAUNCHED
+    (P.QUEUED, E.LAUNCH),  # launched without an early HANDOFF
+    (P.LEASED, E.LAUNCH),  # launched after its KV_READY (or a HANDOFF with its first token)
 ]
 
 
@@ -119,3 +149,18 @@ def test_accepts_agrees_with_advance_for_every_phase_and_event() -> None:
 def test_every_phase_but_aborting_and_ended_can_end_and_ended_takes_nothing() -> None:
     assert {p for p in Phase if accepts(p, E.END)} == set(Phase) - {P.ABORTING, P.ENDED}
     assert not any(accepts(P.ENDED, e) for e in Event)
+
+
+def test_launched_takes_exactly_the_events_of_a_lease_whose_kv_ready_is_due() -> None:
+    # LAUNCHED: the blocks leased to the link, KV_READY still to go out; only an early offer
+    # is launched
+    assert {e for e in Event if accepts(P.LAUNCHED, e)} == {
+        E.READY,
+        E.NO_CAPACITY,
+        E.ERROR,
+        E.LINK_LOST,
+        E.UNSENT,
+        E.ABORT,
+        E.END,
+    }
+    assert {p for p in Phase if accepts(p, E.LAUNCH)} == {P.OFFERED}

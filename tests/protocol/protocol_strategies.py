@@ -27,6 +27,7 @@ from common.protocol import (
     Handoff,
     Hello,
     HelloOk,
+    KvLaunched,
     KvReady,
     Message,
     MsgType,
@@ -162,7 +163,8 @@ def registers(draw: st.DrawFn) -> Register:
     size = draw(st.integers(0, 64))
     events = draw(st.lists(st.binary(min_size=size, max_size=size), max_size=4))
     layout = draw(st.dictionaries(texts, small_nonneg | texts, max_size=6))
-    return Register.build(layout, descs, fd_counts, events)
+    mailbox = draw(st.integers(min_value=-1, max_value=1 << 20))
+    return Register.build(layout, descs, fd_counts, events, mailbox)
 
 
 link_values = st.one_of(texts, st.integers(-(2**63), 2**63 - 1), finite)
@@ -185,6 +187,7 @@ MESSAGES: dict[MsgType, st.SearchStrategy[Message]] = {
         event_slot=event_slots,
         sent_ns=nonneg,
     ),
+    MsgType.KV_LAUNCHED: st.builds(KvLaunched, request_id=request_ids, sent_ns=nonneg),
     MsgType.KV_READY: st.builds(
         KvReady, request_id=request_ids, first_token=token_ids, sent_ns=nonneg
     ),

@@ -67,7 +67,7 @@ def test_encode_with_another_version_is_refused_by_the_reader() -> None:
     assert "unsupported protocol version" in str(_decode_both(frame))
 
 
-@pytest.mark.parametrize("mtype", [0, 17, 19, 23, 0xFFFF])
+@pytest.mark.parametrize("mtype", [0, 18, 19, 23, 0xFFFF])
 def test_unknown_type(mtype: int) -> None:
     assert f"unknown message type {mtype}" in str(_decode_both(raw_frame(mtype, b"{}")))
 
