@@ -87,6 +87,11 @@ class BlockAllocator:
         return self._total
 
     @property
+    def num_ids(self) -> int:
+        """Block ids run 0 .. num_ids-1: the pool's size, reserved blocks included."""
+        return self._ids
+
+    @property
     def num_free(self) -> int:
         """FREE and CACHED blocks: what an allocation may take."""
         return len(self._free) + self._names.num_parked

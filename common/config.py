@@ -198,11 +198,12 @@ class PrefillConfig(DaemonConfig):
         metadata=opt(
             "--launch-early",
             negatable=True,
-            help="CUDA: for a greedy request handed off early (no penalties, min_tokens or "
-            "logprobs), write its first token into a mailbox on the GPU before its event slot "
-            "is recorded, and tell the decode (KV_LAUNCHED) as soon as the forward is queued, so "
-            "an idle decode queues its pull and first step behind it and the 2nd token no "
-            "longer waits for the decode's host work after the forward. Takes one pool block.",
+            help="CUDA, with --early-handoff: for a greedy request (no penalties, min_tokens or "
+            "logprobs) whose forward holds all the prefill has in flight, write its first token "
+            "into a mailbox on the GPU before its event slot is recorded and tell the decode "
+            "(KV_LAUNCHED) as soon as the forward is queued, so an idle decode queues its pull "
+            "and first step behind it and the 2nd token no longer waits for the decode's host "
+            "work after the forward. Takes one pool block.",
         ),
     )
     decode: tuple[str, ...] = field(

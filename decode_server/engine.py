@@ -43,6 +43,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import structlog
 import torch
 
 from common.model.logits import TokenHistory
@@ -59,6 +60,11 @@ from decode_server.block_tables import BlockTables
 from decode_server.overlap import Launched, Readback
 from decode_server.sequence import Sequence
 from decode_server.warm import warm_wait
+
+log = structlog.get_logger(__name__)
+#: how long the host waits for a step launched on KV_LAUNCHED whose sequence ended before its
+#: KV_READY (its prefill may have died mid-forward) before the daemon gives up (exit status 1)
+LAUNCHED_STEP_WAIT_S = 30.0
 
 Drawn = tuple[list[int | SamplingError], list[TokenLogprob | None] | None]
 """A step's tokens (or the SamplingError of a row that failed alone) and, when some row asks for
@@ -153,8 +159,12 @@ class DecodeEngine:
         """Wait (on the host) for the step launched ahead, if any, and drop it: nothing is in
         flight after. For the loop's end; its tokens are not answered."""
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.done is not None:
-            ahead.done.synchronize()
+        if ahead is None or ahead.done is None:
+            return
+        try:
+            ahead.wait(LAUNCHED_STEP_WAIT_S)
+        except RuntimeError as exc:  # the daemon ends anyway; its GPU may never be idle
+            log.error("step_ahead_never_completed", error=str(exc))
 
     # ---- steps ---------------------------------------------------------------------------------
     async def wait_for_work(self) -> None:
@@ -259,6 +269,8 @@ class DecodeEngine:
         new = self._launch(launch, ahead, first) if launch else None
         if ahead is None:
             return new, [], []
+        if not all(s.generated for s in ahead.firsts):  # ended before KV_READY: maybe never
+            ahead.wait(LAUNCHED_STEP_WAIT_S)  # the prefill's forward ends: raises, else
         tokens = ahead.read()
         self.last_step_ns = (*ahead.clock, time.monotonic_ns())
         return new, ahead.batch, tokens

@@ -23,6 +23,7 @@ step launches and is read in one go.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,21 @@ class Launched:
     clock: tuple[int, int, int, int]
     # the sequences launched with their first token on the GPU (KV_LAUNCHED: engine.py)
     firsts: list[Sequence] = field(default_factory=list)
+
+    def wait(self, bound_s: float) -> None:
+        """Wait on the host for the step to complete, polling, at most `bound_s`: RuntimeError
+        past it. For a step whose completion is not certain: one launched on KV_LAUNCHED whose
+        prefill never sent KV_READY may wait on a forward that will never end."""
+        if self.done is None:
+            return
+        end = time.monotonic() + bound_s
+        while not self.done.query():
+            if time.monotonic() > end:
+                raise RuntimeError(
+                    f"a decode step launched on KV_LAUNCHED did not complete in {bound_s:g} s: "
+                    "the prefill forward it waits on never ended (its daemon died?)"
+                )
+            time.sleep(0.001)
 
     def read(self) -> list[int | SamplingError]:
         """Each row's token, or the SamplingError of a row whose logits were not finite (waits

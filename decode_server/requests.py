@@ -104,6 +104,7 @@ class DecodeRequests:
         if rt.device.type == "cuda" and overlap != "off":
             self._first_token = torch.zeros(1, dtype=torch.int64, device=rt.device)
         self._first_known = asyncio.Event()  # a KV_READY for a launched sequence, or its end
+        self._last_launched: Sequence | None = None  # its pull writes `_first_token`
         self.launched_first = 0  # sequences whose pull and first step started on KV_LAUNCHED
 
     def __len__(self) -> int:
@@ -282,6 +283,7 @@ class DecodeRequests:
         seq.plan, seq.first_on_device, seq.first_pending = None, first, True
         launch = dataclasses.replace(plan, first_into=first)
         self.launched_first += 1
+        self._last_launched = seq
         if self.prefill_first is not None:
             self.prefill_first.moved()
         self._start_pull(seq, lambda done: consumer.start(launch, done))
@@ -290,8 +292,10 @@ class DecodeRequests:
         """Whether `seq` may start on KV_LAUNCHED: plain, on a link with the prefill's mailbox
         and on our GPU (one stream order for the copy; another GPU's events are left to
         KV_READY), an event slot named, steps overlapped, and nothing else to decode (no step
-        running, launched ahead or queued): its first step then waits for the prefill alone."""
-        consumer = seq.link.consumer
+        running, launched ahead or queued): its first step then waits for the prefill alone.
+        And no earlier launched pull outstanding (one whose sequence ended before its step):
+        it could still write `_first_token` after this one's."""
+        consumer, last = seq.link.consumer, self._last_launched
         return (
             self._first_token is not None
             and seq.plain
@@ -302,6 +306,7 @@ class DecodeRequests:
             and not self._stepping
             and not len(self.engine)
             and not self.engine.ahead
+            and (last is None or not last.pull_outstanding)
         )
 
     def kv_ready(self, peer: Peer, msg: KvReady) -> None:
@@ -484,9 +489,12 @@ class DecodeRequests:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """Its pull failed or could not start (a bug, a bad mapping): this request alone fails
-        (ERROR INTERNAL unless it had ended), the link goes on."""
+        (ERROR INTERNAL; after KV_LAUNCHED also once it had ended: the prefill keeps its slot
+        from reuse until it hears of it), the link goes on."""
         log.error("pull_failed", request_id=seq.request_id, link=seq.link.link_id, exc_info=exc)
         if seq.phase is Phase.ENDING:
+            if seq.launched:  # an ABORT the pull's RELEASE would have answered
+                seq.link.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", seq.request_id)
             self._free_if_done(seq)
             return
         seq.link.post_error(ErrorCode.INTERNAL, f"pull failed: {exc}", seq.request_id)

@@ -4,7 +4,7 @@
   not written) or with it (the KV written: the blocks are leased to the link first).
 - `launched`: KV_LAUNCHED after an early offer (v12, CUDA), once the forward, the first token's
   mailbox entry and the slot's record are queued on the GPU: the decode may queue its pull and
-  first step behind the slot (the blocks are leased to the link first); KV_READY still follows.
+  first step behind the slot; KV_READY (which leases the blocks) still follows.
 - `ready`: KV_READY after an early offer, once the first token is on our host: the KV is written,
   the decode's pull may start (the blocks are leased to the link first).
 - `hand_over`: after the first token, offers the request unless it went early, and while a
@@ -109,14 +109,15 @@ class HandoffPath:
     def launched(self, req: PrefillRequest) -> None:
         """After an early offer the decode has not answered yet, its forward, first token
         (mailbox) and slot record queued on the GPU: KV_LAUNCHED on the link that has the
-        HANDOFF, the blocks leased to it first. Nothing else changes for a request past that."""
+        HANDOFF. The blocks stay ours (KV_READY leases them), so a link lost meanwhile sends
+        the request to another decode as for an early offer; its slot is quarantined if it
+        ends now (the decode may wait on it). Nothing else changes for a request past that."""
         if req.phase is not Phase.OFFERED or not req.inbox.empty():
             return
         link = self.links.by_id(req.link_id)
         if link is None:  # lost: link_lost moved the request on
             return
         req.advance(Event.LAUNCH)
-        self._lease(req)
         sent = req.marks.stamp("kv_launched")
         link.post(KvLaunched(request_id=req.request_id, sent_ns=sent))
 

@@ -8,10 +8,10 @@ ADMITTED ─QUEUE─▶ QUEUED ─OFFER_EARLY─▶ OFFERED ─READY─▶ LEASE
 OFFERED ─LAUNCH─▶ LAUNCHED ─READY─▶ LEASED   (KV_LAUNCHED, then KV_READY)
 
 OFFERED, LAUNCHED, LEASED ─NO_CAPACITY─▶ REFUSED ─OFFER─▶ LEASED
-OFFERED, REFUSED ─LINK_LOST─▶ REFUSED
+OFFERED, LAUNCHED, REFUSED ─LINK_LOST─▶ REFUSED
 ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE, LAUNCHED ─ERROR─▶ ANSWERED
 OFFERED, LAUNCHED, LEASED, REFUSED ─UNSENT─▶ DONE
-LAUNCHED, LEASED … ANSWERED ─LINK_LOST─▶ DONE
+LEASED … ANSWERED ─LINK_LOST─▶ DONE
 it ends:  LAUNCHED or LEASED, with an event slot ─ABORT─▶ ABORTING
               ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
           any other phase ─END─▶ ENDED
@@ -25,15 +25,16 @@ follows from it alone):
 - OFFERED: an early HANDOFF went out: the decode may hold it (blocks reserved), but the KV is
   not written, so the decode never waits on its slot and never reads its blocks.
 - LAUNCHED: after an early HANDOFF, KV_LAUNCHED went out: the forward, the first token's
-  mailbox entry and the slot's record are queued on our GPU, not done. The blocks are leased to
-  the link, the decode may wait on the slot (and read the mailbox entry), and KV_READY (with the
-  token on our host) is still due. The decode sends no RELEASE, TOKENS or FINISH before it has
+  mailbox entry and the slot's record are queued on our GPU, not done. The decode may wait on
+  the slot (and read the mailbox entry and the blocks once it completes), so the slot is
+  quarantined if the request ends now; the blocks are still ours (KV_READY leases them, as
+  after an early HANDOFF), and a link lost now sends the request to another decode. The decode sends no RELEASE, TOKENS or FINISH before it has
   read KV_READY (or, after an ABORT, anything but RELEASE or ERROR).
 - LEASED: the KV is written and offered (HANDOFF with its first token, or KV_READY after an early
   one): the blocks are leased to the link, the decode may wait on the slot.
 - RELEASED: RELEASE came: blocks and slot are free; the decode holds the sequence and decodes.
 - REFUSED: the decode answered NO_CAPACITY, or the link of an early HANDOFF was lost before its
-  KV was written (no token of it has left the daemons): it holds nothing; the HANDOFF goes again,
+  KV_READY went (no token of it has left the daemons): it holds nothing; the HANDOFF goes again,
   with its first token, to another decode at once or after a backoff.
 - ANSWERED: the decode's last answer (FINISH or ERROR) came while the KV was leased: it holds
   nothing, but its RELEASE may still follow (on CUDA it is sent when the copy's event completes,
@@ -108,9 +109,11 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
     Event.NO_CAPACITY: dict.fromkeys((P.OFFERED, P.LAUNCHED, P.LEASED), P.REFUSED),
     Event.LINK_LOST: {
         # the decode held nothing of it, or nothing readable: offered again, to another decode
+        # (after KV_LAUNCHED its blocks are still ours: KV_READY leases them)
         P.OFFERED: P.REFUSED,
+        P.LAUNCHED: P.REFUSED,
         P.REFUSED: P.REFUSED,
-        **dict.fromkeys((P.LAUNCHED, P.LEASED, P.RELEASED, P.ANSWERED), P.DONE),
+        **dict.fromkeys((P.LEASED, P.RELEASED, P.ANSWERED), P.DONE),
         P.ABORTING: P.ENDED,
     },
     Event.ABORT: {P.LAUNCHED: P.ABORTING, P.LEASED: P.ABORTING},

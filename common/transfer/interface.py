@@ -165,8 +165,8 @@ class Producer(ABC):
         """None when every block is leased to `link_id` (to any link where it is None), else
         why not, naming the first block that is not."""
         for block in block_ids:
-            if not 0 <= block < self.allocator.total:
-                return f"block {block} is outside the pool of {self.allocator.total}"
+            if not 0 <= block < self.allocator.num_ids:
+                return f"block {block} is outside the pool of {self.allocator.num_ids}"
             holders = self.allocator.lease_holders(block)  # a cached block may be shared
             if not holders:
                 return f"block {block} is not leased"

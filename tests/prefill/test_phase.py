@@ -68,9 +68,9 @@ PATHS = {
         [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.NO_CAPACITY, E.OFFER, E.RELEASE],
         [P.QUEUED, P.OFFERED, P.LAUNCHED, P.REFUSED, P.LEASED, P.RELEASED],
     ),
-    "launched, link lost (the decode may have waited on the slot)": (
-        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.LINK_LOST],
-        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.DONE],
+    "launched, link lost: the blocks still ours, offered to another decode": (
+        [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.LINK_LOST, E.OFFER, E.RELEASE],
+        [P.QUEUED, P.OFFERED, P.LAUNCHED, P.REFUSED, P.LEASED, P.RELEASED],
     ),
     "launched, the decode's ERROR, then its RELEASE": (
         [E.QUEUE, E.OFFER_EARLY, E.LAUNCH, E.ERROR, E.RELEASE],
@@ -151,9 +151,9 @@ def test_every_phase_but_aborting_and_ended_can_end_and_ended_takes_nothing() ->
     assert not any(accepts(P.ENDED, e) for e in Event)
 
 
-def test_launched_takes_exactly_the_events_of_a_lease_whose_kv_ready_is_due() -> None:
-    # LAUNCHED: the blocks leased to the link, KV_READY still to go out; only an early offer
-    # is launched
+def test_launched_takes_exactly_the_events_of_an_offer_whose_kv_ready_is_due() -> None:
+    # LAUNCHED: the decode may wait on the slot, KV_READY (which leases the blocks) still to go
+    # out; only an early offer is launched
     assert {e for e in Event if accepts(P.LAUNCHED, e)} == {
         E.READY,
         E.NO_CAPACITY,
