@@ -75,8 +75,9 @@ def test_every_request_completed_with_its_drawn_length(report: dict) -> None:
             if run["target"] == "api":  # chunks of text: a partial UTF-8 character is held back
                 assert q["tokens"] == [] and q["text"]
                 assert len(q["itl_ms"]) <= q["output_len"] - 1
-            else:
-                assert len(q["itl_ms"]) == q["output_len"] - 1  # one frame per token
+            else:  # a frame per token, unless the relay merged steps queued while the client
+                # lagged (prefill_server/pipeline.py `_relay`), as on a loaded 2-vCPU machine
+                assert 1 <= len(q["itl_ms"]) <= q["output_len"] - 1
             assert 0 < q["ttft_ms"] <= q["e2e_ms"]
         assert s["output_tokens"] == sum(q["output_len"] for q in run["requests"])
 
