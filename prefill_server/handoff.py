@@ -190,7 +190,8 @@ class HandoffPath:
         if link is not None:
             link.post(Abort(request_id=req.request_id))
         if req.phase in _DECODE_MAY_WAIT and req.event_slot >= 0:
-            self.producer.quarantine(req.event_slot)  # until the decode answers the ABORT
+            # until the decode answers the ABORT
+            self.producer.quarantine(req.event_slot, req.request_id)
             req.advance(Event.ABORT)
             return
         self.producer.drop_slot(req.event_slot)

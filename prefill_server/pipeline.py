@@ -104,7 +104,7 @@ class RequestPipeline:
         req = self.requests.get(rid) if rid else None
         if req is None:
             if isinstance(msg, Release):
-                self._late_release(msg.event_slot)
+                self._late_release(msg.event_slot, msg.request_id)
             elif not isinstance(msg, Finish | Tokens):
                 log.warning("link_message_for_unknown_request", type=msg.TYPE.name, request_id=rid)
             return
@@ -119,7 +119,7 @@ class RequestPipeline:
                 error=str(exc),
             )
             if isinstance(msg, Release):
-                self._late_release(msg.event_slot)
+                self._late_release(msg.event_slot, msg.request_id)
 
     def _answer(self, req: PrefillRequest, msg: Message) -> None:
         """The decode's frame as the event of `req`'s phase; IllegalEvent if it cannot take it
@@ -132,7 +132,7 @@ class RequestPipeline:
                     slot=msg.event_slot,
                     expected=req.event_slot,
                 )
-                self._late_release(msg.event_slot)
+                self._late_release(msg.event_slot, msg.request_id)
                 return
             req.advance(Event.RELEASE)
             # False: its lease expired meanwhile (the slot is dropped when the request ends)
@@ -195,15 +195,17 @@ class RequestPipeline:
         """The decode's RELEASE (naming the slot) or ERROR for an ABORTING request frees its
         quarantined slot; its other frames were on their way before the ABORT."""
         if isinstance(msg, Release) and msg.event_slot != req.event_slot:
-            self._late_release(msg.event_slot)
+            self._late_release(msg.event_slot, req.request_id)
         elif isinstance(msg, Release | Error):
             req.advance(Event.ABORT_ANSWERED)
             del self.aborting[req.request_id]
-            self._late_release(req.event_slot)
+            self._late_release(req.event_slot, req.request_id)
 
-    def _late_release(self, slot: int) -> None:
-        """A RELEASE for a request already gone: its quarantined slot may be recorded again."""
-        if self.producer.ack_late(slot):
+    def _late_release(self, slot: int, request_id: str) -> None:
+        """The decode's RELEASE (or answer to the ABORT) for `request_id`, gone or ending: the
+        slot quarantined for that request may be recorded again (one quarantined for another
+        request stays so)."""
+        if self.producer.ack_late(slot, request_id):
             self.capacity.changed()
 
     def link_lost(self, link_id: str, reason: str) -> None:

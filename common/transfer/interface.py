@@ -83,7 +83,7 @@ class Producer(ABC):
     - Per request: `acquire_slot()` before the writes (-1 where the transport has no event
       ring, None while every slot is busy), `record(slot, stream)` right after them;
       `lease(rid, link_id, deadline)` when its HANDOFF goes out; `released(rid, slot)` on the
-      RELEASE; `quarantine(slot)` / `ack_late(slot)` / `drop_slot(slot)` for a slot of a
+      RELEASE; `quarantine(slot, rid)` / `ack_late(slot, rid)` / `drop_slot(slot)` for a slot of a
       request that ended otherwise.
     - `handle_frame(msg, reply, link_id)` takes the frames in `caps.frames` that came on link
       `link_id` (`reply` answers on that link); True when it took `msg`.
@@ -131,12 +131,13 @@ class Producer(ABC):
         """The request ended before the peer could wait on `slot`."""
         return None
 
-    def quarantine(self, slot: int) -> None:
+    def quarantine(self, slot: int, request_id: str) -> None:
         """The request ended after its HANDOFF but before its RELEASE."""
         return None
 
-    def ack_late(self, slot: int) -> bool:
-        """A RELEASE for a request already gone; True if it freed a quarantined slot."""
+    def ack_late(self, slot: int, request_id: str) -> bool:
+        """A late RELEASE (or the answer to an ABORT) for `request_id`; True if it freed the
+        slot quarantined for that request."""
         return False
 
     # ---- leases ----------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ class KVProducer(Producer):
             torch.cuda.set_device(device)  # CUDA calls from the loop thread: export, events
         self.region = export_region(pool.tensor, backend)
         self.events = EventRing.create(event_slots, device) if device.type == "cuda" else None
-        self._quarantine: set[int] = set()
+        self._quarantine: dict[int, str] = {}  # slot -> the ended request the peer may wait for
         self.mailbox_block = -1
         if mailbox and self.events is not None:
             self._take_mailbox(len(self.events))
@@ -94,15 +94,19 @@ class KVProducer(Producer):
         if slot >= 0 and self.events is not None:
             self.events.release(slot)
 
-    def quarantine(self, slot: int) -> None:
-        """The request ended after its HANDOFF but before the RELEASE: keep `slot` out of use."""
+    def quarantine(self, slot: int, request_id: str) -> None:
+        """`request_id` ended after its HANDOFF but before the RELEASE: keep `slot` out of use
+        until the peer answers for that request."""
         if slot >= 0:
-            self._quarantine.add(slot)
+            self._quarantine[slot] = request_id
 
-    def ack_late(self, slot: int) -> bool:
-        """A RELEASE arrived for a request already gone: its slot may be recorded again."""
-        if slot in self._quarantine and self.events is not None:
-            self._quarantine.discard(slot)
+    def ack_late(self, slot: int, request_id: str) -> bool:
+        """The peer's late RELEASE (or answer to the ABORT) for `request_id`: the slot
+        quarantined for it may be recorded again. One for another request frees nothing: a
+        stale RELEASE of a request whose slot was freed and taken since (its decode answered
+        ERROR first) must not free it under the request that holds it now."""
+        if self._quarantine.get(slot) == request_id and self.events is not None:
+            del self._quarantine[slot]
             self.events.release(slot)
             return True
         return False
@@ -111,8 +115,8 @@ class KVProducer(Producer):
         """The link ended: free its leases (returned) and every quarantined slot (the peer closed
         its event handles with the link)."""
         freed = super().link_lost(link_id)
-        for slot in list(self._quarantine):
-            self.ack_late(slot)
+        for slot, request_id in list(self._quarantine.items()):
+            self.ack_late(slot, request_id)
         return freed
 
     def close(self) -> None:

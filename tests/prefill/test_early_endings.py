@@ -94,3 +94,23 @@ async def test_a_link_lost_during_the_forward_frees_the_blocks_only_after_it(
     assert s.link.of(KvReady, "r1") == [] and s.link.of(Abort, "r1") == []
     assert s.clean(), (s.rt.allocator, s.slots_free())
     await s.close()
+
+
+async def test_a_stale_release_of_another_request_leaves_a_quarantined_slot_quarantined(
+    cfg_rt,  # type: ignore[no-untyped-def]
+):
+    """r2 ended while its decode may wait on its slot (quarantined). A RELEASE that names that
+    slot for another request (r1's, late: its slot was freed when the decode answered it with
+    ERROR, and taken since) must not free it: only r2's answer, or the link's end, does."""
+    s = Setup(*cfg_rt)
+    task = s.start("r2")
+    s.run_forwards()
+    await s.until(lambda: s.link.of(KvReady, "r2"))
+    slot = s.link.of(Handoff, "r2")[0].event_slot
+    await cancelled(task)
+    assert s.slots_free() == SLOTS - 1
+    s.pipeline.deliver(Release(request_id="r1", event_slot=slot))  # no longer in flight
+    assert s.slots_free() == SLOTS - 1  # still r2's: its decode may still wait on it
+    s.pipeline.deliver(Release(request_id="r2", event_slot=slot))
+    assert s.clean(), (s.rt.allocator, s.slots_free())
+    await s.close()

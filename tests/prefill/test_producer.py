@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from common.allocator import BlockAllocator
+from common.ipc.events import CpuEventRing
 from common.kvpool import KVPool, PoolLayout
 from common.protocol import decode, encode
 from common.transfer import KVProducer
@@ -33,9 +34,9 @@ def test_cpu_has_no_event_slots_and_slot_verbs_ignore_minus_one():
     p = _producer()
     assert p.acquire_slot() == -1 and p.event_slots == 0
     p.record(-1)
-    p.quarantine(-1)
+    p.quarantine(-1, "r1")
     p.drop_slot(-1)
-    assert not p.ack_late(-1)
+    assert not p.ack_late(-1, "r1")
     p.close()
 
 
@@ -51,3 +52,14 @@ def test_leases_end_by_release_by_link_loss_or_by_deadline():
     assert p.link_lost("l1") == ["b"]
     assert alloc.num_free == alloc.total
     p.close()
+
+
+def test_a_quarantined_slot_is_freed_only_for_the_request_it_was_quarantined_for():
+    p = _producer()
+    p.events = CpuEventRing(2)  # slot bookkeeping as on CUDA
+    slot = p.acquire_slot()
+    assert slot is not None and slot >= 0
+    p.quarantine(slot, "r2")
+    assert not p.ack_late(slot, "r1") and p.events.free_count == 1  # another request's RELEASE
+    assert p.ack_late(slot, "r2") and p.events.free_count == 2
+    assert not p.ack_late(slot, "r2")  # once
