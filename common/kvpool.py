@@ -100,6 +100,16 @@ class KVPool:
         start, _, length = runs[0] if runs else (0, 0, 0)
         return self.tensor[start : start + length]
 
+    def words(self, block: int, n: int) -> torch.Tensor:
+        """A view of the first n int64 words of block `block` (the first-token mailbox, v12:
+        one word per event slot); IpcError if the block does not exist or holds fewer."""
+        (bid,) = self._ids([block], "block")
+        if self.layout.block_nbytes // 8 < n:
+            raise IpcError(
+                f"a block of {self.layout.block_nbytes} bytes cannot hold {n} int64 words"
+            )
+        return self.tensor[int(bid)].view(-1).view(torch.int64)[:n]
+
     def gather(self, block_ids: BlockIds) -> torch.Tensor:
         """A copy of the given blocks, in order, shape (len(ids), *layout.block_shape)."""
         ids = self._ids(block_ids, "block")

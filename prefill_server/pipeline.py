@@ -251,9 +251,7 @@ class RequestPipeline:
         """Whether these requests (one forward's) are all we have in flight: their decode then
         has nothing else of ours to decode, and a KV_LAUNCHED lets it start their first step
         behind the forward. Under load nothing is launched early (no frames, no waits)."""
-        return len(self.requests) <= len(request_ids) and all(
-            rid in request_ids for rid in self.requests
-        )
+        return len(self.requests) <= len(request_ids) and set(self.requests) <= set(request_ids)
 
     def _launched(self, request_ids: list[str], queued_ns: int) -> None:
         """The batcher queued these requests' forwards, first tokens (mailbox) and slot records

@@ -118,6 +118,19 @@ def test_block_view_writes_through_and_refuses_scattered_ids() -> None:
     assert pool.gather([9, 2, 30]).reshape(3, -1)[:, 0].tolist() == [9, 2, 30]
 
 
+def test_words_view_the_start_of_one_block_and_refuse_what_it_cannot_hold() -> None:
+    pool = KVPool.create(layout())  # blocks of 2*2*4*2*4 fp32 = 512 bytes: 64 words
+    assert pool.words(5, 3).shape == (3,)  # the first 3 words
+    words = pool.words(5, 64)
+    assert words.dtype == torch.int64 and words.shape == (64,)
+    words.fill_(-1)  # all ones in every byte: only block 5 changes
+    assert torch.isnan(pool.tensor[5]).all() and not torch.isnan(pool.tensor[[4, 6]]).any()
+    with pytest.raises(IpcError, match="512 bytes cannot hold 65 int64 words"):
+        pool.words(5, 65)
+    with pytest.raises(IpcError, match=r"block ids \[32\] out of range"):
+        pool.words(32, 1)
+
+
 def _reference_pull(dst: list[float], src: list[float], s: list[int], d: list[int]) -> list[float]:
     out = list(dst)
     for i, j in zip(s, d, strict=True):

@@ -127,10 +127,12 @@ class KVConsumer(Consumer):
         consumer = cls(local, peer, region, events, stream)
         if reg.mailbox_block >= 0 and events is not None:
             try:
-                consumer.mailbox = mailbox_of(peer, reg.mailbox_block, len(events))
-            except TransferRefused:
+                consumer.mailbox = peer.words(reg.mailbox_block, len(events))
+            except IpcError as exc:
                 consumer.close()
-                raise
+                raise TransferRefused(
+                    ErrorCode.BAD_REQUEST, f"bad REGISTER: mailbox_block: {exc}"
+                ) from exc
         return consumer
 
     @property
@@ -263,18 +265,6 @@ class KVConsumer(Consumer):
         self._region.close()
 
 
-def mailbox_of(peer: KVPool, block: int, slots: int) -> torch.Tensor:
-    """The peer's first-token mailbox (v12): `slots` int64 entries at the start of its pool's
-    block `block`. TransferRefused(BAD_REQUEST) when the block does not exist or is too small."""
-    if block >= peer.num_blocks or peer.layout.block_nbytes // 8 < slots:
-        raise TransferRefused(
-            ErrorCode.BAD_REQUEST,
-            f"bad REGISTER: mailbox block {block} cannot hold {slots} entries in a pool of "
-            f"{peer.num_blocks} blocks of {peer.layout.block_nbytes} bytes",
-        )
-    return peer.tensor[block].view(-1).view(torch.int64)[:slots]
-
-
 def check_same_blocks(local: PoolLayout, peer: PoolLayout) -> None:
     """TransferRefused(INCOMPATIBLE) unless the two pools' blocks have one shape and dtype."""
     mine, theirs = local.compat_fields(), peer.compat_fields()
@@ -320,5 +310,4 @@ __all__ = [
     "TransferRefused",
     "check_handoff",
     "check_same_blocks",
-    "mailbox_of",
 ]

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from common.allocator import BlockAllocator
+from common.errors import IpcError
 from common.ipc.events import EventRing
 from common.kvpool import KVPool
 from common.protocol import Register
@@ -56,15 +57,15 @@ class KVProducer(Producer):
             self._take_mailbox(len(self.events))
 
     def _take_mailbox(self, slots: int) -> None:
-        """One pool block of our own for the daemon's life, as `slots` int64 entries (too small
-        a block for them: no mailbox, logged)."""
-        entries = self.pool.layout.block_nbytes // 8
-        if entries < slots:
-            log.warning("mailbox_block_too_small", entries=entries, event_slots=slots)
-            return
+        """One pool block of our own for the daemon's life, as `slots` int64 entries (a block
+        too small for them: no mailbox, logged; that block stays out of use)."""
         block = self.allocator.reserve()  # out of the counters: status shows what requests hold
+        try:
+            self.mailbox = self.pool.words(block, slots)
+        except IpcError as exc:
+            log.warning("no_first_token_mailbox", error=str(exc), event_slots=slots)
+            return
         self.mailbox_block = block
-        self.mailbox = self.pool.tensor[block].view(-1).view(torch.int64)[:slots]
 
     def register(self) -> tuple[Register, list[int]]:
         fds = self.region.fds()

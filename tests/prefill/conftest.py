@@ -19,7 +19,17 @@ from common.modelrt import ModelRuntime
 from common.protocol import Error, Finish, Generate, Tokens, encode
 from tests.integration.conftest import Pair, runtime_dir
 
-__all__ = ["BLOCK", "burst", "cfg_rt", "events", "new_pair", "prompts", "runtime_dir", "tiny"]
+__all__ = [
+    "BLOCK",
+    "burst",
+    "cfg_rt",
+    "events",
+    "new_pair",
+    "prompts",
+    "rt",
+    "runtime_dir",
+    "tiny",
+]
 BLOCK = 16
 
 
@@ -77,8 +87,21 @@ def cfg_rt(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[PrefillConfig, ModelRuntime]]:
     """The tiny model's prefill runtime on CPU with a 16-block pool, for RequestPipeline tests."""
+    yield from _runtime(tmp_path_factory, 16)
+
+
+@pytest.fixture(scope="module")
+def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
+    """The tiny model's prefill runtime on CPU with a 64-block pool, for the forward's tests."""
+    for _, runtime in _runtime(tmp_path_factory, 64):
+        yield runtime
+
+
+def _runtime(
+    tmp_path_factory: pytest.TempPathFactory, num_blocks: int
+) -> Iterator[tuple[PrefillConfig, ModelRuntime]]:
     cfg = PrefillConfig(
-        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=16
+        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=num_blocks
     )
     runtime = ModelRuntime.load(cfg, "prefill")
     yield cfg, runtime

@@ -4,12 +4,9 @@ a request cancelled while queued never runs (its blocks may already belong to so
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from common.config import PrefillConfig
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
@@ -18,16 +15,6 @@ from prefill_server.batcher import PrefillBatcher
 from tests.prefill.conftest import BLOCK, prompts
 
 GREEDY = SamplingParams(max_tokens=1)
-
-
-@pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
-    cfg = PrefillConfig(
-        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=64
-    )
-    runtime = ModelRuntime.load(cfg, "prefill")
-    yield runtime
-    runtime.close()
 
 
 def _run(rt: ModelRuntime, budget: int, texts: list[list[int]], cancel: set[int], chunk=None):  # type: ignore[no-untyped-def]

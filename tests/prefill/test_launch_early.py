@@ -9,12 +9,10 @@ no-op, so slots >= 0 are given here as a CUDA daemon's ring would hand them out.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from common.config import PrefillConfig
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
@@ -31,16 +29,6 @@ from tests.prefill.conftest import BLOCK, prompts
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 BUDGET = 8192
 UNSET = -1
-
-
-@pytest.fixture(scope="module")
-def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
-    cfg = PrefillConfig(
-        runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=64
-    )
-    runtime = ModelRuntime.load(cfg, "prefill")
-    yield runtime
-    runtime.close()
 
 
 @pytest.fixture
