@@ -10,7 +10,8 @@ Every block is in exactly one state:
      +---------------------------------last holder gone, block unnamed---------------+
 
 OWNED blocks belong to requests this daemon is computing; LEASED blocks still hold a request's KV
-for a peer (a link) that has not copied them yet. A lease ends when the peer releases it, when the
+for a peer (a link) that has not copied them yet. A RESERVED block (`reserve`) left the pool for
+good: the daemon's own, outside every count and every verb. A lease ends when the peer releases it, when the
 peer dies (`release_holder`), or when the caller finds it past its deadline (`expired`) and
 releases it. Deadlines are plain floats chosen by the caller; the allocator never reads a clock.
 
@@ -47,6 +48,7 @@ class BlockState(enum.Enum):
     CACHED = "cached"  # free, but still names cached KV (evicted LRU when FREE runs out)
     OWNED = "owned"
     LEASED = "leased"
+    RESERVED = "reserved"  # out of the pool for good, the daemon's own (`reserve`)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class BlockAllocator:
         self._requests: dict[str, _Request] = {}
         self._deadlines = LeaseBook(self._live)  # holders' requests, deadlines
         self._num_leased = 0
+        self._reserved: set[int] = set()
 
     # -- counters ---------------------------------------------------------------------------
 
@@ -129,6 +132,7 @@ class BlockAllocator:
             raise OutOfBlocks(1, 0, self._total)
         (block,) = self._free.take(1)
         self._total -= 1
+        self._reserved.add(block)
         return block
 
     def can_allocate(self, n: int, reuse: Sequence[int] = ()) -> bool:
@@ -302,6 +306,8 @@ class BlockAllocator:
             raise AllocatorError(f"block id must be an int, got {block_id!r}")
         if not 0 <= block_id < self._ids:
             raise AllocatorError(f"block id {block_id} out of range [0, {self._ids})")
+        if block_id in self._reserved:
+            return BlockState.RESERVED
         if self._lease_refs[block_id]:
             return BlockState.LEASED
         if self._users[block_id]:

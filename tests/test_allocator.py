@@ -194,6 +194,7 @@ def test_reserve_takes_a_free_block_out_of_the_pool_for_good() -> None:
     mine = alloc.reserve()
     assert 0 <= mine < 8
     assert _counts(alloc) == (7, 7, 0, 0)  # it left the total: nothing counts it
+    assert alloc.state_of(mine) is BlockState.RESERVED  # not FREE: no allocation may take it
     blocks = alloc.allocate("a", 7)  # every block a request may hold
     assert mine not in blocks and sorted([*blocks, mine]) == list(range(8))
     assert _counts(alloc) == (7, 0, 7, 0)
@@ -214,6 +215,8 @@ def test_reserve_takes_a_free_block_out_of_the_pool_for_good() -> None:
         assert mine not in again and sorted(again) == sorted(blocks)
         assert alloc.free(rid) == 7
     assert _counts(alloc) == (7, 7, 0, 0)
+    assert alloc.state_of(mine) is BlockState.RESERVED
+    assert alloc.owner_of(mine) is None and alloc.holders_of(mine) == []
 
 
 def test_reserve_twice_gives_distinct_blocks_and_leaves_others_allocated_alone() -> None:
