@@ -4,7 +4,8 @@ What a prefix-cache hit saves depends on the forward over the uncached part cost
 tokens cost. This measures, on the model of `--model` (e.g. the random 1.1B checkpoint
 `bench/engine.py --save-checkpoint DIR` writes), with the daemon's own pieces (`ModelRuntime.load`,
 `run_prefill_batch` on its torch thread and stream, the first token drawn; a forward that fits
-the prefill's CUDA graphs replays one, and each case runs again launched eagerly):
+the prefill's CUDA graphs (`--graph-tokens`) replays one, and each case runs again launched
+eagerly):
 
   full    the whole prompt (--prefix + --own tokens) computed;
   own     only --own tokens, no context (the floor of a hit);
@@ -14,6 +15,8 @@ median wall ms of each (device synchronized), then, with --profile, torch.profil
 kernels of `cached` and `full`. JSON lines, and all of it to --out.
 
     python3 bench/prefill_context.py --model /tmp/pdkv-llama-1.1b --prefix 1536 --own 128
+    python3 bench/prefill_context.py --model /tmp/pdkv-llama-1.1b --prefix 1872 --own 128 \
+        --graph-tokens 2048    # a 2,000-token prompt's forward replayed against launched
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=1536)
     ap.add_argument("--own", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--graph-tokens",
+        type=int,
+        default=PrefillConfig().prefill_graph_tokens,
+        help="the prefill's --prefill-graph-tokens: forwards up to this many tokens are replayed "
+        "(e.g. 2048 to replay a 2,000-token prompt's)",
+    )
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("prefill_context.json"))
     args = ap.parse_args()
@@ -55,6 +65,7 @@ def main() -> None:
         allow_byte_tokenizer=True,
         num_blocks=1024,
         torch_threads=2,
+        prefill_graph_tokens=args.graph_tokens,
     )
     rt = ModelRuntime.load(cfg, "prefill")
     bs = rt.layout.block_size

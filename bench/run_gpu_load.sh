@@ -18,6 +18,10 @@
 #           item 2: the 2nd token), alternated twice
 #   launch  the same 16 × 2000, the prefill's --launch-early (KV_LAUNCHED) on against off,
 #           alternated $WARM_ROUNDS times (default 2)
+#   graphs  a 2,000-token prompt's forward replayed from a CUDA graph against launched
+#           (bench/prefill_context.py, one process), then the same 16 × 2000 through the
+#           daemons with --prefill-graph-tokens $GRAPH_TOKENS (default 4096) against 1024,
+#           alternated $WARM_ROUNDS times
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -28,7 +32,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,graphs}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -140,17 +144,18 @@ if want tcp; then  # issue 24 item 3, alternated twice
     done
   done
 fi
-second_token() {  # $1: step name, $2: the daemons' setting, on against off, $WARM_ROUNDS times
-  local name=$1 var=$2 round value
+second_token() {  # $1: step name, $2: the daemons' setting, $3: its values (default "on off"),
+  # alternated $WARM_ROUNDS times
+  local name=$1 var=$2 values=${3:-on off} round value
   for round in $(seq "${WARM_ROUNDS:-2}"); do
-    for value in on off; do
+    for value in $values; do
       step "$name $value round $round"
       env "$var=$value" timeout 120 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
         --num-blocks 4096 --target daemons --requests 16 --rate 2 \
         --prompt-len 2000:2000 --output-len 8:8 --progress 30 \
         --json "$R/${name}_${value}_$round.json" > "$R/${name}_${value}_$round.log" 2>&1
       grep -E "^daemons|2nd token" "$R/${name}_${value}_$round.log" | tee -a "$log"
-      grep -oE "(launch_(lead|send|ahead)|first_(launch|prep|fill|read|sync)|usable|pull|enqueue|join)_us \
+      grep -oE "(launch_(lead|send|ahead)|first_(launch|prep|fill|read|sync)|prefill_forward|usable|pull|enqueue|join)_us \
 [0-9.-]+/[0-9.-]+" "$R/${name}_${value}_$round.log" | tee -a "$log"
       pack
     done
@@ -159,4 +164,11 @@ second_token() {  # $1: step name, $2: the daemons' setting, on against off, $WA
 # issue 24 item 2 (the 2nd token): --warm-wait, then the prefill's --launch-early (KV_LAUNCHED)
 want warm && second_token warm PDKV_WARM_WAIT
 want launch && second_token launch PDKV_LAUNCH_EARLY
+if want graphs; then  # a long prompt's forward from a CUDA graph: TTFT, and KV_LAUNCHED's lead
+  step graphs
+  timeout 150 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1872 --own 128 \
+    --graph-tokens 2048 --out "$R/prefill_context_2048.json" 2>&1 | tail -8 | tee -a "$log"
+  pack
+  second_token graphs PDKV_PREFILL_GRAPH_TOKENS "${GRAPH_TOKENS:-4096} 1024"
+fi
 pack

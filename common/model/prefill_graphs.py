@@ -7,8 +7,9 @@ That would eat most of what a prefix-cache hit saves. So, like the decode's `Dec
 prefill captures its forward once per shape bucket and replays it.
 
 `PrefillGraphs` holds static device buffers sized for `max_tokens` tokens and `max_seqs` sequences
-and one graph per (token bucket, sequence bucket): token buckets 16, 32, ... doubling up to
-`max_tokens`, sequence buckets 1, 2, 4, 8 up to `max_seqs`. Each graph is the paged-context
+and one graph per (token bucket, sequence bucket): token buckets 16, 32, ... doubling up to 1,024,
+then a quarter of a power of two at a time (`warmup.graph_token_buckets`), up to `max_tokens`;
+sequence buckets 1, 2, 4, 8 up to `max_seqs`. Each graph is the paged-context
 forward (`fastpath.prefill_context_forward`), which serves every prompt, with a cached prefix or
 without one (start 0): every token's K/V is stored first, then attention reads the pool. Padding
 is inert: tokens past the last sequence have slot -1 (write nothing) and belong to no sequence
@@ -27,17 +28,9 @@ import numpy as np
 import torch
 
 from common.model.fastpath import prefill_context_forward, rope_tables
+from common.model.warmup import graph_token_buckets
 
 SEQ_BUCKETS = (1, 2, 4, 8)
-MIN_TOKENS = 16
-
-
-def token_buckets(max_tokens: int) -> list[int]:
-    """16, 32, ... doubling, up to and including the first bucket >= max_tokens."""
-    out = [MIN_TOKENS]
-    while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
-    return out
 
 
 class PrefillGraphs:
@@ -59,7 +52,7 @@ class PrefillGraphs:
         if getattr(model, "device", torch.device("cpu")).type != "cuda":
             raise ValueError("PrefillGraphs needs a CUDA model")
         self.model, self.kv = model, kv
-        self.tokens = token_buckets(max_tokens)
+        self.tokens = graph_token_buckets(max_tokens)
         self.max_tokens = self.tokens[-1]
         self.seqs = [s for s in SEQ_BUCKETS if s <= max(1, max_seqs)]
         self.max_seqs = self.seqs[-1]
@@ -187,4 +180,4 @@ class PrefillGraphs:
         return self._logits[bucket][: len(tokens)]
 
 
-__all__ = ["PrefillGraphs", "token_buckets"]
+__all__ = ["PrefillGraphs"]

@@ -47,6 +47,24 @@ def batch_buckets(max_batch: int) -> list[int]:
     return sorted({*sizes, max_batch})
 
 
+#: the prefill's graph buckets double up to here, then grow by a quarter of a power of two
+GRAPH_FINE_FROM = 1024
+
+
+def graph_token_buckets(max_tokens: int) -> list[int]:
+    """The prefill's CUDA-graph token buckets (PrefillGraphs captures one graph per bucket and
+    prompt count, and replays the smallest that holds a forward): 16, 32, ... doubling up to
+    1,024, where a forward costs the host's ~200 launches more than its tokens; then 1,280,
+    1,536, 1,792, 2,048, 2,560, ... a quarter of the power of two below at a time, where its GPU
+    time grows with its tokens and a padded row costs what a real one does (at most 25 % more
+    rows than the forward's). Up to and including the first bucket >= `max_tokens`."""
+    out = [MIN_BUCKET]
+    while out[-1] < max_tokens:
+        b = out[-1]
+        out.append(2 * b if b < GRAPH_FINE_FROM else b + (1 << (b.bit_length() - 1)) // 4)
+    return out
+
+
 def prefill_token_buckets(budget: int, max_prompt: int) -> list[int]:
     """Token counts warmed for the prefill: 16, 32, ... doubling below the largest forward the
     batcher can run, and its two limits: `budget` (a batch of prompts is at most that many
@@ -128,6 +146,7 @@ __all__ = [
     "batch_buckets",
     "bucket_of",
     "context_groups",
+    "graph_token_buckets",
     "prefill_groups",
     "prefill_token_buckets",
     "warm_context",

@@ -23,19 +23,20 @@ def model():
     return m
 
 
-def _graphs(model, kv):
+def _graphs(model, kv, max_tokens=256, max_blocks=16):
     from common.model.prefill_graphs import PrefillGraphs
 
-    g = PrefillGraphs(model, kv, max_tokens=256, max_seqs=4, max_blocks=16)
+    g = PrefillGraphs(model, kv, max_tokens=max_tokens, max_seqs=4, max_blocks=max_blocks)
     assert g.capture() == sum(1 for t in g.tokens for s in g.seqs if s <= t)
     return g
 
 
-def _case(model, prompts, starts, tables):
+def _case(model, prompts, starts, tables, max_tokens=256):
     """(eager logits, eager pool, graph logits, graph pool): the contexts written first, by the
     eager forward, into two identical pools; then the pieces after them, each way."""
     v = model.config.vocab_size
-    pools = [model.new_kv_cache(64, BLOCK) for _ in range(2)]
+    width = max(16, *(len(t) for t in tables))
+    pools = [model.new_kv_cache(max(64, sum(map(len, tables)) + 1), BLOCK) for _ in range(2)]
     for kv in pools:
         kv.normal_()  # what nothing writes must stay as it was
     pools[1].copy_(pools[0])
@@ -48,19 +49,28 @@ def _case(model, prompts, starts, tables):
     eager = model.prefill_batch(
         [torch.tensor(x) for x in pieces], slots, pools[0], starts=starts, block_tables=tables
     )
-    g = _graphs(model, pools[1])
+    g = _graphs(model, pools[1], max_tokens, width)
     bucket = g.bucket_for([len(x) for x in pieces], [len(t) for t in tables])
-    assert bucket is not None
+    assert bucket is not None and bucket[0] < 2 * sum(map(len, pieces))
     graphed = g.run(pieces, slots, starts, tables, bucket).clone()
     assert graphed.shape == (len(prompts), v)
     return eager, pools[0], graphed, pools[1]
 
 
 @pytest.mark.parametrize(
-    ("lengths", "starts"),
-    [([40], [0]), ([100], [64]), ([17, 5, 90], [0, 0, 48]), ([16, 16, 16, 16], [0, 16, 0, 0])],
+    ("lengths", "starts", "max_tokens"),
+    [
+        ([40], [0], 256),
+        ([100], [64], 256),
+        ([17, 5, 90], [0, 0, 48], 256),
+        ([16, 16, 16, 16], [0, 16, 0, 0], 256),
+        # past 1,024 tokens the buckets grow by a quarter: 1,100 tokens replay the 1,280 graph,
+        # 300 + 1,000 (after 700 cached) the 1,536 one
+        ([1100], [0], 2048),
+        ([300, 1700], [0, 700], 2048),
+    ],
 )
-def test_a_replay_equals_the_eager_forward(model, lengths, starts):
+def test_a_replay_equals_the_eager_forward(model, lengths, starts, max_tokens):
     v = model.config.vocab_size
     prompts = [[(11 * i + 7 * s + 3) % v for i in range(n)] for s, n in enumerate(lengths)]
     tables, nxt = [], 1
@@ -68,7 +78,7 @@ def test_a_replay_equals_the_eager_forward(model, lengths, starts):
         need = -(-n // BLOCK)
         tables.append(list(range(nxt + need - 1, nxt - 1, -1)))  # scattered: descending ids
         nxt += need
-    eager, kv_eager, graphed, kv_graph = _case(model, prompts, starts, tables)
+    eager, kv_eager, graphed, kv_graph = _case(model, prompts, starts, tables, max_tokens)
     torch.testing.assert_close(graphed, eager, rtol=1e-3, atol=1e-3)
     assert graphed.argmax(-1).tolist() == eager.argmax(-1).tolist()
     # the same K/V written where the prompts' slots are, and nothing anywhere else

@@ -16,6 +16,7 @@ from common.model.warmup import (
     batch_buckets,
     bucket_of,
     context_groups,
+    graph_token_buckets,
     prefill_groups,
     prefill_token_buckets,
 )
@@ -93,3 +94,26 @@ def test_decode_graph_buckets_hold_every_batch(max_batch: int) -> None:
     assert buckets[-1] == max_batch
     for n in range(1, max_batch + 1):
         assert next(b for b in buckets if b >= n) <= max_batch
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16, 100, 1024, 1025, 2000, 4096, 5000])
+def test_prefill_graph_buckets_pad_a_long_forward_by_at_most_a_quarter(max_tokens: int) -> None:
+    """PrefillGraphs captures a graph per `graph_token_buckets(max_tokens)` and replays the
+    smallest that holds a forward: every forward of up to max_tokens tokens has one, multiples
+    of 16 (Triton's specialization class), doubling up to 1,024 and, past it, at most a quarter
+    above the forward's own tokens (a padded row costs a GPU forward what a real one does)."""
+    buckets = graph_token_buckets(max_tokens)
+    assert buckets == sorted(set(buckets)) and all(b % 16 == 0 for b in buckets)
+    assert buckets[-1] >= max_tokens and (len(buckets) == 1 or buckets[-2] < max_tokens)
+    small = [b for b in buckets if b <= 1024]
+    assert small == [16 * 2**i for i in range(len(small))]
+    for n in range(1, max_tokens + 1):
+        b = bucket_of(n, buckets)
+        assert n <= b and (n <= 1024 or 4 * b <= 5 * n), (n, b)
+    if max_tokens >= 2000:
+        assert buckets[buckets.index(1024) + 1 : buckets.index(2048) + 1] == [
+            1280,
+            1536,
+            1792,
+            2048,
+        ]
