@@ -18,6 +18,8 @@
 #           item 2: the 2nd token), alternated twice
 #   launch  the same 16 × 2000, the prefill's --launch-early (KV_LAUNCHED) on against off,
 #           alternated $WARM_ROUNDS times (default 2)
+#   launchmps  the same with both daemons under MPS (the GPU's switch between the two
+#           processes, ~0.55 ms without MPS, is on the 2nd token's path: bench/pending_wait.py)
 #   graphs  a 2,000-token prompt's forward replayed from a CUDA graph against launched
 #           (bench/prefill_context.py, one process), then the same 16 × 2000 through the
 #           daemons with --prefill-graph-tokens $GRAPH_TOKENS (default 4096) against 1024,
@@ -32,7 +34,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,graphs}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,launchmps,graphs}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -74,16 +76,21 @@ if want nano; then  # NANO: the --overlap-steps modes to run, in order
     nano "${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
   done
 fi
-if want nanomps && command -v nvidia-cuda-mps-control >/dev/null; then  # both daemons under MPS
+mps_start() {  # every process started after it shares the GPU through MPS; false: no MPS here
+  command -v nvidia-cuda-mps-control >/dev/null || return 1
   export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d; then  # NANOMPS: entries as in NANO (default on)
-    for spec in ${NANOMPS:-on}; do
-      nano "mps_${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
-    done
-  fi
-  echo quit | nvidia-cuda-mps-control
+  nvidia-cuda-mps-control -d || { mps_stop; return 1; }
+}
+mps_stop() {
+  echo quit | nvidia-cuda-mps-control 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
+if want nanomps && mps_start; then  # both daemons under MPS; NANOMPS: entries as in NANO
+  for spec in ${NANOMPS:-on}; do
+    nano "mps_${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
+  done
+  mps_stop
 fi
 if want kernel && [ -f bench/context_kernel.py ]; then
   step kernel
@@ -164,6 +171,10 @@ second_token() {  # $1: step name, $2: the daemons' setting, $3: its values (def
 # issue 24 item 2 (the 2nd token): --warm-wait, then the prefill's --launch-early (KV_LAUNCHED)
 want warm && second_token warm PDKV_WARM_WAIT
 want launch && second_token launch PDKV_LAUNCH_EARLY
+if want launchmps && mps_start; then  # the same under MPS: no context switch between the two
+  second_token launchmps PDKV_LAUNCH_EARLY
+  mps_stop
+fi
 if want graphs; then  # a long prompt's forward from a CUDA graph: TTFT, and KV_LAUNCHED's lead
   step graphs
   timeout 150 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1872 --own 128 \
