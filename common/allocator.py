@@ -10,10 +10,11 @@ Every block is in exactly one state:
      +---------------------------------last holder gone, block unnamed---------------+
 
 OWNED blocks belong to requests this daemon is computing; LEASED blocks still hold a request's KV
-for a peer (a link) that has not copied them yet. A RESERVED block (`reserve`) left the pool for
-good: the daemon's own, outside every count and every verb. A lease ends when the peer releases it, when the
+for a peer (a link) that has not copied them yet. A lease ends when the peer releases it, when the
 peer dies (`release_holder`), or when the caller finds it past its deadline (`expired`) and
 releases it. Deadlines are plain floats chosen by the caller; the allocator never reads a clock.
+A RESERVED block (`reserve`) has left the pool for good: the daemon's own, outside every count
+and every verb.
 
 The prefix cache: a full block whose KV is written may be named by its hash (`publish`;
 common/blockhash.py) and then shared by several requests (`allocate(..., reuse=...)`); it is
