@@ -178,7 +178,9 @@ fi
 if want graphs; then  # a long prompt's forward from a CUDA graph: TTFT, and KV_LAUNCHED's lead
   step graphs
   timeout 150 "$PY" bench/prefill_context.py --model "$CKPT" --prefix 1872 --own 128 \
-    --graph-tokens 2048 --out "$R/prefill_context_2048.json" 2>&1 | tail -8 | tee -a "$log"
+    --graph-tokens 2048 --profile --out "$R/prefill_context_2048.json" \
+    > "$R/prefill_context_2048.log" 2>&1
+  grep '^{' "$R/prefill_context_2048.log" | tee -a "$log"  # the medians; the profiles stay there
   pack
   second_token graphs PDKV_PREFILL_GRAPH_TOKENS "${GRAPH_TOKENS:-4096} 1024"
 fi
