@@ -111,7 +111,10 @@ def main() -> None:
 
         # replayed (a graph's kernels) and launched (each kernel's own time, and what the host
         # adds between them: the wall against the kernels' sum)
-        for name, use in (("cached", graphs), ("cached", None), ("own", None), ("full", None)):
+        profiled = [("cached", graphs), ("cached", None), ("own", None), ("full", None)]
+        if graphs is not None and graphs.bucket_for([n], [len(blocks)]) is not None:
+            profiled.append(("full", graphs))  # the whole prompt replayed (--graph-tokens >= it)
+        for name, use in profiled:
             rt.prefill_graphs = use
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
