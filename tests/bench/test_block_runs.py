@@ -25,4 +25,4 @@ def _mean(*args: str) -> float:
 
 def test_handoffs_come_in_runs_under_churn():
     assert _mean() < 1.1  # the free stack before FreeRuns: 11.7
-    assert 1.0 <= _mean("--cache") < 10  # 8.1; FREE blocks ahead of evicted ones: 11.6
+    assert 1.0 <= _mean("--cache") < 3.3  # 3.09; FREE blocks ahead of evicted ones: 3.50
