@@ -1,0 +1,131 @@
+"""common.client.Connection against a scripted prefill on a real Unix socket: a request that gets no
+frame for its timeout ends in TimeoutError (and only that one, on a shared connection), a frame
+restarts its idle clock, a consumer that is slow while frames wait never times out, and the
+connection's watchdog task ends with its last request."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from common import client
+from common.protocol import Finish, Generate, Tokens, Usage, decode, encode
+
+TIMEOUT = 0.4
+# what the scripted prefill does for a request, by its first prompt token
+STALL, DRIP, BURST = 1, 2, 3
+
+
+async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer each GENERATE by its first prompt token: STALL sends nothing; DRIP sends a token
+    every TIMEOUT/2, six in all (three timeouts long), then FINISH; BURST sends ten tokens and
+    FINISH at once."""
+    tasks = []
+    try:
+        while True:
+            head = await reader.readexactly(20)
+            size = sum(struct.unpack("!4sHHIII", head)[3:])
+            msg = decode(head + await reader.readexactly(size))
+            if isinstance(msg, Generate):
+                tasks.append(asyncio.create_task(_answer(writer, msg)))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+        writer.close()
+
+
+async def _answer(writer: asyncio.StreamWriter, msg: Generate) -> None:
+    rid, how = msg.request_id, msg.prompt_tokens[0]
+    if how == STALL:
+        return
+    count, gap = (6, TIMEOUT / 2) if how == DRIP else (10, 0.0)
+    for i in range(count):
+        if gap:
+            await asyncio.sleep(gap)
+        writer.write(encode(Tokens(request_id=rid, tokens=[i])))
+    usage = Usage(prompt_tokens=1, completion_tokens=count)
+    writer.write(encode(Finish(request_id=rid, reason="length", usage=usage)))
+
+
+@asynccontextmanager
+async def _prefill(tmp_path: Path) -> AsyncIterator[str]:
+    path = str(tmp_path / "p.sock")
+    server = await asyncio.start_unix_server(_serve, path)
+    try:
+        yield path
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _tokens(conn: client.Connection, how: int, rid: str, pause: float = 0.0) -> list[int]:
+    got = []
+    async for msg in conn.stream(prompt_tokens=[how], request_id=rid, timeout=TIMEOUT):
+        if isinstance(msg, Tokens):
+            got += msg.tokens
+            await asyncio.sleep(pause)  # a consumer slower than the timeout
+    return got
+
+
+def _watchdogs() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == "prefill-connection-watch"]
+
+
+async def _timed(f: Callable[[], object]) -> float:
+    start = time.monotonic()
+    await f()  # type: ignore[misc]
+    return time.monotonic() - start
+
+
+async def test_a_silent_request_times_out_and_only_it(tmp_path: Path) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        start = time.monotonic()
+        together = asyncio.gather(
+            _tokens(conn, STALL, "silent"),
+            _tokens(conn, DRIP, "drip"),
+            _tokens(conn, BURST, "burst"),
+            return_exceptions=True,
+        )
+        results = await asyncio.wait_for(together, 10 * TIMEOUT)  # a missed timeout: fail
+        silent, drip, burst = results
+        assert isinstance(silent, TimeoutError), silent
+        # the drip lasted three timeouts: each frame restarted its idle clock
+        assert drip == list(range(6)) and time.monotonic() - start >= 2.5 * TIMEOUT
+        assert burst == list(range(10))
+        await asyncio.sleep(0)
+        assert not [t for t in _watchdogs() if not t.done()]  # gone with the last request
+
+
+async def test_the_timeout_comes_after_the_timeout_and_within_a_watch_period(
+    tmp_path: Path,
+) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+
+        async def silent() -> None:
+            with pytest.raises(TimeoutError):  # ours, not wait_for's: that one comes later
+                await asyncio.wait_for(_tokens(conn, STALL, "silent"), 10 * TIMEOUT)
+
+        took = await _timed(silent)
+        assert TIMEOUT <= took < TIMEOUT * 1.25 + 0.2
+
+
+async def test_a_slow_consumer_with_frames_waiting_does_not_time_out(tmp_path: Path) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        # ten frames at once, read one per 0.6 timeouts: six timeouts with none idle
+        assert await _tokens(conn, BURST, "slow", pause=0.6 * TIMEOUT) == list(range(10))
+
+
+async def test_a_new_request_after_the_last_one_gets_a_watchdog_again(tmp_path: Path) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        assert await _tokens(conn, BURST, "one") == list(range(10))
+        with pytest.raises(TimeoutError):
+            await _tokens(conn, STALL, "two")
+        assert await _tokens(conn, BURST, "three") == list(range(10))
