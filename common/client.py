@@ -202,7 +202,12 @@ class Connection:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
         inbox: _Inbox = asyncio.Queue()
         self._inboxes[rid] = _Request(channel, inbox, timeout, time.monotonic())
-        if self._watchdog is None or self._watchdog.done():
+        watchdog = self._watchdog  # one per connection, in the loop its requests run in
+        if (
+            watchdog is None
+            or watchdog.done()
+            or watchdog.get_loop() is not asyncio.get_running_loop()
+        ):
             self._watchdog = asyncio.create_task(self._watch(), name="prefill-connection-watch")
         done = False
         try:
