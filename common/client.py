@@ -196,8 +196,10 @@ class Connection:
         TOKENS carry ids only and FINISH the whole text.
         """
         rid = request_id or uuid.uuid4().hex[:16]
-        async with asyncio.timeout(timeout):
-            channel = await self._connected()
+        channel = self._channel
+        if channel is None or channel.closed:  # no timer when it is open (the common case)
+            async with asyncio.timeout(timeout):
+                channel = await self._connected()
         if rid in self._inboxes:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
         inbox: _Inbox = asyncio.Queue()
