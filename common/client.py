@@ -249,7 +249,7 @@ class Connection:
         the shortest timeout, at least every WATCH_PERIOD_S."""
         while self._inboxes:
             shortest = min(entry.timeout for entry in self._inboxes.values())
-            await asyncio.sleep(min(shortest / 4, WATCH_PERIOD_S))
+            await asyncio.sleep(max(min(shortest / 4, WATCH_PERIOD_S), 0.001))
             now = time.monotonic()
             for entry in list(self._inboxes.values()):
                 idle = now - entry.last
