@@ -24,7 +24,7 @@ STALL, DRIP, BURST = 1, 2, 3
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     """Answer each GENERATE by its first prompt token: STALL sends nothing; DRIP sends a token
-    every TIMEOUT/2, six in all (three timeouts long), then FINISH; BURST sends ten tokens and
+    every TIMEOUT/3, six in all (two timeouts long), then FINISH; BURST sends ten tokens and
     FINISH at once."""
     tasks = []
     try:
@@ -46,7 +46,7 @@ async def _answer(writer: asyncio.StreamWriter, msg: Generate) -> None:
     rid, how = msg.request_id, msg.prompt_tokens[0]
     if how == STALL:
         return
-    count, gap = (6, TIMEOUT / 2) if how == DRIP else (10, 0.0)
+    count, gap = (6, TIMEOUT / 3) if how == DRIP else (10, 0.0)
     for i in range(count):
         if gap:
             await asyncio.sleep(gap)
@@ -97,8 +97,8 @@ async def test_a_silent_request_times_out_and_only_it(tmp_path: Path) -> None:
         results = await asyncio.wait_for(together, 10 * TIMEOUT)  # a missed timeout: fail
         silent, drip, burst = results
         assert isinstance(silent, TimeoutError), silent
-        # the drip lasted three timeouts: each frame restarted its idle clock
-        assert drip == list(range(6)) and time.monotonic() - start >= 2.5 * TIMEOUT
+        # the drip lasted two timeouts: each frame restarted its idle clock
+        assert drip == list(range(6)) and time.monotonic() - start >= 1.5 * TIMEOUT
         assert burst == list(range(10))
         await asyncio.sleep(0)
         assert not [t for t in _watchdogs() if not t.done()]  # gone with the last request
