@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 import uuid
 from collections import deque
@@ -53,6 +54,12 @@ _Inbox = asyncio.Queue[Message | BaseException]
 
 #: the idle watchdog looks at every request at least this often (and 4 times per its timeout)
 WATCH_PERIOD_S = 1.0
+
+
+def _period(timeout: float) -> float:
+    """How often the watchdog looks for a request of `timeout`: a quarter of it, at most
+    WATCH_PERIOD_S, at least a millisecond."""
+    return max(min(timeout / 4, WATCH_PERIOD_S), 0.001)
 
 
 @dataclass(slots=True, eq=False)
@@ -95,10 +102,11 @@ class Connection:
     it). `status()` asks STATUS on the same connection. The connection is opened by the first use
     and again by the first use after it ended.
 
-    A request that gets no frame for its `timeout` ends in TimeoutError, found by one watchdog
-    task per connection (`_watch`) rather than a timer per frame: with 256 requests in flight a
-    timer armed and cancelled around every wait cost ~3.8 µs a frame (asyncio's timer heap),
-    about half of what a frame cost the client.
+    A request that gets no frame for its `timeout` seconds (counted from its last frame, or its
+    GENERATE, whatever its reader does meanwhile) ends in TimeoutError, and ABORT goes to the
+    daemon. One watchdog task per connection and event loop (`_watch`) finds it, rather than a
+    timer per frame: with 256 requests in flight a timer armed and cancelled around every wait
+    cost ~3.8 µs a frame (asyncio's timer heap), about half of what a frame cost the client.
     """
 
     def __init__(self, socket_path: str) -> None:
@@ -110,6 +118,7 @@ class Connection:
         self._status_waiters: deque[tuple[FrameChannel, asyncio.Future[StatusReply]]] = deque()
         self._readers: set[asyncio.Task[None]] = set()
         self._watchdog: asyncio.Task[None] | None = None
+        self._watch_period = math.inf  # how long the watchdog sleeps between looks
 
     async def _connected(self) -> FrameChannel:
         async with self._lock:
@@ -187,30 +196,29 @@ class Connection:
         prompt: str | None = None,
         prompt_tokens: list[int] | None = None,
         request_id: str | None = None,
-        timeout: float = 120.0,
+        timeout: float | None = 120.0,
         text_deltas: bool = True,
     ) -> AsyncIterator[Tokens | Finish]:
-        """Run one GENERATE; TimeoutError when no frame comes for `timeout` seconds.
+        """Run one GENERATE; TimeoutError (and ABORT to the daemon) when no frame comes for
+        `timeout` seconds (None: no limit). ValueError for a timeout that is not positive.
 
         With `text_deltas` (GENERATE's `stream`), each TOKENS carries its new text; without,
         TOKENS carry ids only and FINISH the whole text.
         """
+        if timeout is None:
+            timeout = math.inf
+        elif not timeout > 0:  # NaN too
+            raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
         rid = request_id or uuid.uuid4().hex[:16]
         channel = self._channel
         if channel is None or channel.closed:  # no timer when it is open (the common case)
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(None if math.isinf(timeout) else timeout):
                 channel = await self._connected()
         if rid in self._inboxes:
             raise RequestFailed(ErrorCode.BAD_REQUEST, "request id already in flight", rid)
         inbox: _Inbox = asyncio.Queue()
         self._inboxes[rid] = _Request(channel, inbox, timeout, time.monotonic())
-        watchdog = self._watchdog  # one per connection, in the loop its requests run in
-        if (
-            watchdog is None
-            or watchdog.done()
-            or watchdog.get_loop() is not asyncio.get_running_loop()
-        ):
-            self._watchdog = asyncio.create_task(self._watch(), name="prefill-connection-watch")
+        self._watch_for(_period(timeout))
         done = False
         try:
             channel.write_nowait(
@@ -227,7 +235,7 @@ class Connection:
             while not done:
                 msg = await inbox.get()  # TimeoutError from _watch when no frame came in time
                 if isinstance(msg, BaseException):
-                    done = True
+                    done = not isinstance(msg, TimeoutError)  # timed out: ABORT, below
                     raise msg
                 if isinstance(msg, Error):
                     done = True
@@ -238,24 +246,35 @@ class Connection:
             del self._inboxes[rid]
             if not self._inboxes and self._watchdog is not None:
                 self._watchdog.cancel()
-                self._watchdog = None
+                self._watchdog, self._watch_period = None, math.inf
             if not done:
                 with contextlib.suppress(OSError):
                     channel.write_nowait(encode(Abort(request_id=rid)))
 
+    def _watch_for(self, period: float) -> None:
+        """A watchdog that looks at least every `period` runs in this loop: the running one, or
+        a new one (in place of one of another loop, or of one asleep for longer)."""
+        watchdog, loop = self._watchdog, asyncio.get_running_loop()
+        if watchdog is not None and not watchdog.done() and watchdog.get_loop() is loop:
+            if period >= self._watch_period:
+                return
+            watchdog.cancel()  # asleep for longer than this request's timeout allows
+        self._watchdog = loop.create_task(self._watch(), name="prefill-connection-watch")
+        self._watch_period = period  # until it looks at every request: a burst starts one
+
     async def _watch(self) -> None:
         """While requests are in flight: end each one whose inbox has stayed empty for its
-        timeout since its last frame (or its GENERATE) with TimeoutError. Looks every quarter of
-        the shortest timeout, at least every WATCH_PERIOD_S."""
+        timeout since its last frame (or its GENERATE) with TimeoutError. Looks every `_period`
+        of the shortest timeout."""
         while self._inboxes:
-            shortest = min(entry.timeout for entry in self._inboxes.values())
-            await asyncio.sleep(max(min(shortest / 4, WATCH_PERIOD_S), 0.001))
+            self._watch_period = min(_period(e.timeout) for e in self._inboxes.values())
+            await asyncio.sleep(self._watch_period)
             now = time.monotonic()
             for entry in list(self._inboxes.values()):
                 idle = now - entry.last
                 if idle >= entry.timeout and entry.inbox.empty():
                     entry.inbox.put_nowait(TimeoutError(f"no frame for {idle:.3g} s"))
-                    entry.last = float("inf")  # told once; its stream ends with it
+                    entry.last = math.inf  # told once; its stream ends with it
 
     def close(self) -> None:
         """Close the connection; its requests end with ConnectionError (the daemon aborts them)."""
@@ -277,7 +296,7 @@ async def stream(
     prompt_tokens: list[int] | None = None,
     sampling: SamplingParams | None = None,
     request_id: str | None = None,
-    timeout: float = 120.0,
+    timeout: float | None = 120.0,
     text_deltas: bool = True,
 ) -> AsyncIterator[Tokens | Finish]:
     """Send one GENERATE on a connection of its own and yield its TOKENS then FINISH;

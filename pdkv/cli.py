@@ -188,7 +188,13 @@ def status(
     "(ttft_ms, handoff_us, total_ms, ...); text is printed exactly, control characters included.",
 )
 @CLIENT_SOCKET
-@click.option("--timeout", default=120.0, show_default=True, help="Seconds to wait for the answer.")
+@click.option(
+    "--timeout",
+    default=120.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to wait for each part of the answer.",
+)
 @global_options
 @click.pass_obj
 def generate(g: commands.Globals, prompt: str | None, prompt_file: Any, **opts: Any) -> None:

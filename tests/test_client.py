@@ -1,11 +1,13 @@
 """common.client.Connection against a scripted prefill on a real Unix socket: a request that gets no
-frame for its timeout ends in TimeoutError (and only that one, on a shared connection), a frame
-restarts its idle clock, a consumer that is slow while frames wait never times out, and the
-connection's watchdog task ends with its last request."""
+frame for its timeout ends in TimeoutError and ABORT (and only that one, on a shared connection),
+a frame restarts its idle clock, a consumer that is slow while frames wait never times out, a
+short timeout is kept beside long ones and beside none, and the connection's watchdog task ends
+with its last request."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 import time
 from collections.abc import AsyncIterator, Callable
@@ -15,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from common import client
-from common.protocol import Finish, Generate, Tokens, Usage, decode, encode
+from common.protocol import Abort, Finish, Generate, Tokens, Usage, decode, encode
 
 TIMEOUT = 0.4
+SEEN: list[tuple[str, str]] = []  # (frame type, request id) as the scripted prefill read them
 # what the scripted prefill does for a request, by its first prompt token
 STALL, DRIP, BURST = 1, 2, 3
 
@@ -32,6 +35,7 @@ async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> 
             head = await reader.readexactly(20)
             size = sum(struct.unpack("!4sHHIII", head)[3:])
             msg = decode(head + await reader.readexactly(size))
+            SEEN.append((type(msg).__name__, getattr(msg, "request_id", "")))
             if isinstance(msg, Generate):
                 tasks.append(asyncio.create_task(_answer(writer, msg)))
     except (asyncio.IncompleteReadError, ConnectionError):
@@ -57,6 +61,7 @@ async def _answer(writer: asyncio.StreamWriter, msg: Generate) -> None:
 
 @asynccontextmanager
 async def _prefill(tmp_path: Path) -> AsyncIterator[str]:
+    SEEN.clear()
     path = str(tmp_path / "p.sock")
     server = await asyncio.start_unix_server(_serve, path)
     try:
@@ -66,9 +71,15 @@ async def _prefill(tmp_path: Path) -> AsyncIterator[str]:
         await server.wait_closed()
 
 
-async def _tokens(conn: client.Connection, how: int, rid: str, pause: float = 0.0) -> list[int]:
+async def _tokens(
+    conn: client.Connection,
+    how: int,
+    rid: str,
+    pause: float = 0.0,
+    timeout: float | None = TIMEOUT,
+) -> list[int]:
     got = []
-    async for msg in conn.stream(prompt_tokens=[how], request_id=rid, timeout=TIMEOUT):
+    async for msg in conn.stream(prompt_tokens=[how], request_id=rid, timeout=timeout):
         if isinstance(msg, Tokens):
             got += msg.tokens
             await asyncio.sleep(pause)  # a consumer slower than the timeout
@@ -129,3 +140,41 @@ async def test_a_new_request_after_the_last_one_gets_a_watchdog_again(tmp_path: 
         with pytest.raises(TimeoutError):
             await _tokens(conn, STALL, "two")
         assert await _tokens(conn, BURST, "three") == list(range(10))
+
+
+async def test_a_timed_out_request_is_aborted_at_the_daemon(tmp_path: Path) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(_tokens(conn, STALL, "silent"), 10 * TIMEOUT)
+        await asyncio.sleep(0.05)
+        assert SEEN == [("Generate", "silent"), ("Abort", "silent")]
+
+
+async def test_a_short_timeout_beside_a_long_one_and_none_is_kept(tmp_path: Path) -> None:
+    """The watchdog looks every quarter of the shortest timeout in flight, however long it was
+    asleep when the short one came, and a request without a timeout does not stop it."""
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        long = asyncio.create_task(_tokens(conn, STALL, "long", timeout=100.0))
+        endless = asyncio.create_task(_tokens(conn, STALL, "endless", timeout=None))
+        await asyncio.sleep(0.1)  # the watchdog asleep for a second: the period of 100 s
+
+        async def short() -> None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(_tokens(conn, STALL, "short", timeout=0.1), 5)
+
+        assert await _timed(short) < 0.5  # not the second the watchdog was asleep for
+        assert not long.done() and not endless.done()
+        for task in (long, endless):
+            task.cancel()
+        await asyncio.gather(long, endless, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        aborted = {rid for kind, rid in SEEN if kind == Abort.__name__}
+        assert aborted == {"short", "long", "endless"}  # cancelled ones are aborted too
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, math.nan])
+async def test_a_timeout_that_is_not_positive_is_refused(tmp_path: Path, timeout: float) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            await _tokens(conn, BURST, "bad", timeout=timeout)
+        assert SEEN == []  # nothing was sent
