@@ -1,8 +1,9 @@
 """common.client.Connection against a scripted prefill on a real Unix socket: a request that gets no
 frame for its timeout ends in TimeoutError and ABORT (and only that one, on a shared connection),
-a frame restarts its idle clock, a consumer that is slow while frames wait never times out, a
-short timeout is kept beside long ones and beside none, and the connection's watchdog task ends
-with its last request."""
+a frame restarts its idle clock, a reader slower than the timeout never times out while frames
+come, a reader that falls behind gets the TOKENS queued meanwhile as one message, a short timeout
+is kept beside long ones and beside none, and the connection's watchdog task ends with its last
+request."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ async def _answer(writer: asyncio.StreamWriter, msg: Generate) -> None:
     for i in range(count):
         if gap:
             await asyncio.sleep(gap)
-        writer.write(encode(Tokens(request_id=rid, tokens=[i])))
+        writer.write(encode(Tokens(request_id=rid, tokens=[i], text=f"t{i} ")))
     usage = Usage(prompt_tokens=1, completion_tokens=count)
     writer.write(encode(Finish(request_id=rid, reason="length", usage=usage)))
 
@@ -128,10 +129,25 @@ async def test_the_timeout_comes_after_the_timeout_and_within_a_watch_period(
         assert TIMEOUT <= took < 2 * TIMEOUT + 0.3  # a watch period is a quarter of it
 
 
-async def test_a_slow_consumer_with_frames_waiting_does_not_time_out(tmp_path: Path) -> None:
+async def test_a_slow_consumer_with_frames_coming_does_not_time_out(tmp_path: Path) -> None:
     async with _prefill(tmp_path) as path, client.Connection(path) as conn:
-        # ten frames at once, read one per 0.6 timeouts: six timeouts with none idle
-        assert await _tokens(conn, BURST, "slow", pause=0.6 * TIMEOUT) == list(range(10))
+        # a frame every third of a timeout, each read 0.6 timeouts after the one before: the
+        # reader is behind for two timeouts, the daemon never silent for one
+        assert await _tokens(conn, DRIP, "slow", pause=0.6 * TIMEOUT) == list(range(6))
+
+
+async def test_a_reader_behind_gets_the_queued_tokens_as_one_message(tmp_path: Path) -> None:
+    async with _prefill(tmp_path) as path, client.Connection(path) as conn:
+        seen: list[tuple[str, list[int], str]] = []
+        async for msg in conn.stream(prompt_tokens=[BURST], request_id="behind", timeout=TIMEOUT):
+            tokens = msg.tokens if isinstance(msg, Tokens) else []
+            seen.append((type(msg).__name__, tokens, msg.text))
+            await asyncio.sleep(0.05)  # what comes meanwhile queues
+        *tokens, finish = seen
+        assert finish == ("Finish", [], "")
+        assert len(tokens) < 10  # merged: however the frames came, some queued behind others
+        assert [t for _, ts, _ in tokens for t in ts] == list(range(10))  # each once, in order
+        assert "".join(text for *_, text in tokens) == "".join(f"t{i} " for i in range(10))
 
 
 async def test_a_new_request_after_the_last_one_gets_a_watchdog_again(tmp_path: Path) -> None:
@@ -178,3 +194,32 @@ async def test_a_timeout_that_is_not_positive_is_refused(tmp_path: Path, timeout
         with pytest.raises(ValueError, match="timeout must be positive"):
             await _tokens(conn, BURST, "bad", timeout=timeout)
         assert SEEN == []  # nothing was sent
+
+
+def _queue(*msgs: Tokens | Finish) -> asyncio.Queue:
+    q: asyncio.Queue = asyncio.Queue()
+    for m in msgs:
+        q.put_nowait(m)
+    return q
+
+
+def test_merging_keeps_logprobs_aligned_and_frames_it_cannot_join_apart() -> None:
+    from common.client import _merged
+
+    lp = [[7, -0.5, []]]
+    a = Tokens(request_id="r", tokens=[1], text="a", logprobs=lp)
+    b = Tokens(request_id="r", tokens=[2], text="b", logprobs=[[8, -0.25, []]])
+    plain = Tokens(request_id="r", tokens=[3], text="c")
+    q = _queue(b, plain, Tokens(request_id="r", tokens=[4]))
+    merged, held = _merged(a, q)
+    assert (merged.tokens, merged.text) == ([1, 2], "ab")
+    assert merged.logprobs == [[7, -0.5, []], [8, -0.25, []]]
+    assert held == plain and q.qsize() == 1  # one with logprobs and one without stay apart
+    prompt = Tokens(request_id="r", tokens=[], prompt_logprobs=lp)
+    assert _merged(prompt, _queue(plain)) == (prompt, None)  # prompt logprobs: never merged
+    big = Tokens(request_id="r", tokens=list(range(300)))
+    assert _merged(big, _queue(big)) == (big, big)  # past 512 tokens: apart
+    done = Finish(
+        request_id="r", reason="length", usage=Usage(prompt_tokens=1, completion_tokens=1)
+    )
+    assert _merged(plain, _queue(done)) == (plain, done)
