@@ -73,7 +73,6 @@ class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise AllocatorError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self._total = num_blocks  # less the reserved ones (reserve)
         self._ids = num_blocks  # block ids are 0 .. num_blocks-1, reserved or not
         self._free = FreeRuns(num_blocks)
         self._names = BlockNames(num_blocks)  # the named blocks and the CACHED ones' LRU order
@@ -88,7 +87,8 @@ class BlockAllocator:
 
     @property
     def total(self) -> int:
-        return self._total
+        """Blocks requests may hold: the pool less the reserved ones."""
+        return self._ids - len(self._reserved)
 
     @property
     def num_ids(self) -> int:
@@ -121,7 +121,7 @@ class BlockAllocator:
 
     @property
     def num_owned(self) -> int:
-        return self._total - self.num_free - self._num_leased
+        return self.total - self.num_free - self._num_leased
 
     # -- allocate / free --------------------------------------------------------------------
 
@@ -130,9 +130,8 @@ class BlockAllocator:
         producer's first-token mailbox): it leaves `total`, so the counters and allocations
         describe only the blocks requests may hold. OutOfBlocks if no block is FREE."""
         if not len(self._free):
-            raise OutOfBlocks(1, 0, self._total)
+            raise OutOfBlocks(1, 0, self.total)
         (block,) = self._free.take(1)
-        self._total -= 1
         self._reserved.add(block)
         return block
 
@@ -161,7 +160,7 @@ class BlockAllocator:
             )
         parked = self._check_reuse(request_id, reuse)
         if n > self.num_free - parked:  # can_allocate's test, counting `reuse` only once
-            raise OutOfBlocks(n, self.num_free, self._total)
+            raise OutOfBlocks(n, self.num_free, self.total)
         if req is None:
             if not isinstance(request_id, str) or not request_id:
                 raise AllocatorError(f"request id must be a non-empty str, got {request_id!r}")
@@ -347,7 +346,7 @@ class BlockAllocator:
 
     def __repr__(self) -> str:
         return (
-            f"BlockAllocator(total={self._total}, free={self.num_free}, "
+            f"BlockAllocator(total={self.total}, free={self.num_free}, "
             f"cached={self.num_cached}, owned={self.num_owned}, leased={self.num_leased})"
         )
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from common.channel import FrameChannel, connect
 from common.errors import PdkvError, ProtocolError
 from common.protocol import (
-    MAX_LOGPROBS_PER_FRAME,
     Abort,
     ConnectionClosed,
     Error,
@@ -37,6 +36,7 @@ from common.protocol import (
     StatusReply,
     Tokens,
     encode,
+    join_queued,
 )
 from common.sampling_params import SamplingParams, TokenLogprob
 
@@ -55,38 +55,6 @@ _Inbox = asyncio.Queue[Message | BaseException]
 
 #: the idle watchdog looks at every request at least this often (and 4 times per its timeout)
 WATCH_PERIOD_S = 1.0
-
-
-def _merged(first: Tokens, inbox: _Inbox) -> tuple[Tokens, Message | BaseException | None]:
-    """`first` and the TOKENS queued right behind it as one message (their tokens, text and
-    logprobs joined in order, at most MAX_LOGPROBS_PER_FRAME tokens; prompt-logprob frames and
-    a frame with logprobs beside one without stay apart), and the first queued message that did
-    not join (None: the queue ran dry)."""
-    tokens, text, lps = list(first.tokens), [first.text], first.logprobs
-    lps = None if lps is None else list(lps)
-    stop: Message | BaseException | None = None
-    if first.prompt_logprobs is None:
-        while not inbox.empty():
-            nxt = inbox.get_nowait()
-            joins = (
-                isinstance(nxt, Tokens)
-                and nxt.prompt_logprobs is None
-                and (nxt.logprobs is None) == (lps is None)
-                and len(tokens) + len(nxt.tokens) <= MAX_LOGPROBS_PER_FRAME
-            )
-            if not joins:
-                stop = nxt
-                break
-            assert isinstance(nxt, Tokens)
-            tokens += nxt.tokens
-            text.append(nxt.text)
-            if lps is not None:
-                lps += nxt.logprobs or []
-    if len(tokens) == len(first.tokens):
-        return first, stop
-    return Tokens(
-        request_id=first.request_id, tokens=tokens, text="".join(text), logprobs=lps
-    ), stop
 
 
 def _period(timeout: float) -> float:
@@ -135,9 +103,9 @@ class Connection:
     it). `status()` asks STATUS on the same connection. The connection is opened by the first use
     and again by the first use after it ended.
 
-    A request whose reader falls behind gets the TOKENS queued meanwhile as one (`_merged`), as
-    the prefill merges a request's queued steps for its client: under load fewer, larger
-    messages, each token once and in order.
+    A request whose reader falls behind gets the TOKENS queued meanwhile as one message
+    (`join_queued`), as the prefill merges a request's queued steps for its client: under load
+    fewer, larger messages, each token once and in order.
 
     A request that gets no frame for its `timeout` seconds (counted from its last frame, or its
     GENERATE, whatever its reader does meanwhile) ends in TimeoutError, and ABORT goes to the
@@ -276,7 +244,7 @@ class Connection:
                 else:
                     msg, held = held, None
                 if isinstance(msg, Tokens) and not inbox.empty():  # the reader fell behind
-                    msg, held = _merged(msg, inbox)
+                    msg, held = join_queued(msg, inbox)
                 if isinstance(msg, BaseException):
                     done = not isinstance(msg, TimeoutError)  # timed out: ABORT, below
                     raise msg

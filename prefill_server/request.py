@@ -12,7 +12,7 @@ from common.context_length import context_error
 from common.errors import PdkvError
 from common.model.detokenizer import TextStream
 from common.model.sampling import SamplingParams
-from common.protocol import MAX_LOGPROBS_PER_FRAME, ErrorCode, Generate, Message, Tokens
+from common.protocol import ErrorCode, Generate, Message, Tokens, join_queued
 from common.timings import Marks
 from prefill_server.phase import Event, Phase, accepts, next_phase
 
@@ -77,28 +77,12 @@ class PrefillRequest:
         return self.phase
 
     def more_tokens(self, msg: Tokens) -> tuple[Tokens, Message | None]:
-        """`msg` with the TOKENS queued behind it in the inbox, as one (at most
-        MAX_LOGPROBS_PER_FRAME tokens), and the frame taken after them that is not one of them
-        (None if none was). Under load the decode's steps reach the inbox faster than the
-        request's task relays them; taken together they cost one relay, one text delta and one
-        frame to the client instead of one each."""
-        tokens, lps, nxt = msg.tokens, msg.logprobs, None
-        while not self.inbox.empty():
-            nxt = self.inbox.get_nowait()
-            if (
-                not isinstance(nxt, Tokens)
-                or (nxt.logprobs is None) != (lps is None)
-                or nxt.prompt_logprobs is not None
-                or len(tokens) + len(nxt.tokens) > MAX_LOGPROBS_PER_FRAME
-            ):
-                break
-            tokens = tokens + nxt.tokens
-            if lps is not None:
-                lps = lps + nxt.logprobs  # type: ignore[operator]
-            nxt = None
-        if tokens is msg.tokens:
-            return msg, nxt
-        return Tokens(request_id=msg.request_id, tokens=tokens, logprobs=lps), nxt
+        """`msg` with the TOKENS queued behind it in the inbox, as one (`join_queued`), and the
+        frame taken after them that is not one of them (None if none was). Under load the
+        decode's steps reach the inbox faster than the request's task relays them; taken
+        together they cost one relay, one text delta and one frame to the client instead of one
+        each."""
+        return join_queued(msg, self.inbox)
 
     def accepts(self, event: Event) -> bool:
         """True if `event` may happen in the request's phase."""

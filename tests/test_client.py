@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from common import client
-from common.protocol import Abort, Finish, Generate, Tokens, Usage, decode, encode
+from common.protocol import Abort, Finish, Generate, Tokens, Usage, decode, encode, join_queued
 
 TIMEOUT = 0.4
 SEEN: list[tuple[str, str]] = []  # (frame type, request id) as the scripted prefill read them
@@ -204,22 +204,20 @@ def _queue(*msgs: Tokens | Finish) -> asyncio.Queue:
 
 
 def test_merging_keeps_logprobs_aligned_and_frames_it_cannot_join_apart() -> None:
-    from common.client import _merged
-
     lp = [[7, -0.5, []]]
     a = Tokens(request_id="r", tokens=[1], text="a", logprobs=lp)
     b = Tokens(request_id="r", tokens=[2], text="b", logprobs=[[8, -0.25, []]])
     plain = Tokens(request_id="r", tokens=[3], text="c")
     q = _queue(b, plain, Tokens(request_id="r", tokens=[4]))
-    merged, held = _merged(a, q)
+    merged, held = join_queued(a, q)
     assert (merged.tokens, merged.text) == ([1, 2], "ab")
     assert merged.logprobs == [[7, -0.5, []], [8, -0.25, []]]
     assert held == plain and q.qsize() == 1  # one with logprobs and one without stay apart
     prompt = Tokens(request_id="r", tokens=[], prompt_logprobs=lp)
-    assert _merged(prompt, _queue(plain)) == (prompt, None)  # prompt logprobs: never merged
+    assert join_queued(prompt, _queue(plain)) == (prompt, None)  # prompt logprobs: never merged
     big = Tokens(request_id="r", tokens=list(range(300)))
-    assert _merged(big, _queue(big)) == (big, big)  # past 512 tokens: apart
+    assert join_queued(big, _queue(big)) == (big, big)  # past 512 tokens: apart
     done = Finish(
         request_id="r", reason="length", usage=Usage(prompt_tokens=1, completion_tokens=1)
     )
-    assert _merged(plain, _queue(done)) == (plain, done)
+    assert join_queued(plain, _queue(done)) == (plain, done)

@@ -43,6 +43,7 @@ from common.protocol.messages import (
     StepTokens,
     Tokens,
     Usage,
+    join_queued,
     make_error,
 )
 from common.protocol.version import (
@@ -95,6 +96,7 @@ __all__ = [
     "decode",
     "encode",
     "fingerprint",
+    "join_queued",
     "make_error",
     "read_frame",
     "split_frame",

@@ -10,7 +10,7 @@ holds the others and the catalogue (ALL_MESSAGES, BY_TYPE); common.protocol expo
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 
@@ -126,6 +126,35 @@ class Tokens(Message, frozen=True):
             raise ValueError(  # msgspec's decode reports it as a ValidationError
                 f"TOKENS has {len(self.tokens)} tokens but {len(self.logprobs)} logprobs"
             )
+
+
+def join_queued(first: Tokens, queue: Any) -> tuple[Tokens, Any]:
+    """`first` and the TOKENS of its request queued right behind it in `queue` (an
+    asyncio.Queue: `empty`, `get_nowait`) as one message: their tokens, text and logprobs joined
+    in order, at most MAX_LOGPROBS_PER_FRAME tokens; a frame with logprobs and one without, and
+    prompt-logprob frames, stay apart. Also the first item taken that did not join (None if the
+    queue ran dry first). A reader behind its frames (the prefill relaying a request's decode
+    steps, a client reading its stream) then handles one message instead of one per frame."""
+    tokens, text, lps, nxt = first.tokens, first.text, first.logprobs, None
+    if first.prompt_logprobs is not None:
+        return first, None
+    while not queue.empty():
+        nxt = queue.get_nowait()
+        if (
+            not isinstance(nxt, Tokens)
+            or (nxt.logprobs is None) != (lps is None)
+            or nxt.prompt_logprobs is not None
+            or len(tokens) + len(nxt.tokens) > MAX_LOGPROBS_PER_FRAME
+        ):
+            break
+        tokens = tokens + nxt.tokens
+        text += nxt.text
+        if lps is not None:
+            lps = lps + nxt.logprobs  # type: ignore[operator]
+        nxt = None
+    if tokens is first.tokens:
+        return first, nxt
+    return Tokens(request_id=first.request_id, tokens=tokens, text=text, logprobs=lps), nxt
 
 
 class Usage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
