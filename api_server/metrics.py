@@ -221,7 +221,7 @@ class Metrics:
         )
         self.handoff = Histogram(
             "pdkv_handoff_seconds",
-            "prefill HANDOFF sent to RELEASE received",
+            "prefill KV offered (KV_READY, or a late HANDOFF) to RELEASE received",
             buckets=_HANDOFF,
             registry=r,
         )

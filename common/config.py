@@ -181,7 +181,7 @@ class PrefillConfig(DaemonConfig):
             "more than a small forward's GPU time (a cached prefix's few new tokens). 0: off.",
         ),
     )
-    early_handoff: bool = field(  # Unix-socket links only
+    early_handoff: bool = field(  # every link (TCP ones since protocol v11)
         default=True,
         metadata=opt(
             "--early-handoff",

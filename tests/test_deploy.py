@@ -139,6 +139,18 @@ def test_systemd_templates_are_the_units_with_an_instance_per_gpu() -> None:
     assert unit_values("pdkv-prefill@.service", "After") == ["pdkv-decode@%i.service"]
 
 
+def test_the_xpyd_api_unit_is_the_api_unit_without_the_single_pair() -> None:
+    """pdkv-api-xpyd.service pulls in no prefill unit (a Requires= of pdkv-prefill.service would
+    start the single pair beside the instances) and is otherwise pdkv-api.service."""
+    plain = (DEPLOY / "systemd" / "pdkv-api.service").read_text()
+    xpyd = (DEPLOY / "systemd" / "pdkv-api-xpyd.service").read_text()
+    for key in ("Requires", "Wants", "BindsTo", "Requisite"):
+        assert unit_values("pdkv-api-xpyd.service", key) == [], key
+    assert not any("prefill" in v for v in unit_values("pdkv-api-xpyd.service", "After"))
+    assert unit_values("pdkv-api.service", "Requires") == ["pdkv-prefill.service"]
+    assert xpyd.split("[Service]", 1)[1] == plain.split("[Service]", 1)[1]
+
+
 def test_xpyd_k8s_pod_links_every_prefill_to_every_decode_in_one_ipc_and_pid_namespace() -> None:
     (deployment, _service) = k8s_docs("pdkv-xpyd.yaml")
     pod = deployment["spec"]["template"]["spec"]

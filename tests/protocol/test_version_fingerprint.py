@@ -42,6 +42,10 @@ def test_doc_lists_every_version_of_the_history() -> None:
         )
 
 
+def test_doc_gives_the_header_version_of_today() -> None:
+    assert f"protocol version of the sender (today {PROTOCOL_VERSION})" in DOC
+
+
 def test_doc_lists_every_message_type_with_its_number() -> None:
     for t in MsgType:
         assert re.search(rf"^\| {int(t)}\s+\| {t.name}\s+\|", DOC, re.M), (
