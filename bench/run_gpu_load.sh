@@ -24,6 +24,9 @@
 #           (bench/prefill_context.py, one process), then the same 16 × 2000 through the
 #           daemons with --prefill-graph-tokens $GRAPH_TOKENS (default 4096) against 1024,
 #           alternated $WARM_ROUNDS times
+#   api     bench/serve.py --nano --target served: the pair's socket, then its HTTP API, whose
+#           process's CPU per output token and share of a core the bench prints (is one API
+#           process enough at the pair's ~44k tokens/s?)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -34,7 +37,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,launchmps,graphs}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,launchmps,graphs,api}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -124,6 +127,13 @@ if want goodput; then  # issue 24 item 5: daemons against one process over a rat
     --plot "$R/goodput_sweep.png" --goodput-plot "$R/goodput.png" --json "$R/goodput.json" \
     > "$R/goodput.log" 2>&1
   grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/goodput.log" | tail -30 | tee -a "$log"
+  pack
+fi
+if want api; then  # the HTTP API at the pair's full rate
+  step api
+  timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --nano --target served \
+    --progress 30 --json "$R/api.json" > "$R/api.log" 2>&1
+  grep -vE "warm-up| @ " "$R/api.log" | tail -12 | tee -a "$log"
   pack
 fi
 if want cold; then

@@ -7,14 +7,15 @@ ignored so every request produces its drawn number of tokens (greedy). Per reque
 → first token), inter-token latencies (ITL, between token frames) and end-to-end latency; per run
 p50/p99 of each, request and output-token throughput.
 
-Targets (`--target`, default both = daemons + local; all = daemons + api + local; the same
-workload replayed on each, one target after the other):
+Targets (`--target`, default both = daemons + local; all = daemons + api + local; served =
+daemons + api; the same workload replayed on each, one target after the other):
   daemons  a decode + prefill pair of its own on temporary sockets (stopped and removed at the
            end), or running daemons given by --client-socket / --runtime-dir; the client is
            common.client, every TOKENS frame timestamped on arrival;
   api      the same pair through `pdkv api start` on a free loopback port (started and stopped by
            the bench), or a running API given by --api-url: streamed POST /v1/completions, every
-           SSE chunk with text timestamped on arrival, the token count from the usage chunk;
+           SSE chunk with text timestamped on arrival, the token count from the usage chunk; for
+           an API of its own, also that process's CPU time per output token;
   local    one process, one engine thread doing continuous batching (bench/local_engine.py) on
            the same model, device and pool size.
 
@@ -72,12 +73,14 @@ from serve_daemons import (  # noqa: E402
     decode_pulled_blocks,
     kv_block_bytes,
     own_pair,
+    process_cpu_s,
     tcp_link,
     temp_runtime_dir,
     wait_linked,
 )
 from serve_report import plot, print_table, same_output  # noqa: E402
 
+from api_server.config import api_file  # noqa: E402
 from common import logs  # noqa: E402
 
 #: nano-vllm's bench.py: 256 sequences, input and output lengths drawn from 100..1024
@@ -89,6 +92,7 @@ TARGETS = {
     "local": ["local"],
     "both": ["daemons", "local"],
     "all": ["daemons", "api", "local"],
+    "served": ["daemons", "api"],  # one pair, its socket then its HTTP API
     "cache": ["daemons", "daemons-no-cache"],  # the prefix cache on, then off, one workload
 }
 
@@ -240,8 +244,16 @@ def vocab_size(model: str | None) -> int:
     return BYTE_VOCAB if model is None else read_config(Path(model).expanduser()).vocab_size
 
 
-def run_target(name: str, open_stream: load.OpenStream, args: argparse.Namespace) -> list[dict]:
-    """Warm up, then replay the workload of every rate on one target; one result per rate."""
+def run_target(
+    name: str,
+    open_stream: load.OpenStream,
+    args: argparse.Namespace,
+    *,
+    cpu_pid: int | None = None,
+) -> list[dict]:
+    """Warm up, then replay the workload of every rate on one target; one result per rate.
+    `cpu_pid`: a server process (the API) whose CPU time per output token each rate's summary
+    gets as `server_cpu_us_per_token` (utime + stime from /proc)."""
     vocab = vocab_size(args.model)
     warm = load.make_workload(
         args.warmup, math.inf, args.prompt_len, args.output_len, vocab, args.seed + 7919
@@ -253,14 +265,20 @@ def run_target(name: str, open_stream: load.OpenStream, args: argparse.Namespace
         specs = workload(args, rate, vocab)
         label = f"{name} @ {rate:g}/s"
         print(f"  {label}: {len(specs)} requests", file=sys.stderr, flush=True)
+        cpu0 = process_cpu_s(cpu_pid) if cpu_pid else 0.0
         records, duration = asyncio.run(
             load.run_load(specs, open_stream, label=label, progress_s=args.progress)
         )
+        summary = load.summarize(records, duration)
+        if cpu_pid and summary["output_tokens"]:
+            cpu = process_cpu_s(cpu_pid) - cpu0
+            summary["server_cpu_us_per_token"] = round(cpu / summary["output_tokens"] * 1e6, 2)
+            summary["server_cpu_share"] = round(cpu / duration, 3) if duration else None
         results.append(
             {
                 "target": name,
                 "rate": rate,
-                "summary": load.summarize(records, duration),
+                "summary": summary,
                 "requests": [r.to_json() for r in records],
             }
         )
@@ -312,19 +330,18 @@ def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[
 
 
 @contextlib.contextmanager
-def api_for(sock: str, args: argparse.Namespace) -> Iterator[str]:
-    """An API of our own in front of `sock`: in our pair's runtime dir, or, for running daemons,
-    in a temporary one (removed at the end) so that nothing is left in theirs."""
-    if not (args.client_socket or args.runtime_dir):
-        with own_api(Path(sock).parent, sock) as url:
-            yield url
-        return
-    rt = temp_runtime_dir()
+def api_for(sock: str, args: argparse.Namespace) -> Iterator[tuple[str, int]]:
+    """An API of our own in front of `sock`, its URL and pid: in our pair's runtime dir, or, for
+    running daemons, in a temporary one (removed at the end) so that nothing is left in theirs."""
+    own = not (args.client_socket or args.runtime_dir)
+    rt = Path(sock).parent if own else temp_runtime_dir()
     try:
         with own_api(rt, sock) as url:
-            yield url
+            port = int(url.rsplit(":", 1)[1])
+            yield url, int(api_file(rt, port, "pid").read_text())
     finally:
-        shutil.rmtree(rt, ignore_errors=True)
+        if not own:
+            shutil.rmtree(rt, ignore_errors=True)
 
 
 def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
@@ -363,7 +380,9 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                     ),
                 )
         if "api" in names:
-            url = args.api_url or stack.enter_context(api_for(sock, args))
+            url, pid = args.api_url, None
+            if not url:
+                url, pid = stack.enter_context(api_for(sock, args))
             try:
                 model = model_id(url, timeout=10, api_key=args.api_key)
             except OSError as e:
@@ -372,6 +391,7 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
                 "api",
                 lambda s: api_stream(url, model, s.prompt, s.output_len, api_key=args.api_key),
                 args,
+                cpu_pid=pid,
             )
     return runs
 

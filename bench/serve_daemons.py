@@ -37,6 +37,12 @@ class PairFailed(RuntimeError):
     """The daemons did not come up; the message holds the tail of their logs."""
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc; other jobs do not inflate it)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_cli(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
     """`pdkv --runtime-dir rt <role> start <opts>` in the background, its output in rt/<role>.log."""
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt)]

@@ -34,6 +34,11 @@ def print_table(runs: list[dict]) -> None:
         if server:
             parts = [f"{k} {d['p50']:.1f}/{d['p99']:.1f}" for k, d in server.items()]
             print("    server's own timings p50/p99: " + ", ".join(parts))
+        if "server_cpu_us_per_token" in s:
+            print(
+                f"    the API process's CPU: {s['server_cpu_us_per_token']:.1f} us a token,"
+                f" {s['server_cpu_share']:.0%} of a core"
+            )
         if "pulled_blocks" in s:
             print(
                 f"    KV pulled by the decode: {s['pulled_blocks']} blocks, {s['pulled_mib']} MiB"

@@ -147,6 +147,11 @@ def test_the_daemons_report_their_own_timings(report: dict, late_report: dict) -
     handoff = daemons["summary"]["server_timings"]["handoff_us"]
     assert 0 < handoff["p50"] <= handoff["p99"]
     assert api["summary"]["server_timings"] == local["summary"]["server_timings"] == {}
+    # the API of its own: its process's CPU per output token, which only the api run has
+    assert api["summary"]["server_cpu_us_per_token"] > 0
+    assert 0 < api["summary"]["server_cpu_share"] < 4
+    assert "server_cpu_us_per_token" not in daemons["summary"]
+    assert "the API process's CPU: " in report["stdout"]
     second = daemons["summary"]["second_token_ms"]
     assert 0 < second["p50"] <= second["p99"]
     assert "server's own timings p50/p99: " in report["stdout"]
