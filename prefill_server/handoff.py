@@ -37,7 +37,8 @@ from prefill_server.phase import Event, Phase
 from prefill_server.request import PrefillRequest, RequestFailed
 
 _DECODE_MAY_HOLD = (Phase.OFFERED, Phase.LAUNCHED, Phase.LEASED, Phase.RELEASED)
-_DECODE_MAY_WAIT = (Phase.LAUNCHED, Phase.LEASED)  # on the event slot: quarantined if it ends
+# on the event slot and reading the blocks: both kept if it ends (ABORTING)
+_DECODE_MAY_WAIT = (Phase.LAUNCHED, Phase.LEASED)
 
 
 class HandoffPath:
@@ -179,9 +180,14 @@ class HandoffPath:
 
     def end(self, req: PrefillRequest) -> None:
         """The request ended (client gone, first token a stop, a failure, a timeout, its FINISH):
-        ABORT to a decode that may hold it, written now (before the id can come again); its
-        event slot quarantined (ABORTING) while the decode may wait on it, else freed (ENDED).
-        The producer forgets what it held for the request (a NIXL PUSH), before the ABORT."""
+        ABORT to a decode that may hold it, written now (before the id can come again). While
+        the decode may still read its blocks and wait on its event slot (LAUNCHED, LEASED) it
+        goes ABORTING: both are kept (the blocks leased to the link, so a link lost or a lease
+        expired frees them too) until the decode answers; the caller frees the blocks of any
+        other (ENDED), and its slot is freed here. A forward that wrote those blocks for
+        another prompt under the decode's pull would have it copy, and cache under this
+        prompt's names, the wrong KV. The producer forgets what it held for the request (a
+        NIXL PUSH), before the ABORT."""
         self.producer.forget(req.request_id)
         on = self._on.pop(req.request_id, None)
         if on is not None:
@@ -189,9 +195,10 @@ class HandoffPath:
         link = self.links.by_id(req.link_id) if req.phase in _DECODE_MAY_HOLD else None
         if link is not None:
             link.post(Abort(request_id=req.request_id))
-        if req.phase in _DECODE_MAY_WAIT and req.event_slot >= 0:
-            # until the decode answers the ABORT
-            self.producer.quarantine(req.event_slot, req.request_id)
+        if req.phase in _DECODE_MAY_WAIT:  # until the decode answers the ABORT
+            self.producer.quarantine(req.event_slot, req.request_id)  # none on CPU (-1)
+            if req.request_id in self.allocator:  # not if its lease expired (freed then)
+                self._lease(req)  # LAUNCHED: the blocks were still ours (KV_READY leases them)
             req.advance(Event.ABORT)
             return
         self.producer.drop_slot(req.event_slot)

@@ -12,7 +12,7 @@ OFFERED, LAUNCHED, REFUSED ─LINK_LOST─▶ REFUSED
 ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE, LAUNCHED ─ERROR─▶ ANSWERED
 OFFERED, LAUNCHED, LEASED, REFUSED ─UNSENT─▶ DONE
 LEASED … ANSWERED ─LINK_LOST─▶ DONE
-it ends:  LAUNCHED or LEASED, with an event slot ─ABORT─▶ ABORTING
+it ends:  LAUNCHED or LEASED ─ABORT─▶ ABORTING
               ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
           any other phase ─END─▶ ENDED
 ```
@@ -41,8 +41,11 @@ follows from it alone):
   which can be after the step that used the copy).
 - DONE: the decode holds nothing and owes nothing: its last answer came, the link was lost, or
   the HANDOFF did not go out whole.
-- ABORTING: the request ended while the decode may wait on its event slot: ABORT went out and
-  the slot is quarantined until the decode answers (RELEASE or ERROR) or the link ends.
+- ABORTING: the request ended while the decode may wait on its event slot and read its blocks:
+  ABORT went out, and the slot (quarantined) and the blocks (leased to the link) stay out of
+  use until the decode answers (RELEASE or ERROR), the link ends or the lease expires. A forward
+  writing those blocks for another prompt meanwhile would have the decode copy, and cache
+  under this prompt's names, another prompt's KV.
 - ENDED: nothing of it is left.
 """
 
@@ -80,7 +83,7 @@ class Event(enum.Enum):
     ERROR = "error"  # the decode's ERROR, other than NO_CAPACITY
     NO_CAPACITY = "no_capacity"  # the decode's ERROR NO_CAPACITY
     LINK_LOST = "link_lost"  # the link the request was offered on ended
-    ABORT = "abort"  # ended: ABORT sent, its slot quarantined
+    ABORT = "abort"  # ended: ABORT sent, its slot quarantined and its blocks kept
     ABORT_ANSWERED = "abort_answered"  # the decode's RELEASE or ERROR after that ABORT
     END = "end"  # ended: nothing left to wait for
 

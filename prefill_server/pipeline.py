@@ -80,7 +80,8 @@ class RequestPipeline:
         self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
         self.requests: dict[str, PrefillRequest] = {}  # in flight
-        self.aborting: dict[str, PrefillRequest] = {}  # ended, their slot waiting for the decode
+        # ended while the decode may read their blocks: those and their slot wait for its answer
+        self.aborting: dict[str, PrefillRequest] = {}
         self.throughput = Throughput()  # finished requests and their tokens, for status
         # the decode's TOKENS frames relayed to clients from the read callback / by their task
         self.relayed = {"direct": 0, "queued": 0}
@@ -193,13 +194,17 @@ class RequestPipeline:
 
     def _abort_answered(self, req: PrefillRequest, msg: Message) -> None:
         """The decode's RELEASE (naming the slot) or ERROR for an ABORTING request frees its
-        quarantined slot; its other frames were on their way before the ABORT."""
+        blocks (unless its lease expired meanwhile) and quarantined slot; its other frames were
+        on their way before the ABORT."""
         if isinstance(msg, Release) and msg.event_slot != req.event_slot:
             self._late_release(msg.event_slot, req.request_id)
         elif isinstance(msg, Release | Error):
             req.advance(Event.ABORT_ANSWERED)
             del self.aborting[req.request_id]
+            if req.request_id in self.rt.allocator:
+                self.rt.allocator.free(req.request_id)
             self._late_release(req.event_slot, req.request_id)
+            self.capacity.changed()
 
     def _late_release(self, slot: int, request_id: str) -> None:
         """The decode's RELEASE (or answer to the ABORT) for `request_id`, gone or ending: the
@@ -213,10 +218,11 @@ class RequestPipeline:
         one offered early whose KV is not written yet (no token of it left the daemons) goes
         to another decode after its forward instead (REFUSED; the blocks of a forward not run
         yet are not leased: they stay its own)."""
-        freed = self.producer.link_lost(link_id)  # its quarantined slots too
-        for req in self.aborting.values():
-            req.advance(Event.LINK_LOST)
-        self.aborting.clear()
+        freed = self.producer.link_lost(link_id)  # its leases (and quarantined slots) too
+        for rid, req in list(self.aborting.items()):
+            if req.link_id == link_id:  # its blocks were leased to the link: freed above
+                req.advance(Event.LINK_LOST)
+                del self.aborting[rid]
         for req in self.requests.values():
             if req.link_id == link_id and req.accepts(Event.LINK_LOST):
                 req.advance(Event.LINK_LOST)  # an early offer: REFUSED, offered again
@@ -396,11 +402,11 @@ class RequestPipeline:
     def _cleanup(self, req: PrefillRequest) -> None:
         rid = req.request_id
         self.handoff.flush(req)  # a WRITE its KV_READY announced reads the blocks while leased
-        if rid in self.rt.allocator:
-            self.rt.allocator.free(rid)
         self.handoff.end(req)
-        if req.phase is Phase.ABORTING:
+        if req.phase is Phase.ABORTING:  # its blocks stay leased until the decode answers
             self.aborting[rid] = req
+        elif rid in self.rt.allocator:
+            self.rt.allocator.free(rid)
         if self.requests.get(rid) is req:
             del self.requests[rid]
         self.capacity.changed()

@@ -4,6 +4,7 @@ that stops answering heartbeats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ import pytest
 from common import client
 from common.model.sampling import SamplingParams
 from common.protocol import Finish, Release, Tokens, Usage
-from tests.faults.conftest import Daemon, FaultPair, all_free, poll, status, wait_ready
+from tests.faults.conftest import Daemon, FaultPair, all_free, poll, pool_of, status, wait_ready
 from tests.faults.fakes import FakeDecode
 
 
@@ -302,3 +303,35 @@ def test_without_the_early_handoff_the_first_token_rides_in_the_handoff(fake_set
     (h,) = [h for h in fake.handoffs if h.request_id == "late-1"]
     assert h.first_token == result.tokens[0]
     assert [f for f in fake.frames if f[1] == "late-1"] == [("HANDOFF", "late-1")]
+
+
+def test_a_request_ended_after_its_kv_ready_keeps_its_blocks_until_the_decode_answers(
+    fake_setup,
+) -> None:  # type: ignore[no-untyped-def]
+    """The client goes away after KV_READY went (the decode may not have pulled yet): the blocks
+    stay leased until the decode answers the ABORT. Freed at once, a forward could write another
+    prompt's KV into them under the pull, and the decode would copy it and cache it under this
+    prompt's names (wrong tokens for every later request with that prefix)."""
+    pair, fake = fake_setup
+    fake.release = False  # a decode that has not pulled yet: no RELEASE
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def start_then_leave() -> None:
+        async with client.Connection(pair.client_socket) as conn:
+            frames = conn.stream(
+                prompt_tokens=list(range(40)), sampling=params, request_id="gone-1", timeout=20
+            )
+            reading = asyncio.create_task(anext(frames))  # the fake sends no token
+            while not any(t.request_id == "gone-1" for t in fake.first_tokens):
+                await asyncio.sleep(0.01)
+            reading.cancel()  # the client goes away: its stream sends ABORT
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+
+    asyncio.run(start_then_leave())
+    poll(lambda: "gone-1" in fake.aborts, what="the ABORT at the decode")
+    pool = pool_of(pair.client_socket)
+    assert pool["leased"] == 3 and pool["free"] == pool["total"] - 3, pool  # 40 tokens: 3 blocks
+    fake.send_all(Release(request_id="gone-1"))  # the decode's pull is done
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free after the RELEASE")
+    assert status(pair.client_socket).inflight == 0

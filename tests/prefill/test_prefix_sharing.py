@@ -54,7 +54,8 @@ async def test_a_block_is_not_shared_before_its_forward_wrote_it(cfg_rt) -> None
 
 async def test_an_aborted_request_leaves_shared_blocks_to_their_other_holder(cfg_rt) -> None:  # type: ignore[no-untyped-def]
     """a1 is leased to the decode (its KV offered, no RELEASE yet) and a2 shares its cached
-    blocks, leased too; a1's client goes away: the shared blocks stay LEASED to a2's reader,
+    blocks, leased too; a1's client goes away: a1's blocks stay leased until the decode answers
+    its ABORT (its pull may not have run), then the shared blocks stay LEASED to a2's reader,
     their bytes untouched, and no new request can get them."""
     s = Setup(*cfg_rt)
     alloc = s.rt.allocator
@@ -69,15 +70,21 @@ async def test_an_aborted_request_leaves_shared_blocks_to_their_other_holder(cfg
     assert s.pipeline.requests["a2"].cached_tokens == 32
     before = s.rt.pool.gather(shared).clone()
     await cancelled(first)
-    assert "a1" not in alloc and len(s.link.of(Abort, "a1")) == 1
+    assert len(s.link.of(Abort, "a1")) == 1
+    mine = alloc.blocks_of("a1")
+    assert alloc.lease_of("a1") is not None  # the decode may still pull them: kept
+    grab = alloc.allocate("grab", alloc.num_free)  # every free block, cached ones included
+    assert set(grab).isdisjoint(mine)
+    alloc.free("grab")
+    slot = s.link.of(Handoff, "a1")[0].event_slot
+    s.pipeline.deliver(Release(request_id="a1", event_slot=slot))  # the decode answers the ABORT
+    assert "a1" not in alloc
     assert all(alloc.state_of(b) is BlockState.LEASED for b in shared)
     assert all(alloc.holders_of(b) == ["a2"] for b in shared)
-    grab = alloc.allocate("grab", alloc.num_free)  # every free block, cached ones included
+    grab = alloc.allocate("grab", alloc.num_free)
     assert set(grab).isdisjoint(shared)
     alloc.free("grab")
     assert s.rt.pool.gather(shared).equal(before)
-    slot = s.link.of(Handoff, "a1")[0].event_slot
-    s.pipeline.deliver(Release(request_id="a1", event_slot=slot))  # the decode answers the ABORT
     await _release(s, "a2")
     s.pipeline.deliver(_finish("a2"))
     frames = await asyncio.wait_for(second, 10)
