@@ -15,8 +15,17 @@ which reproduces a seeded draw too), a cut-short one's a prefix of them, whateve
 batch or the aborts around it; and no daemon may hold a block (OWNED or LEASED) or a request.
 Prefix-cache blocks may stay CACHED: that is the cache.
 
+`--kill ROLE --kill-every S` (with `--mix`) adds faults: every S seconds one daemon of that role
+(`decode`: each decode in turn; `prefill`) is killed with SIGKILL and started again in its
+runtime dir. A request in flight on it may end in LINK_LOST or a lost connection (counted as
+`lost`, its tokens so far checked as a prefix of the reference); new requests wait while the
+prefill is down. Afterwards, besides the checks above, no daemon may map more shared memory
+than it did at the start: a decode that kept a dead prefill's pool mapped, or a prefill a dead
+decode's, fails.
+
     .venv/bin/python bench/soak.py --requests 10000 --concurrency 32 --every 1000 --out soak.json
     .venv/bin/python bench/soak.py --mix --requests 2000 --num-blocks 384 [--decodes 2]
+    .venv/bin/python bench/soak.py --mix --requests 4000 --decodes 2 --kill decode --kill-every 3
 """
 
 from __future__ import annotations
@@ -32,13 +41,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
 
 from common import client
 from common.model.sampling import SamplingParams
-from common.protocol import Tokens
+from common.protocol import ConnectionClosed, ErrorCode, Tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +86,22 @@ async def wait_up(sock: Path, links: int = 0, timeout: float = 120) -> None:
         except Exception:
             pass
         await asyncio.sleep(0.1)
-    raise SystemExit(f"{sock} did not come up in {timeout}s")
+    tails = [
+        f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        for log in sorted(sock.parent.glob("**/*.log"))
+    ]
+    raise SystemExit("\n".join([f"{sock} did not come up in {timeout}s", *tails]))
+
+
+def shm_mib(pid: int) -> float:
+    """MiB of memfd-backed shared memory process `pid` maps (its pool, the pools it imports)."""
+    total = 0
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/memfd:"):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            total += hi - lo
+    return round(total / 2**20, 2)
 
 
 def sample(pids: list[int]) -> dict[str, float]:
@@ -128,24 +154,62 @@ def draw(
     return prompt, draw_params(rng, mix, m if how == "whole" else max(m, 2)), how
 
 
+@dataclass
+class Run:
+    """One request as its client saw it: its tokens, whether it ran to its FINISH, and for a
+    mismatch's report its number, when it ended (s from the start) and its decode."""
+
+    got: list[int] = field(default_factory=list)
+    whole: bool = False
+    i: int = -1
+    end_s: float = 0.0
+    decode: str = ""
+
+
+class Lost(Exception):
+    """A request cut by a daemon's death (--kill): LINK_LOST, or the prefill's connection lost."""
+
+    def __init__(self, got: list[int], why: BaseException) -> None:
+        super().__init__(repr(why))
+        self.got = got
+
+
 async def run_one(
-    conn: client.Connection, sock: str, prompt: list[int], params: SamplingParams, how: str
-) -> tuple[list[int], bool]:
-    """(the tokens received, whether the request ran to its FINISH)."""
+    conn: client.Connection,
+    sock: str,
+    prompt: list[int],
+    params: SamplingParams,
+    how: str,
+    *,
+    faults: bool = False,
+) -> Run:
+    """The request's Run. With `faults`, a request a daemon's death cut raises Lost with its
+    tokens so far."""
     own = client.Connection(sock) if how == "close" else conn
-    got: list[int] = []
+    run = Run()
+    got = run.got
     stream = own.stream(prompt_tokens=prompt, sampling=params, timeout=60, text_deltas=False)
-    async with contextlib.aclosing(stream) as frames:
-        async for msg in frames:
-            if not isinstance(msg, Tokens):
-                return got, True  # its FINISH
-            got.extend(msg.tokens)
-            if got and how == "abort":
-                return got, False  # aclosing sends ABORT
-            if got and how == "close":
-                own.close()  # the daemon aborts everything the connection had
-                return got, False
-    return got, False
+    try:
+        async with contextlib.aclosing(stream) as frames:
+            async for msg in frames:
+                if not isinstance(msg, Tokens):
+                    run.whole, run.decode = True, msg.decode  # its FINISH
+                    return run
+                got.extend(msg.tokens)
+                if got and how == "abort":
+                    return run  # aclosing sends ABORT
+                if got and how == "close":
+                    own.close()  # the daemon aborts everything the connection had
+                    return run
+    except client.RequestFailed as exc:
+        if faults and exc.code == ErrorCode.LINK_LOST:
+            raise Lost(got, exc) from exc
+        raise
+    except (OSError, ConnectionClosed) as exc:  # the prefill died under it
+        if faults:
+            raise Lost(got, exc) from exc
+        raise
+    return run
 
 
 async def settled(socks: dict[str, Path], timeout: float = 10.0) -> dict:
@@ -163,7 +227,7 @@ async def settled(socks: dict[str, Path], timeout: float = 10.0) -> dict:
         await asyncio.sleep(0.1)
 
 
-def check_tokens(outputs: dict[tuple, list[tuple[list[int], bool]]]) -> list[dict]:
+def check_tokens(outputs: dict[tuple, list[Run]]) -> list[dict]:
     """Every request's tokens against the single-process reference (greedy, or sampled with its
     seed): the whole output for one that finished, a prefix of it for one cut short. The
     mismatches."""
@@ -176,38 +240,84 @@ def check_tokens(outputs: dict[tuple, list[tuple[list[int], bool]]]) -> list[dic
     bad = []
     for (prompt, params), runs in outputs.items():
         want = reference.generate(model, list(prompt), params)
-        for got, whole in runs:
-            if (got != want) if whole else (got != want[: len(got)]):
-                bad.append({"prompt_len": len(prompt), "params": repr(params), "got": got})
+        for run in runs:
+            got = run.got
+            if (got != want) if run.whole else (got != want[: len(got)]):
+                bad.append(
+                    {"prompt": list(prompt), "params": repr(params), "want": want, **asdict(run)}
+                )
     return bad
 
 
-def start_daemons(args: argparse.Namespace, runtime: Path) -> tuple[dict, dict[str, Path]]:
+Spawn = dict[str, Callable[[], subprocess.Popen]]
+
+
+def start_daemons(args: argparse.Namespace, runtime: Path) -> tuple[dict, dict[str, Path], Spawn]:
     """--decodes decode daemons (the first in `runtime`, the others in runtime/dN) and the
-    prefill linked to all of them: (role -> process, role -> STATUS socket)."""
+    prefill linked to all of them: (role -> process, role -> STATUS socket, role -> how to
+    start it again)."""
     pool = ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     chunk = ["--max-prefill-tokens", str(args.max_prefill_tokens)] if args.mix else []
     dirs = {"decode": runtime} | {f"decode{i}": runtime / f"d{i}" for i in range(1, args.decodes)}
     for d in list(dirs.values())[1:]:
         d.mkdir(mode=0o700)
     links = [] if args.decodes == 1 else [f"--decode={d / 'decode.sock'}" for d in dirs.values()]
-    procs = {"prefill": start(runtime, "prefill", *pool, *chunk, *links)}
-    procs |= {role: start(d, "decode", *pool) for role, d in dirs.items()}
+    spawn: Spawn = {"prefill": lambda: start(runtime, "prefill", *pool, *chunk, *links)}
+    for role, d in dirs.items():
+        spawn[role] = lambda d=d: start(d, "decode", *pool)
+    procs = {role: launch() for role, launch in spawn.items()}
     socks = {role: d / "decode.sock" for role, d in dirs.items()}
-    return procs, {"prefill": runtime / "prefill.sock", **socks}
+    return procs, {"prefill": runtime / "prefill.sock", **socks}, spawn
+
+
+async def chaos(
+    args: argparse.Namespace,
+    procs: dict[str, subprocess.Popen],
+    socks: dict[str, Path],
+    spawn: Spawn,
+    serving: asyncio.Event,
+    kills: list[dict],
+    stop: asyncio.Event,
+) -> None:
+    """Every --kill-every seconds until `stop`, SIGKILL one daemon of --kill's role (decodes in
+    turn) and start it again; new requests wait (`serving` cleared) while the prefill is down.
+    A kill under way when `stop` is set ends with its daemon up and linked again."""
+    victims = ["prefill"] if args.kill == "prefill" else [r for r in procs if r != "prefill"]
+    for n in range(10**9):
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), args.kill_every)
+        if stop.is_set():
+            return
+        role = victims[n % len(victims)]
+        if role == "prefill":
+            serving.clear()
+        t = time.monotonic()
+        procs[role].kill()
+        await asyncio.to_thread(procs[role].wait)
+        procs[role] = spawn[role]()
+        await wait_up(socks["prefill"], links=args.decodes)  # its links again, either way
+        serving.set()
+        kills.append({"role": role, "at": round(t, 3), "down_s": round(time.monotonic() - t, 2)})
+        print(f"killed and restarted {role} ({kills[-1]['down_s']} s)", flush=True)
 
 
 async def soak(args: argparse.Namespace, runtime: Path) -> dict:
-    procs, socks = start_daemons(args, runtime)
+    procs, socks, spawn = start_daemons(args, runtime)
     for role, path in socks.items():
         await wait_up(path, links=args.decodes if role == "prefill" else 0)
+    shm_at_start = {role: shm_mib(proc.pid) for role, proc in procs.items()}
+    faults = bool(args.kill_every)
+    serving = asyncio.Event()
+    serving.set()
+    kills: list[dict] = []
+    lost = 0
     sock = str(socks["prefill"])
     rng = random.Random(args.seed)
     prefixes = [[rng.randrange(256) for _ in range(n)] for n in PREFIX_LENS]
     sem = asyncio.Semaphore(args.concurrency)
     done = errors = tokens = 0
-    ends = dict.fromkeys(("whole", "abort", "close"), 0)
-    outputs: dict[tuple, list[tuple[list[int], bool]]] = {}  # (prompt, params) -> its runs
+    ends = dict.fromkeys(("whole", "abort", "close", "lost"), 0)
+    outputs: dict[tuple, list[Run]] = {}  # (prompt, params) -> its runs
     rows: list[dict] = []
     t0 = time.monotonic()
     shared = client.Connection(sock)
@@ -229,14 +339,21 @@ async def soak(args: argparse.Namespace, runtime: Path) -> dict:
         print("  ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
 
     async def one(i: int) -> None:
-        nonlocal done, errors, tokens
+        nonlocal done, errors, tokens, lost
         prompt, params, how = draw(rng, args.mix, args.max_tokens, prefixes)
         async with sem:
+            await serving.wait()
             try:
                 if args.mix:
-                    got, whole = await run_one(shared, sock, prompt, params, how)
-                    outputs.setdefault((tuple(prompt), params), []).append((got, whole))
+                    try:
+                        run = await run_one(shared, sock, prompt, params, how, faults=faults)
+                    except Lost as exc:
+                        run, how = Run(exc.got), "lost"
+                        lost += 1
+                    run.i, run.end_s = i, round(time.monotonic() - t0, 3)
+                    outputs.setdefault((tuple(prompt), params), []).append(run)
                     ends[how] += 1
+                    got = run.got
                 else:
                     res = await client.generate(
                         sock, prompt_tokens=prompt, sampling=params, timeout=60
@@ -251,10 +368,20 @@ async def soak(args: argparse.Namespace, runtime: Path) -> dict:
             row()
 
     row()
+    stop = asyncio.Event()
+    monkey = (
+        asyncio.create_task(chaos(args, procs, socks, spawn, serving, kills, stop))
+        if faults
+        else None
+    )
     await asyncio.gather(*(one(i) for i in range(args.requests)))
+    if monkey is not None:
+        stop.set()
+        await monkey  # a kill under way ends with its daemon up and linked again
     elapsed = time.monotonic() - t0
     shared.close()
     at_end = await settled(socks)
+    shm_at_end = {role: shm_mib(proc.pid) for role, proc in procs.items()}
     cache = (await client.status(sock)).prefix_cache
     codes = {}
     for role, proc in procs.items():  # the prefill first: it must not see a link drop mid-stop
@@ -289,6 +416,11 @@ async def soak(args: argparse.Namespace, runtime: Path) -> dict:
         "mismatches": mismatches[:20],
         "mismatch_count": len(mismatches),
         "exit_codes": codes,
+        "kills": kills,
+        "t0": round(t0, 3),
+        "lost": lost,
+        "shm_mib_at_start": shm_at_start,
+        "shm_mib_at_end": shm_at_end,
     }
 
 
@@ -303,8 +435,16 @@ def main() -> int:
     ap.add_argument("--num-blocks", type=int, default=0, help="both pools' size (0: default)")
     ap.add_argument("--max-prefill-tokens", type=int, default=256, help="--mix: the chunk size")
     ap.add_argument("--decodes", type=int, default=1, help="decode daemons behind the prefill")
+    ap.add_argument(
+        "--kill", choices=["decode", "prefill"], default="decode", help="--kill-every's"
+    )
+    ap.add_argument(
+        "--kill-every", type=float, default=0, help="--mix: SIGKILL and restart a daemon this often"
+    )
     ap.add_argument("--out", type=Path, default=Path("soak.json"))
     args = ap.parse_args()
+    if args.kill_every and not args.mix:
+        ap.error("--kill-every needs --mix")
     with tempfile.TemporaryDirectory(prefix="pdkv-soak-") as tmp:
         os.chmod(tmp, 0o700)
         result = asyncio.run(soak(args, Path(tmp)))
@@ -329,7 +469,14 @@ def main() -> int:
             f"tokens checked against the reference: {result['checked']} requests, "
             f"{result['mismatch_count']} mismatches"
         )
+    if result["kills"]:
+        print(
+            f"kills: {len(result['kills'])} ({args.kill}), requests lost to them: "
+            f"{result['lost']}  shared memory mapped, MiB, at start {result['shm_mib_at_start']}"
+            f"  at end {result['shm_mib_at_end']}"
+        )
     ok = result["all_free"] and not any(result["held_at_end"].values())
+    ok = ok and result["shm_mib_at_end"] == result["shm_mib_at_start"]
     ok = ok and not result["errors"] and not result["mismatch_count"]
     ok = ok and set(result["exit_codes"].values()) == {0}
     print(f"{'clean' if ok else 'NOT CLEAN'} -> {args.out}")
