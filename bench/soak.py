@@ -303,6 +303,21 @@ async def chaos(
 
 async def soak(args: argparse.Namespace, runtime: Path) -> dict:
     procs, socks, spawn = start_daemons(args, runtime)
+    try:
+        return await _soak(args, procs, socks, spawn)
+    finally:  # a soak that failed half-way (a daemon that never came up) leaves none running
+        for proc in procs.values():  # the ones a kill started again included
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _soak(
+    args: argparse.Namespace,
+    procs: dict[str, subprocess.Popen],
+    socks: dict[str, Path],
+    spawn: Spawn,
+) -> dict:
     for role, path in socks.items():
         await wait_up(path, links=args.decodes if role == "prefill" else 0)
     shm_at_start = {role: shm_mib(proc.pid) for role, proc in procs.items()}
