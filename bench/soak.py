@@ -13,7 +13,9 @@ pressure (waits, evictions), `--decodes N` puts N decode daemons behind the pref
 every request's tokens must be those of the single-process reference (`common.model.reference`,
 which reproduces a seeded draw too), a cut-short one's a prefix of them, whatever the cache, the
 batch or the aborts around it; and no daemon may hold a block (OWNED or LEASED) or a request.
-Prefix-cache blocks may stay CACHED: that is the cache.
+Prefix-cache blocks may stay CACHED: that is the cache. A request that does not match is
+reported with its request id (`soak-SEED-N`, as the daemons' logs name it), and the daemons'
+logs are kept beside the JSON (`OUT.logs/`).
 
 `--kill ROLE --kill-every S` (with `--mix`) adds faults: every S seconds one daemon of that role
 (`decode`: each decode in turn; `prefill`) is killed with SIGKILL and started again in its
@@ -36,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,6 +164,7 @@ class Run:
 
     got: list[int] = field(default_factory=list)
     whole: bool = False
+    request_id: str = ""  # as the daemons' logs name it
     i: int = -1
     end_s: float = 0.0
     decode: str = ""
@@ -181,14 +185,21 @@ async def run_one(
     params: SamplingParams,
     how: str,
     *,
+    request_id: str,
     faults: bool = False,
 ) -> Run:
     """The request's Run. With `faults`, a request a daemon's death cut raises Lost with its
     tokens so far."""
     own = client.Connection(sock) if how == "close" else conn
-    run = Run()
+    run = Run(request_id=request_id)
     got = run.got
-    stream = own.stream(prompt_tokens=prompt, sampling=params, timeout=60, text_deltas=False)
+    stream = own.stream(
+        prompt_tokens=prompt,
+        sampling=params,
+        timeout=60,
+        text_deltas=False,
+        request_id=request_id,
+    )
     try:
         async with contextlib.aclosing(stream) as frames:
             async for msg in frames:
@@ -360,10 +371,13 @@ async def _soak(
             await serving.wait()
             try:
                 if args.mix:
+                    rid = f"soak-{args.seed}-{i}"
                     try:
-                        run = await run_one(shared, sock, prompt, params, how, faults=faults)
+                        run = await run_one(
+                            shared, sock, prompt, params, how, request_id=rid, faults=faults
+                        )
                     except Lost as exc:
-                        run, how = Run(exc.got), "lost"
+                        run, how = Run(exc.got, request_id=rid), "lost"
                         lost += 1
                     run.i, run.end_s = i, round(time.monotonic() - t0, 3)
                     outputs.setdefault((tuple(prompt), params), []).append(run)
@@ -463,6 +477,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pdkv-soak-") as tmp:
         os.chmod(tmp, 0o700)
         result = asyncio.run(soak(args, Path(tmp)))
+        if result["mismatch_count"]:  # the daemons' logs, for the requests named in it
+            logs = args.out.with_suffix(".logs")
+            for log in Path(tmp).glob("**/*.log"):
+                dest = logs / log.relative_to(tmp)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(log, dest)
+            result["logs"] = str(logs)
     args.out.write_text(json.dumps(result, indent=2))
     first, last = result["samples"][0], result["samples"][-1]
     print(
