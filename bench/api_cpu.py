@@ -19,7 +19,7 @@ import asyncio
 import json
 import os
 import platform
-import socket
+import shutil
 import statistics
 import sys
 import tempfile
@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from api_overhead import Http, cpu_s, start, wait_up
+from api_overhead import Http, start, wait_up
+from serve_api import free_port
+from serve_daemons import process_cpu_s
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
@@ -54,12 +56,15 @@ async def measure(rt: Path, port: int, args: argparse.Namespace, pids: dict[str,
     await asyncio.gather(*(one(port, 8) for _ in range(min(args.streams, 16))))  # warm-up
     rounds = []
     for r in range(args.rounds):
-        cpu0 = {k: cpu_s(pid) for k, pid in pids.items()}
+        cpu0 = {k: process_cpu_s(pid) for k, pid in pids.items()}
         t0 = time.perf_counter()
         events = await asyncio.gather(*(one(port, args.tokens) for _ in range(args.streams)))
         wall = time.perf_counter() - t0
         n = args.streams * args.tokens
-        got = {f"{k}_cpu_us_per_token": (cpu_s(pid) - cpu0[k]) / n * 1e6 for k, pid in pids.items()}
+        got = {
+            f"{k}_cpu_us_per_token": (process_cpu_s(pid) - cpu0[k]) / n * 1e6
+            for k, pid in pids.items()
+        }
         got |= {
             "wall_s": wall,
             "tokens_per_s": n / wall,
@@ -81,9 +86,7 @@ def main() -> None:
     args = ap.parse_args()
     rt = Path(tempfile.mkdtemp(prefix="pdkv-apicpu-"))
     os.chmod(rt, 0o700)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     blocks = str(args.streams * (args.tokens // 16 + 4) + 64)
     batch = str(args.streams)
     procs = {
@@ -100,6 +103,7 @@ def main() -> None:
         for p in reversed(procs.values()):
             p.terminate()
             p.wait(timeout=30)
+        shutil.rmtree(rt, ignore_errors=True)
     per_token = [r["api_cpu_us_per_token"] for r in res["rounds"]]
     res |= {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}",

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,10 @@ import httpx
 
 from common import client
 from common.sampling_params import SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_api import free_port
+from serve_daemons import process_cpu_s
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 2
 
@@ -122,12 +125,6 @@ async def http(api: Http, max_tokens: int) -> tuple[float, float]:
     return first - t0, (end - first) / (max_tokens - 1)
 
 
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (from /proc, clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 async def measure(
     rt: Path, url: str, requests: int, warmup: int, max_tokens: int, api_pid: int
 ) -> dict:
@@ -140,14 +137,14 @@ async def measure(
         for _ in range(warmup):
             await raw(sock, max_tokens)
             await http(api, max_tokens)
-        cpu0 = cpu_s(api_pid)
+        cpu0 = process_cpu_s(api_pid)
         for _ in range(requests):
             r = await raw(sock, max_tokens)
             h = await http(api, max_tokens)
             keys = ("raw_ttft", "raw_tpot", "http_ttft", "http_tpot")
             for key, v in zip(keys, (*r, *h), strict=True):
                 got[key].append(v * 1e6)
-        got["api_cpu_us_per_request"] = [(cpu_s(api_pid) - cpu0) / requests * 1e6]
+        got["api_cpu_us_per_request"] = [(process_cpu_s(api_pid) - cpu0) / requests * 1e6]
     return got
 
 
@@ -162,9 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     rt = Path(tempfile.mkdtemp(prefix="pdkv-api-"))
     os.chmod(rt, 0o700)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [
         start(rt, "decode", "start", "--device", "cpu"),
         start(rt, "prefill", "start", "--device", "cpu"),

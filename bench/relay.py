@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import platform
 import socket
 import statistics
@@ -141,11 +140,7 @@ def prefill_cpu_us_per_token(requests: int, repeat: int) -> list[float]:
     """The prefill daemon's CPU µs per output token over `repeat` bursts of `requests`."""
     sys.path.insert(0, str(ROOT / "bench"))
     import serve_load as load
-    from serve_daemons import daemon_stream, own_pair
-
-    def cpu_s(pid: int) -> float:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    from serve_daemons import daemon_stream, own_pair, process_cpu_s
 
     out = []
     opts = ["--device", "cpu", "--num-blocks", "2048"]
@@ -158,10 +153,10 @@ def prefill_cpu_us_per_token(requests: int, repeat: int) -> list[float]:
 
         asyncio.run(load.run_load(specs[:4], stream, label="warm-up", progress_s=1e9))
         for _ in range(repeat):
-            before = cpu_s(pid)
+            before = process_cpu_s(pid)
             records, _ = asyncio.run(load.run_load(specs, stream, label="burst", progress_s=1e9))
             tokens = sum(r.output_tokens for r in records)
-            out.append((cpu_s(pid) - before) / tokens * 1e6)
+            out.append((process_cpu_s(pid) - before) / tokens * 1e6)
     return out
 
 
