@@ -12,7 +12,10 @@ twelve has its connection closed under it; `--num-blocks` small enough puts the 
 pressure (waits, evictions), `--decodes N` puts N decode daemons behind the prefill. Afterwards
 every request's tokens must be those of the single-process reference (`common.model.reference`,
 which reproduces a seeded draw too), a cut-short one's a prefix of them, whatever the cache, the
-batch or the aborts around it; and no daemon may hold a block (OWNED or LEASED) or a request.
+batch or the aborts around it (a greedy token may differ only at a numerical tie of the
+reference's logits, and the rest must then follow the reference from that token: counted as
+`ties`, `common.model.reference.compare`); and no daemon may hold a block (OWNED or LEASED) or
+a request.
 Prefix-cache blocks may stay CACHED: that is the cache. A request that does not match is
 reported with its request id (`soak-SEED-N`, as the daemons' logs name it), and the daemons'
 logs are kept beside the JSON (`OUT.logs/`).
@@ -57,7 +60,7 @@ from common.protocol import ConnectionClosed, ErrorCode, Tokens
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def start(runtime: Path, role: str, *args: str) -> subprocess.Popen:
+def start(runtime: Path, role: str, *args: str, level: str = "WARNING") -> subprocess.Popen:
     argv = [
         sys.executable,
         "-m",
@@ -67,7 +70,7 @@ def start(runtime: Path, role: str, *args: str) -> subprocess.Popen:
         "--log-format",
         "json",
         "--log-level",
-        "WARNING",
+        level,
         role,
         "start",
         "--device",
@@ -238,26 +241,31 @@ async def settled(socks: dict[str, Path], timeout: float = 10.0) -> dict:
         await asyncio.sleep(0.1)
 
 
-def check_tokens(outputs: dict[tuple, list[Run]]) -> list[dict]:
+def check_tokens(outputs: dict[tuple, list[Run]]) -> tuple[list[dict], list[dict]]:
     """Every request's tokens against the single-process reference (greedy, or sampled with its
-    seed): the whole output for one that finished, a prefix of it for one cut short. The
-    mismatches."""
+    seed): the whole output for one that finished, a prefix of it for one cut short, where a
+    greedy one may part from it only at a numerical tie (`reference.compare`). The mismatches,
+    and the ties."""
     import torch
 
     from common.model import load_model, reference
 
     torch.set_num_threads(1)
     model, _ = load_model(None)
-    bad = []
+    bad, ties = [], []
     for (prompt, params), runs in outputs.items():
         want = reference.generate(model, list(prompt), params)
         for run in runs:
             got = run.got
-            if (got != want) if run.whole else (got != want[: len(got)]):
+            if got == (want if run.whole else want[: len(got)]):
+                continue
+            ok, found = reference.compare(model, prompt, params, got, whole=run.whole)
+            ties += [{"request_id": run.request_id, **asdict(t)} for t in found]
+            if not ok:
                 bad.append(
                     {"prompt": list(prompt), "params": repr(params), "want": want, **asdict(run)}
                 )
-    return bad
+    return bad, ties
 
 
 Spawn = dict[str, Callable[[], subprocess.Popen]]
@@ -273,9 +281,12 @@ def start_daemons(args: argparse.Namespace, runtime: Path) -> tuple[dict, dict[s
     for d in list(dirs.values())[1:]:
         d.mkdir(mode=0o700)
     links = [] if args.decodes == 1 else [f"--decode={d / 'decode.sock'}" for d in dirs.values()]
-    spawn: Spawn = {"prefill": lambda: start(runtime, "prefill", *pool, *chunk, *links)}
+    level = args.log_level
+    spawn: Spawn = {
+        "prefill": lambda: start(runtime, "prefill", *pool, *chunk, *links, level=level)
+    }
     for role, d in dirs.items():
-        spawn[role] = lambda d=d: start(d, "decode", *pool)
+        spawn[role] = lambda d=d: start(d, "decode", *pool, level=level)
     procs = {role: launch() for role, launch in spawn.items()}
     socks = {role: d / "decode.sock" for role, d in dirs.items()}
     return procs, {"prefill": runtime / "prefill.sock", **socks}, spawn
@@ -423,7 +434,7 @@ async def _soak(
     pools = {r: v["pool"] for r, v in at_end.items()}
     all_free = all(pl["free"] == pl["total"] for pl in pools.values())
     held = {r: v["pool"]["owned"] + v["pool"]["leased"] + v["inflight"] for r, v in at_end.items()}
-    mismatches = check_tokens(outputs) if args.mix else []
+    mismatches, ties = check_tokens(outputs) if args.mix else ([], [])
     return {
         "requests": args.requests,
         "concurrency": args.concurrency,
@@ -444,6 +455,8 @@ async def _soak(
         "checked": sum(len(v) for v in outputs.values()),
         "mismatches": mismatches[:20],
         "mismatch_count": len(mismatches),
+        "ties": ties[:20],
+        "tie_count": len(ties),
         "exit_codes": codes,
         "kills": kills,
         "t0": round(t0, 3),
@@ -460,6 +473,11 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=1000, help="sample RSS/fds every K requests")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--log-level",
+        default="WARNING",
+        help="the daemons' (their logs are kept beside --out when a request does not match)",
+    )
     ap.add_argument("--mix", action="store_true", help="shared prefixes, long prompts, aborts")
     ap.add_argument("--num-blocks", type=int, default=0, help="both pools' size (0: default)")
     ap.add_argument("--max-prefill-tokens", type=int, default=256, help="--mix: the chunk size")
@@ -503,7 +521,8 @@ def main() -> int:
             f"ends: {result['ends']} ({result['sampled']} sampled with a seed)  "
             f"prefix cache: {result['prefix_cache']}  "
             f"tokens checked against the reference: {result['checked']} requests, "
-            f"{result['mismatch_count']} mismatches"
+            f"{result['mismatch_count']} mismatches, {result['tie_count']} greedy tokens parted "
+            "from it at a numerical tie"
         )
     if result["kills"]:
         print(

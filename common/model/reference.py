@@ -11,7 +11,9 @@ contiguous.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from common.model.llama import LlamaModel
@@ -39,6 +41,69 @@ def generate(
     included). Stops at max_tokens or a stop id (default: the config's EOS ids) unless ignore_eos.
     Decodes with batch size 1."""
     return generate_batch(model, [prompt_ids], params, block_size=block_size, stop_ids=stop_ids)[0]
+
+
+#: A greedy token may differ from the reference's only where the reference's logits tie to this
+#: relative margin (`compare`): fp32 sums in another order (a decode batch of another size, a
+#: prefill of several prompts) move a logit by ~1e-6 of its size, and a tie then goes either way.
+TIE_MARGIN = 1e-5
+
+
+@dataclass(frozen=True)
+class Tie:
+    """Where a greedy output parted from the reference at a numerical tie: generated token `at`
+    is `got` where the reference gave `want`, whose logit is `margin` above `got`'s."""
+
+    at: int
+    want: int
+    got: int
+    margin: float
+
+
+def compare(
+    model: LlamaModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    got: Sequence[int],
+    *,
+    whole: bool = True,
+    block_size: int = 16,
+    tie_margin: float = TIE_MARGIN,
+) -> tuple[bool, list[Tie]]:
+    """Whether `got` is `generate`'s output (`whole`), or a prefix of it for a request cut
+    short, and the ties it went through. A greedy output without penalties may part from the
+    reference where the reference's top logit is within `tie_margin` (relative) of `got`'s token:
+    the two sum in different orders, so exact equality there is luck, not correctness. From
+    such a token on, the reference goes on from `got`'s choice and must match again; any other
+    difference, or any difference of a sampled or penalized output, is a mismatch."""
+    prompt, got = list(prompt_ids), list(got)
+    ties: list[Tie] = []
+    taken: list[int] = []  # got's tokens up to and including its last tie
+    while True:
+        rest = got[len(taken) :]
+        left = msgspec.structs.replace(
+            params,
+            max_tokens=params.max_tokens - len(taken),
+            min_tokens=max(0, params.min_tokens - len(taken)),
+        )
+        want = generate(model, prompt + taken, left, block_size=block_size)
+        if rest == (want if whole else want[: len(rest)]):
+            return True, ties
+        k = next((i for i, (a, b) in enumerate(zip(rest, want, strict=False)) if a != b), None)
+        if k is None or not params.greedy or params.penalized:
+            return False, ties  # a length that differs, or not a greedy draw
+        at = len(taken) + k
+        with torch.inference_mode():
+            logits = model.forward_dense(torch.tensor(prompt + got[:at]))[-1]
+        top = float(logits.max())
+        margin = top - float(logits[got[at]])
+        if margin > tie_margin * max(1.0, abs(top)):
+            return False, ties
+        ties.append(Tie(at, want[k], got[at], margin))
+        taken = got[: at + 1]
+        if len(taken) == len(got):  # it ended at the tie: by its length or a stop token
+            stops = frozenset(model.config.stop_token_ids)
+            return not whole or finish_reason(taken, params, stops) is not None, ties
 
 
 def generate_batch(

@@ -6,6 +6,7 @@ import msgspec
 import torch
 
 from common.model import LlamaModel, SamplingParams, generate, generate_batch
+from common.model.reference import compare
 
 
 def _prompts(count: int) -> list[list[int]]:
@@ -57,3 +58,47 @@ def test_seeded_sampling_is_reproducible_and_batch_invariant(tiny: LlamaModel) -
     assert first == [generate(tiny, p, params) for p in prompts]
     reseeded = generate_batch(tiny, prompts, msgspec.structs.replace(params, seed=99))
     assert reseeded != first
+
+
+def _parted_at(tiny: LlamaModel, prompt: list[int], k: int, n: int) -> tuple[list[int], int, float]:
+    """A greedy output of n tokens that takes the runner-up at token k and then follows the
+    reference from it: (the output, the runner-up, its logit's margin below the top, relative)."""
+    want = generate(tiny, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    logits = tiny.forward_dense(torch.tensor(prompt + want[:k]))[-1]
+    top2 = torch.topk(logits, 2)
+    runner_up = int(top2.indices[1])
+    rel = float(top2.values[0] - top2.values[1]) / max(1.0, abs(float(top2.values[0])))
+    taken = [*want[:k], runner_up]
+    rest = SamplingParams(max_tokens=n - k - 1, ignore_eos=True)
+    return taken + generate(tiny, prompt + taken, rest), runner_up, rel
+
+
+def test_compare_lets_a_greedy_output_part_only_at_a_tie_within_the_margin(
+    tiny: LlamaModel,
+) -> None:
+    prompt, params = _prompts(9)[-1], SamplingParams(max_tokens=12, ignore_eos=True)
+    want = generate(tiny, prompt, params)
+    got, runner_up, rel = _parted_at(tiny, prompt, 4, 12)
+    assert got[:4] == want[:4] and got[4] == runner_up != want[4]
+    ok, ties = compare(tiny, prompt, params, got, tie_margin=rel * 1.01)
+    assert ok and [(t.at, t.want, t.got) for t in ties] == [(4, want[4], runner_up)]
+    assert ties[0].margin > 0
+    # the same parting with a margin below the runner-up's is a mismatch
+    assert compare(tiny, prompt, params, got, tie_margin=rel * 0.99) == (False, [])
+    # after the tie the output must follow the reference from the token taken
+    worst = int(tiny.forward_dense(torch.tensor(prompt + got[:-1]))[-1].argmin())
+    ok, ties = compare(tiny, prompt, params, [*got[:-1], worst], tie_margin=rel * 1.01)
+    assert not ok and len(ties) == 1
+    # a run cut short is a prefix; a whole run must have every token
+    assert compare(tiny, prompt, params, got[:7], whole=False, tie_margin=rel * 1.01)[0]
+    assert not compare(tiny, prompt, params, got[:7], tie_margin=rel * 1.01)[0]
+    assert compare(tiny, prompt, params, want) == (True, [])
+
+
+def test_compare_allows_no_tie_to_a_sampled_output(tiny: LlamaModel) -> None:
+    prompt = _prompts(9)[-1]
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=5, ignore_eos=True)
+    want = generate(tiny, prompt, params)
+    assert compare(tiny, prompt, params, want) == (True, [])
+    other = [*want[:3], (want[3] + 1) % 256, *want[4:]]
+    assert compare(tiny, prompt, params, other, tie_margin=1.0) == (False, [])
