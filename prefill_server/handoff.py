@@ -196,7 +196,7 @@ class HandoffPath:
         if link is not None:
             link.post(Abort(request_id=req.request_id))
         if req.phase in _DECODE_MAY_WAIT:  # until the decode answers the ABORT
-            self.producer.quarantine(req.event_slot, req.request_id)  # none on CPU (-1)
+            self.producer.quarantine(req.event_slot, req.request_id, req.link_id)  # CPU: -1
             if req.request_id in self.allocator:  # not if its lease expired (freed then)
                 self._lease(req)  # LAUNCHED: the blocks were still ours (KV_READY leases them)
             req.advance(Event.ABORT)

@@ -83,8 +83,8 @@ class Producer(ABC):
     - Per request: `acquire_slot()` before the writes (-1 where the transport has no event
       ring, None while every slot is busy), `record(slot, stream)` right after them;
       `lease(rid, link_id, deadline)` when its HANDOFF goes out; `released(rid, slot)` on the
-      RELEASE; `quarantine(slot, rid)` / `ack_late(slot, rid)` / `drop_slot(slot)` for a slot of a
-      request that ended otherwise.
+      RELEASE; `quarantine(slot, rid, link_id)` / `ack_late(slot, rid)` / `drop_slot(slot)` for
+      a slot of a request that ended otherwise (`link_lost` frees that link's quarantined slots).
     - `handle_frame(msg, reply, link_id)` takes the frames in `caps.frames` that came on link
       `link_id` (`reply` answers on that link); True when it took `msg`.
     - `link_lost(link_id)` frees that link's leases and stops what still moves to its peer;
@@ -131,8 +131,9 @@ class Producer(ABC):
         """The request ended before the peer could wait on `slot`."""
         return None
 
-    def quarantine(self, slot: int, request_id: str) -> None:
-        """The request ended after its HANDOFF but before its RELEASE."""
+    def quarantine(self, slot: int, request_id: str, link_id: str = "") -> None:
+        """The request, handed off on `link_id`, ended after its HANDOFF but before its
+        RELEASE."""
         return None
 
     def ack_late(self, slot: int, request_id: str) -> bool:

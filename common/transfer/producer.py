@@ -12,7 +12,8 @@
   decode sent KV_LAUNCHED reads the token on its GPU behind the slot (docs/protocol.md).
 - A slot named in a HANDOFF whose request ended without a RELEASE is `quarantine`d: the peer may
   still wait on it, and `cudaStreamWaitEvent` binds to the latest record at call time, so it is
-  recorded again only after a late RELEASE (`ack_late`) or the end of the link (`link_lost`).
+  recorded again only after a late RELEASE (`ack_late`) or the end of its link (`link_lost`:
+  only that link's; another decode may still wait on a slot quarantined for its request).
 
 Block allocation (allocate/free) stays with the caller; the producer only leases what it owns.
 """
@@ -51,7 +52,8 @@ class KVProducer(Producer):
             torch.cuda.set_device(device)  # CUDA calls from the loop thread: export, events
         self.region = export_region(pool.tensor, backend)
         self.events = EventRing.create(event_slots, device) if device.type == "cuda" else None
-        self._quarantine: dict[int, str] = {}  # slot -> the ended request the peer may wait for
+        # slot -> (the ended request its peer may wait for, the link it went out on)
+        self._quarantine: dict[int, tuple[str, str]] = {}
         self.mailbox_block = -1
         if mailbox and self.events is not None:
             self._take_mailbox(len(self.events))
@@ -95,29 +97,32 @@ class KVProducer(Producer):
         if slot >= 0 and self.events is not None:
             self.events.release(slot)
 
-    def quarantine(self, slot: int, request_id: str) -> None:
-        """`request_id` ended after its HANDOFF but before the RELEASE: keep `slot` out of use
-        until the peer answers for that request."""
+    def quarantine(self, slot: int, request_id: str, link_id: str = "") -> None:
+        """`request_id`, handed off on `link_id`, ended after its HANDOFF but before the
+        RELEASE: keep `slot` out of use until the peer answers for that request or that link
+        ends."""
         if slot >= 0:
-            self._quarantine[slot] = request_id
+            self._quarantine[slot] = (request_id, link_id)
 
     def ack_late(self, slot: int, request_id: str) -> bool:
         """The peer's late RELEASE (or answer to the ABORT) for `request_id`: the slot
         quarantined for it may be recorded again. One for another request frees nothing: a
         stale RELEASE of a request whose slot was freed and taken since (its decode answered
         ERROR first) must not free it under the request that holds it now."""
-        if self._quarantine.get(slot) == request_id and self.events is not None:
+        held = self._quarantine.get(slot)
+        if held is not None and held[0] == request_id and self.events is not None:
             del self._quarantine[slot]
             self.events.release(slot)
             return True
         return False
 
     def link_lost(self, link_id: str) -> list[str]:
-        """The link ended: free its leases (returned) and every quarantined slot (the peer closed
-        its event handles with the link)."""
+        """The link ended: free its leases (returned) and the slots quarantined for its requests
+        (the peer closed its event handles with the link); another link's stay quarantined."""
         freed = super().link_lost(link_id)
-        for slot, request_id in list(self._quarantine.items()):
-            self.ack_late(slot, request_id)
+        for slot, (request_id, link) in list(self._quarantine.items()):
+            if link == link_id:
+                self.ack_late(slot, request_id)
         return freed
 
     def close(self) -> None:

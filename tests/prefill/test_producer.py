@@ -63,3 +63,20 @@ def test_a_quarantined_slot_is_freed_only_for_the_request_it_was_quarantined_for
     assert not p.ack_late(slot, "r1") and p.events.free_count == 1  # another request's RELEASE
     assert p.ack_late(slot, "r2") and p.events.free_count == 2
     assert not p.ack_late(slot, "r2")  # once
+
+
+def test_a_lost_link_frees_only_the_slots_quarantined_for_its_own_requests():
+    """Two decodes: one's link ends; a slot quarantined for a request of the other may still be
+    waited on by that decode, so it stays out of use until that decode answers."""
+    p = _producer()
+    p.events = CpuEventRing(2)
+    mine, theirs = p.acquire_slot(), p.acquire_slot()
+    assert mine is not None and theirs is not None and {mine, theirs} == {0, 1}
+    p.quarantine(mine, "r1", "link-1")
+    p.quarantine(theirs, "r2", "link-2")
+    p.link_lost("link-1")
+    assert p.events.free_count == 1 and p.acquire_slot() == mine
+    assert not p.ack_late(theirs, "r1")  # still r2's
+    p.link_lost("link-2")
+    assert p.events.free_count == 1  # `mine` is taken again; `theirs` freed with its link
+    p.close()
