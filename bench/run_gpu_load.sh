@@ -10,6 +10,7 @@
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),
 #           once per --overlap-steps mode in $PREFIX (default on; MODE+MS as in $NANO)
+#   prefixmps  the same with both daemons under MPS
 #   goodput bench/serve.py's rate sweep with SLO bounds, daemons and one process (issue 24 item 5)
 #   cold    a fresh pair's first burst against its later ones (issue 24 item 4)
 #   tcp     16 × 2000-token prompts at 2/s, 8 out: the Unix socket against a TCP link with NIXL
@@ -37,7 +38,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,goodput,cold,tcp,warm,launch,launchmps,graphs,api}"
+STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,prefixmps,goodput,cold,tcp,warm,launch,launchmps,graphs,api}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -50,9 +51,10 @@ from engine import build_checkpoint; build_checkpoint(Path('$CKPT'))" || exit 1
 fi
 if want tests; then
   step tests
-  # TESTS: other test paths (or -k expressions) instead of these
+  # TESTS: other test paths (or -k expressions) instead of these; TESTS_TIMEOUT: the step's limit
   # shellcheck disable=SC2086
-  timeout 300 "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 -m gpu \
+  timeout "${TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -rs -p no:cacheprovider --timeout 150 -m gpu \
+    --junitxml "$R/tests.xml" \
     ${TESTS:-tests/gpu/test_decode_batch_gpu.py tests/integration/test_gpu_daemons.py \
     tests/model/test_kernels.py tests/gpu/test_prefill_graphs_gpu.py} 2>&1 \
     | tail -40 | tee -a "$log" > "$R/tests.log"
@@ -68,10 +70,15 @@ nano() {  # $1: tag, then the environment for the daemons
   local tag=$1
   shift
   step "nano $tag"
-  env "$@" timeout 150 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --nano --target daemons \
-    --progress 30 --json "$R/nano_$tag.json" > "$R/nano_$tag.log" 2>&1
+  env "$@" PDKV_BENCH_LOGS="$R/logs_nano_$tag" timeout 150 "$PY" bench/serve.py --model "$CKPT" \
+    --device cuda:0 --nano --target daemons --progress 30 --json "$R/nano_$tag.json" \
+    > "$R/nano_$tag.log" 2>&1
   grep -E "^daemons|2nd token|KV pulled" "$R/nano_$tag.log" | tail -6 | tee -a "$log"
+  gaps "$R/logs_nano_$tag"
   pack
+}
+gaps() {  # the prefill's idle between queued forwards, from the daemons' logs in $1
+  "$PY" bench/forward_gaps.py "$1"/pair*-prefill.log 2>&1 | sed "s|$1/||" | tee -a "$log"
 }
 pf() { [[ $1 == *+* ]] && echo "${1#*+}" || echo 0; }  # MODE+MS -> MS, MODE -> 0
 if want nano; then  # NANO: the --overlap-steps modes to run, in order
@@ -107,17 +114,27 @@ if want kernel && [ -f bench/context_kernel.py ]; then
     --out "$R/prefill_context.json" 2>&1 | tail -12 | tee -a "$log"
   pack
 fi
+prefix() {  # $1: tag, $2: --overlap-steps MODE[+MS]
+  local tag=$1 mode=$2
+  step "prefix $tag"
+  PDKV_OVERLAP_STEPS=${mode%%+*} PDKV_PREFILL_FIRST_MS=$(pf "$mode") timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+    --num-blocks 4096 --target cache --shared-prefix 1536 --prompt-len 128:128 \
+    --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$tag.json" \
+    > "$R/prefix_$tag.log" 2>&1
+  grep -E "^daemons|2nd token|KV pulled|same tokens" "$R/prefix_$tag.log" | tee -a "$log"
+  pack
+}
 if want prefix; then  # PREFIX: the --overlap-steps modes to run it with
   for mode in ${PREFIX:-on}; do
-    tag=${mode/+/_pf}
-    step "prefix $tag"
-    PDKV_OVERLAP_STEPS=${mode%%+*} PDKV_PREFILL_FIRST_MS=$(pf "$mode") timeout 240 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
-      --num-blocks 4096 --target cache --shared-prefix 1536 --prompt-len 128:128 \
-      --output-len 64:64 --rate 20 --requests 200 --progress 30 --json "$R/prefix_$tag.json" \
-      > "$R/prefix_$tag.log" 2>&1
-    grep -E "^daemons|2nd token|KV pulled|same tokens" "$R/prefix_$tag.log" | tee -a "$log"
-    pack
+    prefix "${mode/+/_pf}" "$mode"
   done
+fi
+if want prefixmps && mps_start; then  # the same with both daemons under MPS: the prefill's
+  # forward then need not wait for the decode's step to yield the GPU
+  for mode in ${PREFIX:-on}; do
+    prefix "mps_${mode/+/_pf}" "$mode"
+  done
+  mps_stop
 fi
 if want goodput; then  # issue 24 item 5: daemons against one process over a rate sweep
   step "goodput prefill-first-ms ${PDKV_PREFILL_FIRST_MS:-default}"
@@ -131,9 +148,10 @@ if want goodput; then  # issue 24 item 5: daemons against one process over a rat
 fi
 if want api; then  # the HTTP API at the pair's full rate
   step api
-  timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --nano --target served \
-    --progress 30 --json "$R/api.json" > "$R/api.log" 2>&1
+  PDKV_BENCH_LOGS="$R/logs_api" timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
+    --nano --target served --progress 30 --json "$R/api.json" > "$R/api.log" 2>&1
   grep -vE "warm-up| @ " "$R/api.log" | tail -12 | tee -a "$log"
+  gaps "$R/logs_api"
   pack
 fi
 if want cold; then

@@ -43,10 +43,17 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+#: a directory: the daemons log at INFO and each pair's logs are copied there when it stops
+#: (pairN-<role>.log), e.g. for bench/forward_gaps.py; unset: WARNING, and the logs go with
+#: the pair's runtime dir
+KEEP_LOGS = "PDKV_BENCH_LOGS"
+
+
 def start_cli(rt: Path, role: str, opts: list[str]) -> subprocess.Popen:
     """`pdkv --runtime-dir rt <role> start <opts>` in the background, its output in rt/<role>.log."""
+    level = "INFO" if os.environ.get(KEEP_LOGS) else "WARNING"
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt)]
-    argv += ["--log-format", "json", "--log-level", "WARNING", role, "start", *opts]
+    argv += ["--log-format", "json", "--log-level", level, role, "start", *opts]
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
@@ -138,7 +145,19 @@ def own_pair(
         yield sock
     finally:
         stop_procs(procs[::-1])  # prefill first: it stops taking requests, then the decode
+        keep_logs(rt)
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def keep_logs(rt: Path) -> None:
+    """With PDKV_BENCH_LOGS set, copy the pair's logs there, numbered by pair."""
+    if not (dest := os.environ.get(KEEP_LOGS)):
+        return
+    out = Path(dest)
+    out.mkdir(parents=True, exist_ok=True)
+    n = 1 + len({p.name.split("-", 1)[0] for p in out.glob("pair*-*.log")})
+    for log in sorted(rt.glob("*.log")):
+        shutil.copy(log, out / f"pair{n}-{log.name}")
 
 
 #: per event loop and socket, the one connection requests share (`daemon_stream(shared=True)`)

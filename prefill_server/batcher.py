@@ -102,6 +102,9 @@ class PrefillBatcher:
         self.prompts = 0  # prompts prefilled since start
         self._queue: deque[_Job] = deque()
         self._wake = asyncio.Event()
+        # when the last forward returned (perf_counter), while more was queued behind it: the
+        # next forward's `queued_gap_ms` (the device idle between them, for this daemon)
+        self._last_done: float | None = None
 
     def submit(
         self,
@@ -136,6 +139,7 @@ class PrefillBatcher:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
+                self._last_done = None  # the queue ran dry: the next batch waited for nothing
                 while batch := self._take():
                     await self._run_batch(batch)
         finally:
@@ -168,6 +172,7 @@ class PrefillBatcher:
         tokens = sum(p.end - p.start for p in pieces)
         ids = [j.request_id for j, _ in taken]
         start = time.perf_counter()
+        gap = None if self._last_done is None else round((start - self._last_done) * 1e3, 3)
         started_ns = time.monotonic_ns()
         for job, _ in taken:
             if job.marks is not None and "forward_started" not in job.marks:
@@ -204,6 +209,7 @@ class PrefillBatcher:
                 launched=on_launched,
             )
         except Exception as exc:  # the forward failed: its requests fail, the daemon goes on
+            self._last_done = None
             log.exception(
                 "prefill_batch_failed", requests=len(taken), request_ids=ids[:_LOGGED_IDS]
             )
@@ -212,7 +218,8 @@ class PrefillBatcher:
                 _answer(job, RequestFailed(ErrorCode.INTERNAL, why))
             return
         self.forwards += 1
-        forward_ms = round((time.perf_counter() - start) * 1000, 3)
+        self._last_done = time.perf_counter()
+        forward_ms = round((self._last_done - start) * 1000, 3)
         done_ns = time.monotonic_ns()
         for (job, piece), first in zip(taken, firsts, strict=True):
             if first is None:  # a chunk: the rest of the prompt waits its turn again
@@ -234,6 +241,7 @@ class PrefillBatcher:
             tokens=tokens,
             context_tokens=sum(p.start for p in pieces),
             forward_ms=forward_ms,
+            queued_gap_ms=gap,  # since the forward before, which this batch queued behind
             request_ids=ids[:_LOGGED_IDS],
         )
 

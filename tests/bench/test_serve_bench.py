@@ -211,3 +211,25 @@ def test_a_request_is_never_sent_before_it_is_due() -> None:
 
     for ahead in (0.0, SPIN_S / 2, SPIN_S * 3, -1.0):  # within the spin, past it, overdue
         assert asyncio.run(lateness(ahead)) >= 0, ahead
+
+
+def test_kept_logs_give_the_prefills_idle_between_queued_forwards(tmp_path: Path) -> None:
+    """PDKV_BENCH_LOGS keeps the pair's INFO logs; bench/forward_gaps.py reads from the
+    prefill's the gaps between forwards that had prompts queued (a burst: one prompt a forward
+    on CPU, so all but the first queue behind another)."""
+    logs, out = tmp_path / "logs", tmp_path / "gaps.json"
+    argv = [sys.executable, str(SERVE), "--requests", "8", "--rate", "inf", "--warmup", "0"]
+    argv += ["--prompt-len", "30:60", "--output-len", "2:2", "--target", "daemons"]
+    env = dict(os.environ, PDKV_BENCH_LOGS=str(logs))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in logs.iterdir()) == ["pair1-decode.log", "pair1-prefill.log"]
+    gaps = SERVE.with_name("forward_gaps.py")
+    argv = [sys.executable, str(gaps), str(logs / "pair1-prefill.log"), "--json", str(out)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["forwards"] >= 8 and 1 <= row["queued_gaps"] < row["forwards"], row
+    assert row["forward_ms"] > 0 and row["gap_ms"] > 0 and 0 < row["gap_share"] < 1, row
+    assert 0 < row["gap_p50_ms"] <= row["gap_max_ms"], row
+    assert "idle between them" in proc.stdout
