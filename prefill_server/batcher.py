@@ -28,6 +28,7 @@ the prefix cache.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections import deque
@@ -75,6 +76,18 @@ class _Job:
         return Piece(self.prompt, self.start, end, self.blocks, sampling, slot)
 
 
+@dataclass(eq=False)
+class _Running:
+    """A forward sent to the torch thread: its batch, and what its log line reports."""
+
+    taken: list[tuple[_Job, Piece]]
+    ids: list[str]
+    tokens: int
+    start: float  # perf_counter when it was sent
+    gap: float | None  # ms since the forward it queued behind returned
+    future: asyncio.Future[list]
+
+
 class PrefillBatcher:
     """Created by the pipeline; the server runs `run()` as a task for the daemon's life."""
 
@@ -86,6 +99,7 @@ class PrefillBatcher:
         chunk: int | None = None,
         launched: Callable[[list[str], int], None] | None = None,
         quiet: Callable[[list[str]], bool] | None = None,
+        pipelined: bool = True,
     ) -> None:
         self.rt = rt
         self.producer = producer
@@ -97,6 +111,8 @@ class PrefillBatcher:
         # a decode wait idle for them (KV_LAUNCHED is of use to an idle decode alone)
         self.quiet = quiet
         self.max_tokens = max_tokens
+        # --pipeline-forwards: the next forward starts before this one's requests are answered
+        self.pipelined = pipelined
         self.chunk = chunk or max_tokens  # most positions of one prompt in one forward
         self.forwards = 0  # batches run since start
         self.prompts = 0  # prompts prefilled since start
@@ -105,6 +121,7 @@ class PrefillBatcher:
         # when the last forward returned (perf_counter), while more was queued behind it: the
         # next forward's `queued_gap_ms` (the device idle between them, for this daemon)
         self._last_done: float | None = None
+        self._running: _Running | None = None  # the forward awaited now
 
     def submit(
         self,
@@ -134,19 +151,39 @@ class PrefillBatcher:
         return future
 
     async def run(self) -> None:
-        """Forever: take what is queued (within the budget), run it, answer each request."""
+        """Forever: take what is queued (within the budget), run it, answer each request.
+        `pipelined`: the next batch goes to the torch thread as soon as a forward returns,
+        before that forward's requests are answered, so their first tokens, KV_READYs and
+        relays run on this loop while the device computes the next forward, not between the
+        two; else it is taken once they are answered."""
         try:
             while True:
                 await self._wake.wait()
                 self._wake.clear()
                 self._last_done = None  # the queue ran dry: the next batch waited for nothing
-                while batch := self._take():
-                    await self._run_batch(batch)
+                current = self._launch(self._take())
+                while current is not None:
+                    self._running = current
+                    try:
+                        result: list | BaseException = await current.future
+                    except Exception as exc:  # the forward failed: its requests alone fail
+                        result = exc
+                    self._last_done = time.perf_counter()
+                    self._requeue(current, result)  # its chunks take their turn as before
+                    following = self._launch(self._take()) if self.pipelined else None
+                    self._running = following
+                    line = self._finish(current, result)
+                    await asyncio.sleep(0)  # the first tokens go out before this line is written
+                    if line is not None:
+                        log.info("prefill_batch", **line)
+                    if not self.pipelined:
+                        following = self._running = self._launch(self._take())
+                    current = following
         finally:
-            for job in self._queue:
-                _answer(
-                    job, RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
-                )
+            stopped = RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
+            running = [job for job, _ in self._running.taken] if self._running else []
+            for job in [*self._queue, *running]:
+                _answer(job, stopped)
             self._queue.clear()
 
     def _take(self) -> list[tuple[_Job, Piece]]:
@@ -167,7 +204,10 @@ class PrefillBatcher:
             used += n
         return batch
 
-    async def _run_batch(self, taken: list[tuple[_Job, Piece]]) -> None:
+    def _launch(self, taken: list[tuple[_Job, Piece]]) -> _Running | None:
+        """Send `taken` to the torch thread as one forward (None for an empty batch)."""
+        if not taken:
+            return None
         pieces = [p for _, p in taken]
         tokens = sum(p.end - p.start for p in pieces)
         ids = [j.request_id for j, _ in taken]
@@ -199,51 +239,67 @@ class PrefillBatcher:
                 # the GIL while it waits for the GPU, and the frames would leave only after it
                 sent.wait(LAUNCH_SEND_WAIT_S)
 
-        try:
-            firsts = await self.rt.run(
+        future = asyncio.get_running_loop().run_in_executor(
+            self.rt.executor,
+            functools.partial(
                 run_prefill_batch,
                 self.rt,
                 pieces,
                 self.producer,
                 token_budget=max(self.max_tokens, tokens),
                 launched=on_launched,
-            )
-        except Exception as exc:  # the forward failed: its requests fail, the daemon goes on
-            self._last_done = None
-            log.exception(
-                "prefill_batch_failed", requests=len(taken), request_ids=ids[:_LOGGED_IDS]
-            )
-            why = f"prefill forward failed: {type(exc).__name__}: {exc}"
-            for job, _ in taken:
-                _answer(job, RequestFailed(ErrorCode.INTERNAL, why))
+            ),
+        )
+        return _Running(taken, ids, tokens, start, gap, future)
+
+    def _requeue(self, running: _Running, result: list | BaseException) -> None:
+        """A forward returned: each prompt it ran a chunk of (not its last) goes back to the end
+        of the queue for its next piece."""
+        if isinstance(result, BaseException):
             return
-        self.forwards += 1
-        self._last_done = time.perf_counter()
-        forward_ms = round((self._last_done - start) * 1000, 3)
-        done_ns = time.monotonic_ns()
-        for (job, piece), first in zip(taken, firsts, strict=True):
-            if first is None:  # a chunk: the rest of the prompt waits its turn again
+        for (job, piece), first in zip(running.taken, result, strict=True):
+            if first is None:
                 job.start = piece.end
                 if not job.future.done():
                     self._queue.append(job)
                     self._wake.set()
-            elif isinstance(first, SamplingError):
+
+    def _finish(self, running: _Running, result: list | BaseException) -> dict | None:
+        """Answer a forward's requests: each its first token (or its error; a chunk was queued
+        again by `_requeue`). The forward's log line (None: it failed)."""
+        taken, ids = running.taken, running.ids
+        if isinstance(result, BaseException):
+            log.error(
+                "prefill_batch_failed",
+                requests=len(taken),
+                request_ids=ids[:_LOGGED_IDS],
+                exc_info=result,
+            )
+            why = f"prefill forward failed: {type(result).__name__}: {result}"
+            for job, _ in taken:
+                _answer(job, RequestFailed(ErrorCode.INTERNAL, why))
+            return None
+        self.forwards += 1
+        assert self._last_done is not None  # set as the forward returned
+        done_ns = time.monotonic_ns()
+        for (job, _), first in zip(taken, result, strict=True):
+            if first is None:  # a chunk, queued again
+                continue
+            if isinstance(first, SamplingError):
                 _answer(job, RequestFailed(ErrorCode.NUMERIC_ERROR, str(first)))
-            else:
-                self.prompts += 1
-                if job.marks is not None:
-                    job.marks.stamp("forward_done", done_ns)
-                _answer(job, (first, len(taken)))
-        await asyncio.sleep(0)  # the first tokens go out before this line is written (~30 µs)
-        log.info(
-            "prefill_batch",
-            requests=len(taken),
-            tokens=tokens,
-            context_tokens=sum(p.start for p in pieces),
-            forward_ms=forward_ms,
-            queued_gap_ms=gap,  # since the forward before, which this batch queued behind
-            request_ids=ids[:_LOGGED_IDS],
-        )
+                continue
+            self.prompts += 1
+            if job.marks is not None:
+                job.marks.stamp("forward_done", done_ns)
+            _answer(job, (first, len(taken)))
+        return {
+            "requests": len(taken),
+            "tokens": running.tokens,
+            "context_tokens": sum(p.start for _, p in taken),
+            "forward_ms": round((self._last_done - running.start) * 1000, 3),
+            "queued_gap_ms": running.gap,  # since the forward it queued behind returned
+            "request_ids": ids[:_LOGGED_IDS],
+        }
 
 
 def _answer(job: _Job, result: tuple[FirstToken, int] | BaseException) -> None:

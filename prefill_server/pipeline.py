@@ -73,7 +73,13 @@ class RequestPipeline:
         self.links = links
         budget = cfg.prefill_budget(rt.device.type)
         self.batcher = PrefillBatcher(
-            rt, producer, budget, cfg.prefill_chunk(), launched=self._launched, quiet=self._quiet
+            rt,
+            producer,
+            budget,
+            cfg.prefill_chunk(),
+            launched=self._launched,
+            quiet=self._quiet,
+            pipelined=cfg.pipeline_forwards,
         )
         self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)

@@ -4,12 +4,15 @@ a request cancelled while queued never runs (its blocks may already belong to so
 from __future__ import annotations
 
 import asyncio
+import functools
+import time
 
 import pytest
 
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
+from common.timings import Marks
 from common.transfer import KVProducer
 from prefill_server.batcher import PrefillBatcher
 from tests.prefill.conftest import BLOCK, prompts
@@ -90,3 +93,41 @@ def test_a_prompt_that_asks_for_prompt_logprobs_is_never_chunked() -> None:
     assert [(job.request_id, p.start, p.end) for job, p in first] == [("a", 0, 70)]
     assert [(job.request_id, p.start, p.end) for job, p in second] == [("b", 0, 16)]
     assert first[0][1].sampling is scored and second[0][1].sampling is None  # a chunk: no draw
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_the_next_forward_starts_before_the_last_ones_prompts_are_answered_when_pipelined(
+    rt, pipelined: bool
+) -> None:  # type: ignore[no-untyped-def]
+    """--pipeline-forwards: as a forward returns, the next batch goes to the torch thread
+    (its forward_started mark) before the returned forward's first tokens are answered (off:
+    after); the first tokens are the reference's either way."""
+    texts = prompts(3, [20, 25, 30], seed=5)
+    answered: dict[int, int] = {}
+
+    def done(i: int, _: object) -> None:
+        answered[i] = time.monotonic_ns()
+
+    async def go():  # type: ignore[no-untyped-def]
+        producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=1)
+        batcher = PrefillBatcher(rt, producer, 1, 8192, pipelined=pipelined)  # one a forward
+        futures, marks = [], []
+        for i, p in enumerate(texts):
+            blocks = rt.allocator.allocate(f"r{i}", -(-len(p) // BLOCK))
+            marks.append(Marks())
+            future = batcher.submit(f"r{i}", p, blocks, GREEDY, -1, marks=marks[-1])
+            future.add_done_callback(functools.partial(done, i))
+            futures.append(future)
+        runner = asyncio.create_task(batcher.run())
+        results = await asyncio.gather(*futures)
+        runner.cancel()
+        for i in range(len(texts)):
+            rt.allocator.free(f"r{i}")
+        return results, [m.get("forward_started") for m in marks]
+
+    results, started = asyncio.run(go())
+    for (first, shared), p in zip(results, texts, strict=True):
+        assert shared == 1
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+    for i in (1, 2):  # the forward of prompt i against the answer of prompt i - 1
+        assert (started[i] < answered[i - 1]) is pipelined, (i, started, answered)
