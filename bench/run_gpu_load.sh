@@ -6,6 +6,8 @@
 #   engine  bench/engine.py (one process; also writes the 1.1B checkpoint to $CKPT)
 #   nano    bench/serve.py --nano through the daemons, --overlap-steps on, always, off ($NANO; an
 #           entry MODE+MS gives the decode --prefill-first-ms MS, MODE alone 0: "on on+50 on on+50")
+#   pipe    nano through the daemons, the prefill's --pipeline-forwards on against off,
+#           alternated $PIPE_ROUNDS times (default 2), each with its idle between forwards
 #   nanomps the same, both daemons under MPS ($NANOMPS, entries as in $NANO; default on)
 #   kernel  bench/context_kernel.py (the paged-context kernel, new against old), when present
 #   prefix  bench/serve.py --target cache, the shared-prefix workload (issue 22's first target),
@@ -38,7 +40,7 @@ mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 CKPT="${CKPT:-/tmp/pdkv-llama-1.1b}"
-STEPS="${STEPS:-tests,engine,nano,nanomps,kernel,prefix,prefixmps,goodput,cold,tcp,warm,launch,launchmps,graphs,api}"
+STEPS="${STEPS:-tests,engine,nano,pipe,nanomps,kernel,prefix,prefixmps,goodput,cold,tcp,warm,launch,launchmps,graphs,api}"
 log="$OUT/run.log"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 pack() { tar czf "$OUT/results.tgz" -C "$R" . 2>/dev/null; }
@@ -84,6 +86,13 @@ pf() { [[ $1 == *+* ]] && echo "${1#*+}" || echo 0; }  # MODE+MS -> MS, MODE -> 
 if want nano; then  # NANO: the --overlap-steps modes to run, in order
   for spec in ${NANO:-on always off}; do
     nano "${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"
+  done
+fi
+if want pipe; then  # --pipeline-forwards on against off, alternated $PIPE_ROUNDS times
+  for round in $(seq "${PIPE_ROUNDS:-2}"); do
+    for v in 1 0; do
+      nano "pipe${v}_$round" PDKV_PIPELINE_FORWARDS=$v
+    done
   done
 fi
 mps_start() {  # every process started after it shares the GPU through MPS; false: no MPS here
