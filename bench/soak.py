@@ -260,8 +260,9 @@ def check_tokens(outputs: dict[tuple, list[Run]]) -> tuple[list[dict], list[dict
             if got == (want if run.whole else want[: len(got)]):
                 continue
             ok, found = reference.compare(model, prompt, params, got, whole=run.whole)
-            ties += [{"request_id": run.request_id, **asdict(t)} for t in found]
-            if not ok:
+            if ok:
+                ties += [{"request_id": run.request_id, **asdict(t)} for t in found]
+            else:
                 bad.append(
                     {"prompt": list(prompt), "params": repr(params), "want": want, **asdict(run)}
                 )

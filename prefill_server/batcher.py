@@ -158,9 +158,10 @@ class PrefillBatcher:
         two; else it is taken once they are answered."""
         try:
             while True:
-                await self._wake.wait()
-                self._wake.clear()
-                self._last_done = None  # the queue ran dry: the next batch waited for nothing
+                if not self._wake.is_set():  # the queue ran dry: the next batch waits for none
+                    self._last_done = None
+                    await self._wake.wait()
+                self._wake.clear()  # set: a prompt came while the last forward's were answered
                 current = self._launch(self._take())
                 while current is not None:
                     self._running = current
@@ -168,11 +169,11 @@ class PrefillBatcher:
                         result: list | BaseException = await current.future
                     except Exception as exc:  # the forward failed: its requests alone fail
                         result = exc
-                    self._last_done = time.perf_counter()
+                    self._last_done, returned_ns = time.perf_counter(), time.monotonic_ns()
                     self._requeue(current, result)  # its chunks take their turn as before
                     following = self._launch(self._take()) if self.pipelined else None
                     self._running = following
-                    line = self._finish(current, result)
+                    line = self._finish(current, result, returned_ns)
                     await asyncio.sleep(0)  # the first tokens go out before this line is written
                     if line is not None:
                         log.info("prefill_batch", **line)
@@ -239,17 +240,20 @@ class PrefillBatcher:
                 # the GIL while it waits for the GPU, and the frames would leave only after it
                 sent.wait(LAUNCH_SEND_WAIT_S)
 
-        future = asyncio.get_running_loop().run_in_executor(
-            self.rt.executor,
-            functools.partial(
-                run_prefill_batch,
-                self.rt,
-                pieces,
-                self.producer,
-                token_budget=max(self.max_tokens, tokens),
-                launched=on_launched,
-            ),
+        loop = asyncio.get_running_loop()
+        forward = functools.partial(
+            run_prefill_batch,
+            self.rt,
+            pieces,
+            self.producer,
+            token_budget=max(self.max_tokens, tokens),
+            launched=on_launched,
         )
+        try:
+            future = loop.run_in_executor(self.rt.executor, forward)
+        except Exception as exc:  # e.g. the executor shut down: this batch fails, not the task
+            future = loop.create_future()
+            future.set_exception(exc)
         return _Running(taken, ids, tokens, start, gap, future)
 
     def _requeue(self, running: _Running, result: list | BaseException) -> None:
@@ -264,7 +268,9 @@ class PrefillBatcher:
                     self._queue.append(job)
                     self._wake.set()
 
-    def _finish(self, running: _Running, result: list | BaseException) -> dict | None:
+    def _finish(
+        self, running: _Running, result: list | BaseException, returned_ns: int
+    ) -> dict | None:
         """Answer a forward's requests: each its first token (or its error; a chunk was queued
         again by `_requeue`). The forward's log line (None: it failed)."""
         taken, ids = running.taken, running.ids
@@ -281,7 +287,6 @@ class PrefillBatcher:
             return None
         self.forwards += 1
         assert self._last_done is not None  # set as the forward returned
-        done_ns = time.monotonic_ns()
         for (job, _), first in zip(taken, result, strict=True):
             if first is None:  # a chunk, queued again
                 continue
@@ -290,7 +295,7 @@ class PrefillBatcher:
                 continue
             self.prompts += 1
             if job.marks is not None:
-                job.marks.stamp("forward_done", done_ns)
+                job.marks.stamp("forward_done", returned_ns)
             _answer(job, (first, len(taken)))
         return {
             "requests": len(taken),

@@ -56,6 +56,10 @@ class SlotRing:
     def free_count(self) -> int:
         return len(self._free)
 
+    def acquired(self, slot: int) -> bool:
+        """Whether `slot` is in flight (acquired, not released yet)."""
+        return slot in self._busy
+
     def acquire(self) -> int | None:
         """A free slot, now in flight; None when all are in flight (wait for an ack)."""
         if not self._free:

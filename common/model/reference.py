@@ -74,8 +74,10 @@ def compare(
     short, and the ties it went through. A greedy output without penalties may part from the
     reference where the reference's top logit is within `tie_margin` (relative) of `got`'s token:
     the two sum in different orders, so exact equality there is luck, not correctness. From
-    such a token on, the reference goes on from `got`'s choice and must match again; any other
-    difference, or any difference of a sampled or penalized output, is a mismatch."""
+    such a token on, the reference goes on from `got`'s choice and must match again (a stop
+    token taken at a tie must end the output); any other difference, or any difference of a
+    sampled, penalized or min_tokens output (whose draw is not the raw logits' argmax), is a
+    mismatch."""
     prompt, got = list(prompt_ids), list(got)
     ties: list[Tie] = []
     taken: list[int] = []  # got's tokens up to and including its last tie
@@ -90,8 +92,8 @@ def compare(
         if rest == (want if whole else want[: len(rest)]):
             return True, ties
         k = next((i for i, (a, b) in enumerate(zip(rest, want, strict=False)) if a != b), None)
-        if k is None or not params.greedy or params.penalized:
-            return False, ties  # a length that differs, or not a greedy draw
+        if k is None or not params.greedy or params.penalized or params.min_tokens:
+            return False, ties  # a length that differs, or not a plain argmax of the logits
         at = len(taken) + k
         with torch.inference_mode():
             logits = model.forward_dense(torch.tensor(prompt + got[:at]))[-1]
@@ -101,9 +103,10 @@ def compare(
             return False, ties
         ties.append(Tie(at, want[k], got[at], margin))
         taken = got[: at + 1]
-        if len(taken) == len(got):  # it ended at the tie: by its length or a stop token
-            stops = frozenset(model.config.stop_token_ids)
-            return not whole or finish_reason(taken, params, stops) is not None, ties
+        if finish_reason(taken, params, frozenset(model.config.stop_token_ids)) is not None:
+            return len(taken) == len(got), ties  # the tie's token ended it: nothing may follow
+        if len(taken) == len(got):  # cut short right after the tie
+            return not whole, ties
 
 
 def generate_batch(

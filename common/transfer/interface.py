@@ -131,7 +131,7 @@ class Producer(ABC):
         """The request ended before the peer could wait on `slot`."""
         return None
 
-    def quarantine(self, slot: int, request_id: str, link_id: str = "") -> None:
+    def quarantine(self, slot: int, request_id: str, link_id: str) -> None:
         """The request, handed off on `link_id`, ended after its HANDOFF but before its
         RELEASE."""
         return None

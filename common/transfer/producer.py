@@ -88,8 +88,15 @@ class KVProducer(Producer):
         return self.events.acquire()
 
     def record(self, slot: int, stream: object = None) -> None:
-        """Record `slot` on `stream` right after the writes it covers (torch thread)."""
+        """Record `slot` on `stream` right after the writes it covers (torch thread). A slot let
+        go of while its forward ran (the request ended, no decode could wait on it yet:
+        `drop_slot`) is skipped, and its batch goes on: recording it would fail the batch, and
+        once a later request holds it again, this record comes before that request's own
+        (one torch thread, one stream), which its decode waits on, so it is harmless too."""
         if slot >= 0 and self.events is not None:
+            if not self.events.acquired(slot):
+                log.debug("event_slot_dropped_before_record", slot=slot)
+                return
             self.events.record(slot, stream)  # type: ignore[arg-type]
 
     def drop_slot(self, slot: int) -> None:
@@ -97,7 +104,7 @@ class KVProducer(Producer):
         if slot >= 0 and self.events is not None:
             self.events.release(slot)
 
-    def quarantine(self, slot: int, request_id: str, link_id: str = "") -> None:
+    def quarantine(self, slot: int, request_id: str, link_id: str) -> None:
         """`request_id`, handed off on `link_id`, ended after its HANDOFF but before the
         RELEASE: keep `slot` out of use until the peer answers for that request or that link
         ends."""

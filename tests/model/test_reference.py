@@ -102,3 +102,22 @@ def test_compare_allows_no_tie_to_a_sampled_output(tiny: LlamaModel) -> None:
     assert compare(tiny, prompt, params, want) == (True, [])
     other = [*want[:3], (want[3] + 1) % 256, *want[4:]]
     assert compare(tiny, prompt, params, other, tie_margin=1.0) == (False, [])
+
+
+def test_compare_ends_an_output_at_a_stop_token_taken_at_a_tie(tiny: LlamaModel) -> None:
+    """A stop token the output took at a tie must end it; and an output whose draw is not the
+    raw logits' argmax (min_tokens) gets no tie at all."""
+    prompt = _prompts(9)[-1]
+    want = generate(tiny, prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    k, (got, runner_up, rel) = next(
+        (k, parted)
+        for k in range(1, 8)
+        if (parted := _parted_at(tiny, prompt, k, 12))[1] not in want[:k]
+    )
+    stop_at_it = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(runner_up,))
+    ok, ties = compare(tiny, prompt, stop_at_it, got[: k + 1], tie_margin=rel * 1.01)
+    assert ok and [t.at for t in ties] == [k]
+    ok, ties = compare(tiny, prompt, stop_at_it, got, tie_margin=rel * 1.01)  # went on past it
+    assert not ok and [t.at for t in ties] == [k]
+    at_least = SamplingParams(max_tokens=12, ignore_eos=True, min_tokens=1)
+    assert compare(tiny, prompt, at_least, got, tie_margin=1.0) == (False, [])

@@ -4,17 +4,22 @@ a request cancelled while queued never runs (its blocks may already belong to so
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import time
+import types
 
 import pytest
 
+from common.ipc.events import CpuEventRing
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.modelrt import ModelRuntime
+from common.protocol import ErrorCode
 from common.timings import Marks
 from common.transfer import KVProducer
 from prefill_server.batcher import PrefillBatcher
+from prefill_server.request import RequestFailed
 from tests.prefill.conftest import BLOCK, prompts
 
 GREEDY = SamplingParams(max_tokens=1)
@@ -131,3 +136,57 @@ def test_the_next_forward_starts_before_the_last_ones_prompts_are_answered_when_
         assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
     for i in (1, 2):  # the forward of prompt i against the answer of prompt i - 1
         assert (started[i] < answered[i - 1]) is pipelined, (i, started, answered)
+
+
+def test_a_slot_let_go_of_while_its_forward_runs_does_not_fail_the_batch(rt) -> None:  # type: ignore[no-untyped-def]
+    """A request that ends while its forward runs lets go of its event slot at once (no decode
+    can wait on it yet); the forward's record of that slot is skipped and its batch mates get
+    their first tokens (before: IpcError, and the whole batch failed INTERNAL)."""
+    texts = prompts(2, [20, 25], seed=6)
+
+    async def go():  # type: ignore[no-untyped-def]
+        producer = KVProducer(rt.pool, rt.allocator, rt.backend, event_slots=1)
+        producer.events = CpuEventRing(2)  # slot bookkeeping as on CUDA
+        batcher = PrefillBatcher(rt, producer, 8192)
+        futures, slots = [], []
+        for i, p in enumerate(texts):
+            blocks = rt.allocator.allocate(f"r{i}", -(-len(p) // BLOCK))
+            slots.append(producer.acquire_slot())
+            futures.append(batcher.submit(f"r{i}", p, blocks, GREEDY, slots[-1]))
+        producer.drop_slot(slots[0])  # r0's request ended (the pipeline's handoff.end)
+        runner = asyncio.create_task(batcher.run())
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        runner.cancel()
+        for i in range(len(texts)):
+            rt.allocator.free(f"r{i}")
+        return results, producer.events.free_count
+
+    results, free = asyncio.run(go())
+    for (first, shared), p in zip(results, texts, strict=True):
+        assert shared == 2
+        assert first.token == reference.generate(rt.model, p, GREEDY, block_size=BLOCK)[0]
+    assert free == 1  # r1's slot recorded and still in flight; r0's free
+
+
+def test_a_forward_that_cannot_start_fails_its_batch_not_the_batcher() -> None:
+    """The torch thread's executor refusing the forward (shut down) fails that batch's requests
+    with INTERNAL; the batcher answers later ones the same way rather than dying with them
+    unanswered."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        executor = concurrent.futures.ThreadPoolExecutor(1)
+        executor.shutdown()
+        rt = types.SimpleNamespace(executor=executor)  # all _launch reads of the runtime
+        batcher = PrefillBatcher(rt, None, 8192, 8192, quiet=None)  # type: ignore[arg-type]
+        runner = asyncio.create_task(batcher.run())
+        first = batcher.submit("a", [1, 2, 3], [], GREEDY, -1)
+        with pytest.raises(RequestFailed) as failed:
+            await asyncio.wait_for(first, 10)
+        assert failed.value.code == ErrorCode.INTERNAL
+        second = batcher.submit("b", [1, 2], [], GREEDY, -1)
+        with pytest.raises(RequestFailed):
+            await asyncio.wait_for(second, 10)
+        assert not runner.done()
+        runner.cancel()
+
+    asyncio.run(go())

@@ -34,7 +34,7 @@ def test_cpu_has_no_event_slots_and_slot_verbs_ignore_minus_one():
     p = _producer()
     assert p.acquire_slot() == -1 and p.event_slots == 0
     p.record(-1)
-    p.quarantine(-1, "r1")
+    p.quarantine(-1, "r1", "link-1")
     p.drop_slot(-1)
     assert not p.ack_late(-1, "r1")
     p.close()
@@ -59,7 +59,7 @@ def test_a_quarantined_slot_is_freed_only_for_the_request_it_was_quarantined_for
     p.events = CpuEventRing(2)  # slot bookkeeping as on CUDA
     slot = p.acquire_slot()
     assert slot is not None and slot >= 0
-    p.quarantine(slot, "r2")
+    p.quarantine(slot, "r2", "link-1")
     assert not p.ack_late(slot, "r1") and p.events.free_count == 1  # another request's RELEASE
     assert p.ack_late(slot, "r2") and p.events.free_count == 2
     assert not p.ack_late(slot, "r2")  # once
