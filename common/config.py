@@ -214,7 +214,7 @@ class PrefillConfig(DaemonConfig):
             help="Send the next batch of queued prompts to the device as soon as a forward "
             "returns, before that forward's first tokens, KV_READYs and relays are sent: the "
             "device computes while the daemon's loop answers, instead of idling between "
-            "forwards (on the CPU VM 6-9 % of a burst's forward time). Off: answer, then start "
+            "forwards (on the CPU VM 5-10 % of a burst's forward time). Off: answer, then start "
             "the next forward.",
         ),
     )
