@@ -13,7 +13,7 @@ ERROR moves as FINISH does, and OFFERED ─ERROR─▶ DONE, LAUNCHED ─ERROR�
 OFFERED, LAUNCHED, LEASED, REFUSED ─UNSENT─▶ DONE
 LEASED … ANSWERED ─LINK_LOST─▶ DONE
 it ends:  LAUNCHED or LEASED ─ABORT─▶ ABORTING
-              ─ABORT_ANSWERED or LINK_LOST─▶ ENDED
+              ─ABORT_ANSWERED, LINK_LOST or LEASE_EXPIRED─▶ ENDED
           any other phase ─END─▶ ENDED
 ```
 
@@ -85,6 +85,7 @@ class Event(enum.Enum):
     LINK_LOST = "link_lost"  # the link the request was offered on ended
     ABORT = "abort"  # ended: ABORT sent, its slot quarantined and its blocks kept
     ABORT_ANSWERED = "abort_answered"  # the decode's RELEASE or ERROR after that ABORT
+    LEASE_EXPIRED = "lease_expired"  # no answer to that ABORT within the lease: given up on
     END = "end"  # ended: nothing left to wait for
 
 
@@ -121,6 +122,7 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
     },
     Event.ABORT: {P.LAUNCHED: P.ABORTING, P.LEASED: P.ABORTING},
     Event.ABORT_ANSWERED: {P.ABORTING: P.ENDED},
+    Event.LEASE_EXPIRED: {P.ABORTING: P.ENDED},
     Event.END: {p: P.ENDED for p in P if p not in (P.ABORTING, P.ENDED)},
 }
 

@@ -240,11 +240,17 @@ class RequestPipeline:
         self.capacity.changed()
 
     async def reap_leases(self) -> None:
-        """Forever: free leases the decode did not release within lease_timeout_s."""
+        """Forever: free leases the decode did not release within lease_timeout_s (an ABORTING
+        request's, whose ABORT got no answer, ends with its slot freed)."""
         while True:
             await asyncio.sleep(min(1.0, self.cfg.lease_timeout_s / 4))
             for rid in self.producer.expired(time.monotonic()):
                 log.warning("lease_expired", request_id=rid)
+                if (ended := self.aborting.pop(rid, None)) is not None:
+                    # its ABORT got no answer in time: its slot goes back too (as its blocks
+                    # did, and as both would if the link ended), and its id may come again
+                    ended.advance(Event.LEASE_EXPIRED)
+                    self._late_release(ended.event_slot, rid)
                 req = self.requests.get(rid)
                 if req is not None:
                     req.inbox.put_nowait(

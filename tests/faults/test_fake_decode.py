@@ -335,3 +335,33 @@ def test_a_request_ended_after_its_kv_ready_keeps_its_blocks_until_the_decode_an
     fake.send_all(Release(request_id="gone-1"))  # the decode's pull is done
     poll(lambda: all_free(pair.client_socket), what="prefill pool free after the RELEASE")
     assert status(pair.client_socket).inflight == 0
+
+
+def test_an_abort_never_answered_ends_with_its_lease(fake_setup) -> None:  # type: ignore[no-untyped-def]
+    """The client went away after KV_READY and the decode never answers the ABORT: at the
+    lease's deadline the request ends for good (its blocks, and on CUDA its slot, back in use),
+    so its id may be used again; before, it stayed 'in flight' until the link ended."""
+    pair, fake = fake_setup
+    fake.release = False
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+
+    async def start_then_leave() -> None:
+        async with client.Connection(pair.client_socket) as conn:
+            frames = conn.stream(
+                prompt_tokens=list(range(40)), sampling=params, request_id="gone-2", timeout=20
+            )
+            reading = asyncio.create_task(anext(frames))
+            while not any(t.request_id == "gone-2" for t in fake.first_tokens):
+                await asyncio.sleep(0.01)
+            reading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reading
+
+    asyncio.run(start_then_leave())
+    poll(lambda: "gone-2" in fake.aborts, what="the ABORT at the decode")
+    poll(lambda: all_free(pair.client_socket), what="the lease (1 s) expired")
+    fake.finish_on_first = True  # the same id again, to a decode that answers now
+    result = _generate(pair, "gone-2")
+    assert result.finish is not None and len(result.tokens) == 1
+    poll(lambda: all_free(pair.client_socket), what="prefill pool free")
+    assert status(pair.client_socket).inflight == 0
