@@ -79,7 +79,7 @@ class RequestPipeline:
             cfg.prefill_chunk(),
             launched=self._launched,
             quiet=self._quiet,
-            pipelined=cfg.pipeline_forwards,
+            pipelined=cfg.pipelined(rt.device.type),
         )
         self.prefix = rt.prefix or PrefixCache(rt.allocator, rt.layout, rt.model.fingerprint, False)
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)

@@ -19,6 +19,7 @@ from common.config import DecodeConfig, PrefillConfig
 from common.settings import Setting, declared
 from pdkv import settings_doc
 from pdkv.cli import cli
+from pdkv.cli_options import config_options
 from pdkv.commands import Globals, background_argv, make_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -192,3 +193,26 @@ def test_common_declares_settings_without_click() -> None:
                 else []
             )
             assert not any(n.split(".")[0] == "click" for n in names), path
+
+
+def test_pipelined_forwards_default_by_device_and_the_flag_or_env_overrides() -> None:
+    """--pipeline-forwards unset: on for a CPU prefill, off on CUDA (not measured there yet);
+    either flag, or PDKV_PIPELINE_FORWARDS, decides on any device."""
+    assert PrefillConfig().pipelined("cpu") and not PrefillConfig().pipelined("cuda")
+    assert PrefillConfig(pipeline_forwards=True).pipelined("cuda")
+    assert not PrefillConfig(pipeline_forwards=False).pipelined("cpu")
+    seen: list[Any] = []
+
+    @click.command()
+    @config_options(PrefillConfig)
+    def probe(**kw: Any) -> None:
+        seen.append(kw["pipeline_forwards"])
+
+    runner = CliRunner()
+    for args, env in (
+        ([], {}),
+        (["--pipeline-forwards"], {}),
+        ([], {"PDKV_PIPELINE_FORWARDS": "0"}),
+    ):
+        assert runner.invoke(probe, args, env=env).exit_code == 0
+    assert seen == [None, True, False]
