@@ -261,10 +261,14 @@ class ModelRuntime:
             return contextlib.nullcontext()
         return torch.cuda.stream(self.stream)
 
+    def submit(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> asyncio.Future[T]:
+        """Queue `fn` on the torch thread now (from the loop); its result as a future."""
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run `fn` on the torch thread without blocking the loop."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return await self.submit(fn, *args, **kwargs)
 
     def pool_stats(self) -> dict[str, int]:
         a = self.allocator

@@ -28,7 +28,6 @@ the prefix cache.
 from __future__ import annotations
 
 import asyncio
-import functools
 import threading
 import time
 from collections import deque
@@ -83,7 +82,7 @@ class _Running:
     taken: list[tuple[_Job, Piece]]
     ids: list[str]
     tokens: int
-    start: float  # perf_counter when it was sent
+    started_ns: int  # monotonic ns when it was sent
     gap: float | None  # ms since the forward it queued behind returned
     future: asyncio.Future[list]
 
@@ -118,9 +117,9 @@ class PrefillBatcher:
         self.prompts = 0  # prompts prefilled since start
         self._queue: deque[_Job] = deque()
         self._wake = asyncio.Event()
-        # when the last forward returned (perf_counter), while more was queued behind it: the
+        # when the last forward returned (monotonic ns), while more was queued behind it: the
         # next forward's `queued_gap_ms` (the device idle between them, for this daemon)
-        self._last_done: float | None = None
+        self._last_done: int | None = None
         self._running: _Running | None = None  # the forward awaited now
 
     def submit(
@@ -169,7 +168,7 @@ class PrefillBatcher:
                         result: list | BaseException = await current.future
                     except Exception as exc:  # the forward failed: its requests alone fail
                         result = exc
-                    self._last_done, returned_ns = time.perf_counter(), time.monotonic_ns()
+                    self._last_done = returned_ns = time.monotonic_ns()
                     self._requeue(current, result)  # its chunks take their turn as before
                     following = self._launch(self._take()) if self.pipelined else None
                     self._running = following
@@ -212,9 +211,8 @@ class PrefillBatcher:
         pieces = [p for _, p in taken]
         tokens = sum(p.end - p.start for p in pieces)
         ids = [j.request_id for j, _ in taken]
-        start = time.perf_counter()
-        gap = None if self._last_done is None else round((start - self._last_done) * 1e3, 3)
         started_ns = time.monotonic_ns()
+        gap = None if self._last_done is None else round((started_ns - self._last_done) / 1e6, 3)
         for job, _ in taken:
             if job.marks is not None and "forward_started" not in job.marks:
                 job.marks.stamp("forward_started", started_ns)
@@ -240,21 +238,19 @@ class PrefillBatcher:
                 # the GIL while it waits for the GPU, and the frames would leave only after it
                 sent.wait(LAUNCH_SEND_WAIT_S)
 
-        loop = asyncio.get_running_loop()
-        forward = functools.partial(
-            run_prefill_batch,
-            self.rt,
-            pieces,
-            self.producer,
-            token_budget=max(self.max_tokens, tokens),
-            launched=on_launched,
-        )
         try:
-            future = loop.run_in_executor(self.rt.executor, forward)
+            future = self.rt.submit(
+                run_prefill_batch,
+                self.rt,
+                pieces,
+                self.producer,
+                token_budget=max(self.max_tokens, tokens),
+                launched=on_launched,
+            )
         except Exception as exc:  # e.g. the executor shut down: this batch fails, not the task
-            future = loop.create_future()
+            future = asyncio.get_running_loop().create_future()
             future.set_exception(exc)
-        return _Running(taken, ids, tokens, start, gap, future)
+        return _Running(taken, ids, tokens, started_ns, gap, future)
 
     def _requeue(self, running: _Running, result: list | BaseException) -> None:
         """A forward returned: each prompt it ran a chunk of (not its last) goes back to the end
@@ -286,7 +282,6 @@ class PrefillBatcher:
                 _answer(job, RequestFailed(ErrorCode.INTERNAL, why))
             return None
         self.forwards += 1
-        assert self._last_done is not None  # set as the forward returned
         for (job, _), first in zip(taken, result, strict=True):
             if first is None:  # a chunk, queued again
                 continue
@@ -301,7 +296,7 @@ class PrefillBatcher:
             "requests": len(taken),
             "tokens": running.tokens,
             "context_tokens": sum(p.start for _, p in taken),
-            "forward_ms": round((self._last_done - running.start) * 1000, 3),
+            "forward_ms": round((returned_ns - running.started_ns) / 1e6, 3),
             "queued_gap_ms": running.gap,  # since the forward it queued behind returned
             "request_ids": ids[:_LOGGED_IDS],
         }

@@ -176,7 +176,8 @@ def test_a_forward_that_cannot_start_fails_its_batch_not_the_batcher() -> None:
     async def go():  # type: ignore[no-untyped-def]
         executor = concurrent.futures.ThreadPoolExecutor(1)
         executor.shutdown()
-        rt = types.SimpleNamespace(executor=executor)  # all _launch reads of the runtime
+        rt = types.SimpleNamespace(executor=executor)  # all _launch uses of the runtime
+        rt.submit = functools.partial(ModelRuntime.submit, rt)
         batcher = PrefillBatcher(rt, None, 8192, 8192, quiet=None)  # type: ignore[arg-type]
         runner = asyncio.create_task(batcher.run())
         first = batcher.submit("a", [1, 2, 3], [], GREEDY, -1)
