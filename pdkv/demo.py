@@ -2,7 +2,8 @@
 
 Starts the decode and prefill daemons as real processes, runs a handful of prompts concurrently
 (progress on stderr: redrawn on a terminal, whole lines otherwise), prints a per-request table and
-totals, compares every output with the reference generator token for token, stops the pair, and
+totals, compares every output with the reference generator token for token (in fp32 a token may
+part from it where the reference's two best logits tie: "tie"), stops the pair, and
 returns 1 on any mismatch.
 """
 
@@ -95,8 +96,17 @@ async def _run_all(sock: Path, prompts: list[str], params: SamplingParams) -> li
 
 
 def _reference(
-    model_dir: str | None, device: str, prompts: list[str], params: SamplingParams, block_size: int
-) -> tuple[list[list[int]], list[int]]:
+    model_dir: str | None,
+    device: str,
+    prompts: list[str],
+    params: SamplingParams,
+    got: list[list[int]],
+    block_size: int,
+) -> tuple[list[str], list[int]]:
+    """Each output's verdict against the single-process reference ("yes", "tie" or "NO") and each
+    prompt's length in tokens. In fp32 (CPU) an output that parts from the reference only where
+    the reference's two best logits tie (`reference.compare`) is a "tie": the daemons' batch sums
+    in another order than the reference's batch of one, and a tie then goes either way."""
     import torch
 
     from common.model import reference
@@ -109,9 +119,15 @@ def _reference(
         torch.set_num_threads(1)
     model, tok = load_model(model_dir, device=dev, dtype=dtype)
     ids = [tok.encode(p) for p in prompts]
-    return [reference.generate(model, x, params, block_size=block_size) for x in ids], [
-        len(x) for x in ids
-    ]
+    verdicts = []
+    for prompt, out in zip(ids, got, strict=True):
+        if out == reference.generate(model, prompt, params, block_size=block_size):
+            verdicts.append("yes")
+            continue
+        # bf16's rounding is far coarser than compare's fp32 margin: only fp32 ties are told apart
+        ok = dtype == torch.float32 and reference.compare(model, prompt, params, out)[0]
+        verdicts.append("tie" if ok else "NO")
+    return verdicts, [len(x) for x in ids]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -167,7 +183,9 @@ def run_demo(
         results = asyncio.run(_run_all(runtime / "prefill.sock", prompts, params))
         wall = time.monotonic() - t0
         click.echo("  computing the single-process reference", err=True)
-        expected, prompt_lens = _reference(model, device, prompts, params, block_size=16)
+        verdicts, prompt_lens = _reference(
+            model, device, prompts, params, [r.tokens for r in results], block_size=16
+        )
     except (PdkvError, OSError, client.RequestFailed) as exc:
         click.echo(f"error: {exc}", err=True)
         for role in procs:
@@ -178,7 +196,7 @@ def run_demo(
         return 1
     finally:
         _stop(procs)
-    code = _report(results, expected, prompt_lens, prompts, wall)
+    code = _report(results, verdicts, prompt_lens, wall)
     if code == 0:
         shutil.rmtree(runtime, ignore_errors=True)
     else:
@@ -188,9 +206,8 @@ def run_demo(
 
 def _report(
     results: list[client.Result],
-    expected: list[list[int]],
+    verdicts: list[str],
     prompt_lens: list[int],
-    prompts: list[str],
     wall: float,
 ) -> int:
     header = (
@@ -201,16 +218,15 @@ def _report(
     mismatches = 0
     handoffs: list[float] = []
     generated = 0
-    for r, exp, plen in zip(results, expected, prompt_lens, strict=True):
-        ok = r.tokens == exp
-        mismatches += not ok
+    for r, verdict, plen in zip(results, verdicts, prompt_lens, strict=True):
+        mismatches += verdict == "NO"
         t = r.finish.timings if r.finish else {}
         handoffs.append(t.get("handoff_us", 0.0))
         generated += len(r.tokens)
         text = r.text.replace("\n", " ")[:28]
         click.echo(
             f"{r.request_id:<9} {plen:>6} {len(r.tokens):>4} {t.get('ttft_ms', 0):>8.2f} "
-            f"{t.get('handoff_us', 0):>10.1f}  {'yes' if ok else 'NO':>5}  {text!r}"
+            f"{t.get('handoff_us', 0):>10.1f}  {verdict:>5}  {text!r}"
         )
     click.echo("-" * len(header))
     click.echo(
@@ -223,6 +239,13 @@ def _report(
             f"FAILED: {mismatches} of {len(results)} outputs differ from the single-process reference"
         )
         return 1
+    ties = verdicts.count("tie")
+    if ties:
+        click.echo(
+            f"OK: every output equals the single-process reference, {ties} of them from where the "
+            "reference's two best logits tie (either token is right there: 'tie' above)"
+        )
+        return 0
     click.echo("OK: every output equals the single-process reference token for token")
     return 0
 
