@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_server import generation, responses, schemas
+from api_server import generation, responses, schemas, workers
 from api_server.chat import TemplateError
 from api_server.config import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -47,8 +47,8 @@ class Api:
     def __init__(self, cfg: ApiConfig) -> None:
         self.cfg = cfg
         self.daemons = Daemons(cfg)
-        self.metrics = Metrics(cfg.instance_name)
-        self.created = int(time.time())
+        self.metrics = Metrics(cfg.instance_name, shared=workers.metrics_dir())
+        self.created = workers.created() or int(time.time())  # one for every worker
         self._key = cfg.api_key.encode() if cfg.api_key else None
 
     def app(self) -> Starlette:

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from api_server.config import ApiConfig, base_url
+from api_server.config import ApiConfig, base_url, running_apis
 from api_server.daemons import check_at_start
 from common import logs, settings
 from common.rundir import StartupError, ensure_runtime_dir, read_pid
@@ -42,7 +42,8 @@ def start(
     from api_server.server import run
 
     try:
-        return run(cfg, drain_timeout_s=cfg.drain_timeout_s)
+        worker_argv = _command(cfg, log_format=log_format, log_level=log_level)
+        return run(cfg, drain_timeout_s=cfg.drain_timeout_s, worker_argv=worker_argv)
     except StartupError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
@@ -57,9 +58,7 @@ def _detach(cfg: ApiConfig, *, log_level: str) -> int:
             err=True,
         )
         return EXIT_STARTUP
-    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(cfg.runtime_dir)]
-    argv += ["--log-format", "json", "--log-level", log_level, "api", "start"]
-    argv += settings.argv(cfg)  # all but the key
+    argv = [*_command(cfg, log_format="json", log_level=log_level), *settings.argv(cfg)]
     env = dict(os.environ)
     env.pop("PDKV_API_KEY", None)
     if cfg.api_key:
@@ -74,18 +73,27 @@ def _detach(cfg: ApiConfig, *, log_level: str) -> int:
             env=env,
             start_new_session=True,
         )
-    url = base_url(cfg.host, cfg.port)
+    url = base_url(cfg.host, cfg.port) if cfg.port else None  # --port 0: its URL file says
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             click.echo(f"error: api exited with {proc.returncode}; see {log_path}", err=True)
             return EXIT_STARTUP
-        if _answers(url, cfg.api_key):
+        if url is None:
+            url = next((a.url for a in running_apis(cfg.runtime_dir) if a.pid == proc.pid), None)
+        if url is not None and _answers(url, cfg.api_key):
             click.echo(f"api started (pid {proc.pid}), {url}/v1, log {log_path}")
             return EXIT_OK
         time.sleep(0.1)
     click.echo(f"error: api did not answer in {READY_TIMEOUT_S:g} s; log {log_path}", err=True)
     return EXIT_STARTUP
+
+
+def _command(cfg: ApiConfig, *, log_format: str, log_level: str) -> list[str]:
+    """`pdkv api start` with these logging options, before its settings (settings.argv: all but
+    the key, which goes in the environment)."""
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(cfg.runtime_dir)]
+    return [*argv, "--log-format", log_format, "--log-level", log_level, "api", "start"]
 
 
 def _answers(url: str, api_key: str | None) -> bool:

@@ -17,8 +17,16 @@ several daemons, so their names need a label of their own (docs/operations.md, "
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -192,7 +200,9 @@ class Labelled(Collector):
 class Metrics:
     """Every metric of one API server, in its own registry (tests run several in one process)."""
 
-    def __init__(self, instance: str = "api") -> None:
+    def __init__(self, instance: str = "api", shared: Path | None = None) -> None:
+        """`shared`: the directory where every worker of one API keeps its series
+        (api_server/workers.py); they are then exposed summed over the workers."""
         r = CollectorRegistry()  # the API's own series, labelled with `instance` when exposed
         self.requests = Counter(
             "pdkv_api_requests",
@@ -227,10 +237,16 @@ class Metrics:
         )
         self.tokens = Counter("pdkv_api_tokens", "tokens by kind", ["kind"], registry=r)
         self.inflight = Gauge(
-            "pdkv_api_requests_in_flight", "requests the API is serving", registry=r
+            "pdkv_api_requests_in_flight",
+            "requests the API is serving",
+            registry=r,
+            multiprocess_mode="livesum",  # with workers: the live ones' sum
         )
         self.daemons = DaemonCollector()
         self.registry = CollectorRegistry()
+        if shared is not None:  # every worker's files, read at each scrape
+            r = CollectorRegistry()
+            multiprocess.MultiProcessCollector(r, path=str(shared))
         self.registry.register(Labelled(r, instance))
         self.registry.register(self.daemons)
 

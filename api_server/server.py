@@ -5,21 +5,25 @@ several ports share a runtime dir; `pdkv status` and `pdkv stop` find each.
 
 uvicorn owns the signals and the graceful shutdown (stop accepting, finish open responses within
 `drain_timeout_s`, then cancel them: a cancelled stream closes its daemon connection, which aborts
-its request). The pidfile is removed on the way out.
+its request). The pidfile is removed on the way out. With `--workers N` this process binds and
+keeps the files, and N workers serve the socket (api_server/workers.py).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
+from dataclasses import replace
 
 import prometheus_client
 import structlog
 import uvicorn
 
+from api_server import workers
 from api_server.app import Api
 from api_server.config import ApiConfig, base_url
-from common import heap
+from common import heap, settings
 from common.rundir import StartupError, remove_file, write_pidfile
 
 log = structlog.get_logger(__name__)
@@ -40,10 +44,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
-    """Serve until stopped; 0 after a clean stop. StartupError when it cannot start."""
-    prometheus_client.disable_created_metrics()  # no `_created` series beside every counter
-    api = Api(cfg)
+def run(
+    cfg: ApiConfig, *, drain_timeout_s: float = 10.0, worker_argv: list[str] | None = None
+) -> int:
+    """Serve until stopped; 0 after a clean stop. StartupError when it cannot start. With
+    `cfg.workers` > 1, start that many workers (`worker_argv`: the command line that runs this
+    again, see api_server/workers.py) and supervise them instead; in a worker, serve the socket
+    the supervisor bound."""
+    if workers.worker_index() is not None:
+        sock = socket.socket(fileno=workers.inherited_socket())
+        try:
+            return _serve(cfg, sock, drain_timeout_s)
+        finally:
+            sock.close()
     sock = bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]
     pidfile, urlfile = cfg.file("pid", port), cfg.file("url", port)
@@ -54,6 +67,40 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         raise
     url = base_url(host, port)
     urlfile.write_text(url + "\n")
+    log.info(
+        "api_listening",
+        address=url,
+        model=str(cfg.model) if cfg.model else "the daemons'",
+        prefill=str(cfg.prefill_path),
+        decode=str(cfg.decode_path),
+        api_key=cfg.api_key is not None,
+        workers=cfg.workers,
+    )
+    try:
+        if cfg.workers == 1:
+            return _serve(cfg, sock, drain_timeout_s)
+        if worker_argv is None:
+            raise StartupError("--workers needs the command line that starts a worker")
+        env = {k: v for k, v in os.environ.items() if k != "PDKV_API_KEY"}
+        if cfg.api_key:
+            env["PDKV_API_KEY"] = cfg.api_key  # never on a command line
+        # each worker takes the bound port (so --port 0 names one instance) and the same settings
+        argv = [*worker_argv, *settings.argv(replace(cfg, port=port))]
+        metrics = cfg.file("metrics", port)
+        return workers.Supervisor(
+            argv, env, sock.fileno(), cfg.workers, metrics, drain_timeout_s
+        ).run()
+    finally:
+        sock.close()
+        remove_file(urlfile)
+        remove_file(pidfile)
+        log.info("api_stopped")
+
+
+def _serve(cfg: ApiConfig, sock: socket.socket, drain_timeout_s: float) -> int:
+    """One API process on the listening `sock` until SIGTERM/SIGINT; 0 after a clean stop."""
+    prometheus_client.disable_created_metrics()  # no `_created` series beside every counter
+    api = Api(cfg)
     config = uvicorn.Config(
         api.app(),
         lifespan="off",
@@ -63,14 +110,8 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
     )
     server = uvicorn.Server(config)
-    log.info(
-        "api_listening",
-        address=url,
-        model=str(cfg.model) if cfg.model else "the daemons'",
-        prefill=str(cfg.prefill_path),
-        decode=str(cfg.decode_path),
-        api_key=cfg.api_key is not None,
-    )
+    if workers.worker_index() is not None:
+        log.info("api_worker_serving")
     # uvicorn handles SIGTERM/SIGINT while it serves, then restores the previous handlers and
     # raises the signal again: with these no-op handlers that ends in a clean exit 0, not -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -81,9 +122,5 @@ def run(cfg: ApiConfig, *, drain_timeout_s: float = 10.0) -> int:
         server.run(sockets=[sock])
     finally:
         pauses.close()
-        sock.close()
         api.daemons.close()
-        remove_file(urlfile)
-        remove_file(pidfile)
-    log.info("api_stopped")
     return 0

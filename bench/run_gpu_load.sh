@@ -28,8 +28,9 @@
 #           daemons with --prefill-graph-tokens $GRAPH_TOKENS (default 4096) against 1024,
 #           alternated $WARM_ROUNDS times
 #   api     bench/serve.py --nano --target served: the pair's socket, then its HTTP API, whose
-#           process's CPU per output token and share of a core the bench prints (is one API
-#           process enough at the pair's ~44k tokens/s?)
+#           CPU per output token and busiest process's share of a core the bench prints (is one
+#           API process enough at the pair's ~44k tokens/s?), once per --workers in $API_WORKERS
+#           (default "1 4")
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -155,13 +156,16 @@ if want goodput; then  # issue 24 item 5: daemons against one process over a rat
   grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/goodput.log" | tail -30 | tee -a "$log"
   pack
 fi
-if want api; then  # the HTTP API at the pair's full rate
-  step api
-  PDKV_BENCH_LOGS="$R/logs_api" timeout 300 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 \
-    --nano --target served --progress 30 --json "$R/api.json" > "$R/api.log" 2>&1
-  grep -vE "warm-up| @ " "$R/api.log" | tail -12 | tee -a "$log"
-  gaps "$R/logs_api"
-  pack
+if want api; then  # the HTTP API at the pair's full rate, with each --workers in $API_WORKERS
+  for w in ${API_WORKERS:-1 4}; do
+    step "api workers=$w"
+    PDKV_BENCH_LOGS="$R/logs_api$w" timeout 300 "$PY" bench/serve.py --model "$CKPT" \
+      --device cuda:0 --nano --target served --api-workers "$w" --progress 30 \
+      --json "$R/api$w.json" > "$R/api$w.log" 2>&1
+    grep -vE "warm-up| @ " "$R/api$w.log" | tail -12 | tee -a "$log"
+    gaps "$R/logs_api$w"
+    pack
+  done
 fi
 if want cold; then
   step cold

@@ -60,11 +60,13 @@ def _log_tail(rt: Path) -> str:
 
 
 @contextlib.contextmanager
-def own_api(rt: Path, client_socket: str, timeout: float = 60) -> Iterator[str]:
-    """Run an API server in `rt` (its log `rt/api.log`) fronting `client_socket`; yield its URL.
-    PairFailed, with the log's tail, when it exits or does not answer within `timeout`."""
+def own_api(rt: Path, client_socket: str, timeout: float = 60, workers: int = 1) -> Iterator[str]:
+    """Run an API server (`workers` processes) in `rt` (its log `rt/api.log`) fronting
+    `client_socket`; yield its URL. PairFailed, with the log's tail, when it exits or does not
+    answer within `timeout`."""
     url = f"http://127.0.0.1:{free_port()}"
     opts = ["--port", url.rsplit(":", 1)[1], "--client-socket", client_socket]
+    opts += ["--workers", str(workers)]
     proc = start_cli(rt, "api", opts)
     try:
         deadline = time.monotonic() + timeout

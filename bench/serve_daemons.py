@@ -43,6 +43,12 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_s(pid: int) -> dict[int, float]:
+    """`process_cpu_s` of `pid` and of each of its live children (an API's workers), by pid."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return {p: process_cpu_s(p) for p in [pid, *map(int, kids)]}
+
+
 #: a directory: the daemons log at INFO and each pair's logs are copied there when it stops
 #: (pairN-<role>.log), e.g. for bench/forward_gaps.py; unset: WARNING, and the logs go with
 #: the pair's runtime dir

@@ -36,8 +36,8 @@ def print_table(runs: list[dict]) -> None:
             print("    server's own timings p50/p99: " + ", ".join(parts))
         if "server_cpu_us_per_token" in s:
             print(
-                f"    the API process's CPU: {s['server_cpu_us_per_token']:.1f} us a token,"
-                f" {s['server_cpu_share']:.0%} of a core"
+                f"    the API's CPU (its workers' too): {s['server_cpu_us_per_token']:.1f} us a token,"
+                f" its busiest process {s['server_cpu_share']:.0%} of a core"
             )
         if "pulled_blocks" in s:
             print(
