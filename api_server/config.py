@@ -195,6 +195,15 @@ class RunningApi:
     port: int
     pid: int
     url: str | None
+    workers: int = 0  # its live worker processes (--workers N > 1); 0: it serves alone
+
+
+def _children(pid: int) -> int:
+    """How many live child processes `pid` has (0 when it cannot be read)."""
+    try:
+        return len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
+    except OSError:
+        return 0
 
 
 def api_pidfiles(runtime_dir: Path) -> dict[int, Path]:
@@ -218,5 +227,5 @@ def running_apis(runtime_dir: Path) -> list[RunningApi]:
             url: str | None = api_file(runtime_dir, port, "url").read_text().strip() or None
         except OSError:
             url = None
-        apis.append(RunningApi(port, pid, url))
+        apis.append(RunningApi(port, pid, url, _children(pid)))
     return apis

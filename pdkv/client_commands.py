@@ -44,7 +44,8 @@ def status(
         for role, st in out.items():
             click.echo(_status_line(role, st))
         for api in apis:
-            click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1")
+            workers = f"  ({api['workers']} workers)" if api.get("workers") else ""
+            click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1{workers}")
     return EXIT_OK if healthy(out) else EXIT_FAIL
 
 
@@ -97,7 +98,12 @@ def _apis(runtime_dir: Path) -> list[dict[str, Any]]:
     from api_server.config import running_apis
 
     return [
-        {"port": a.port, "pid": a.pid, **({"url": a.url} if a.url else {})}
+        {
+            "port": a.port,
+            "pid": a.pid,
+            **({"url": a.url} if a.url else {}),
+            **({"workers": a.workers} if a.workers else {}),
+        }
         for a in running_apis(runtime_dir)
     ]
 

@@ -86,6 +86,10 @@ def test_workers_share_the_port_and_their_metrics(tmp_path_factory: pytest.TempP
         log = runtime / "api-0.log"
         supervisor = int(re.search(r"pid (\d+)", started.stdout).group(1))
         assert (runtime / f"api-{port}.metrics").is_dir()
+        status = _cli(runtime, "status")
+        assert f"api      up    pid {supervisor}  {url}/v1  (2 workers)" in status.stdout
+        listed = json.loads(_cli(runtime, "status", "--json").stdout)["apis"]
+        assert listed == [{"port": port, "pid": supervisor, "url": url, "workers": 2}]
 
         # the same prompt gives the same greedy text from whichever worker serves it; keep
         # sending until both workers have served (the kernel picks the one that accepts)
