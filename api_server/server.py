@@ -87,9 +87,7 @@ def run(
         # each worker takes the bound port (so --port 0 names one instance) and the same settings
         argv = [*worker_argv, *settings.argv(replace(cfg, port=port))]
         metrics = cfg.file("metrics", port)
-        return workers.Supervisor(
-            argv, env, sock.fileno(), cfg.workers, metrics, drain_timeout_s
-        ).run()
+        return workers.Supervisor(argv, env, sock, cfg.workers, metrics, drain_timeout_s).run()
     finally:
         sock.close()
         remove_file(urlfile)

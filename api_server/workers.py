@@ -8,9 +8,11 @@ again with the same settings, the listening socket inherited (its descriptor in 
 own connections to the daemons; the kernel hands each new connection to one of them. The
 supervisor serves nothing itself:
 
-- SIGTERM or SIGINT: passed to every worker, which drains as a lone API does (--drain-timeout);
-  a worker still running `KILL_GRACE_S` after that is killed. Exit 0 when every worker stopped
-  cleanly, 1 otherwise.
+- SIGTERM or SIGINT: the supervisor closes its copy of the listening socket and passes SIGTERM to
+  every worker, which stops listening and drains as a lone API does (--drain-timeout), so the
+  port refuses new connections at once; a worker still running `KILL_GRACE_S` after that is
+  killed. Exit 0 when every worker stopped cleanly (one still starting may die of the signal),
+  1 otherwise.
 - A worker that exits while the API is not stopping is started again (`api_worker_exited`, then
   `api_worker_started`); one that exits within QUICK_EXIT_S of its start MAX_QUICK_EXITS times in a
   row (as every worker would, failing at start) ends the API with exit 1.
@@ -28,6 +30,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -50,6 +53,8 @@ QUICK_EXIT_S = 10.0
 MAX_QUICK_EXITS = 3
 KILL_GRACE_S = 5.0
 POLL_S = 0.1
+#: a worker's exit codes that end a stop cleanly
+_CLEAN = frozenset({0, -signal.SIGTERM, -signal.SIGINT})
 _PR_SET_PDEATHSIG = 1
 
 
@@ -96,18 +101,14 @@ class Supervisor:
         self,
         argv: list[str],
         env: dict[str, str],
-        fd: int,
+        sock: socket.socket,
         count: int,
         metrics: Path,
         drain_s: float,
     ) -> None:
-        self.argv, self.fd, self.count, self.metrics, self.drain_s = (
-            argv,
-            fd,
-            count,
-            metrics,
-            drain_s,
-        )
+        self.argv, self.sock, self.count = argv, sock, count
+        self.metrics, self.drain_s = metrics, drain_s
+        fd = sock.fileno()
         self.env = {
             **env,
             FD_ENV: str(fd),
@@ -141,9 +142,8 @@ class Supervisor:
         self.stopping = True
 
     def _start(self, index: int) -> None:
-        proc = subprocess.Popen(
-            self.argv, env={**self.env, INDEX_ENV: str(index)}, pass_fds=(self.fd,)
-        )
+        fd = self.sock.fileno()
+        proc = subprocess.Popen(self.argv, env={**self.env, INDEX_ENV: str(index)}, pass_fds=(fd,))
         self.workers[index] = _Worker(index, proc)
         log.info("api_worker_started", worker=index, pid=proc.pid)
 
@@ -170,15 +170,17 @@ class Supervisor:
         return False
 
     def _stop_all(self) -> int:
-        """SIGTERM every live worker, wait for its drain, kill what is left; 0 when all ended
-        cleanly (exit 0)."""
-        live = [w for w in self.workers.values() if w.proc.poll() is None]
-        for w in live:
-            with contextlib.suppress(ProcessLookupError):
-                w.proc.send_signal(signal.SIGTERM)
+        """Stop listening, SIGTERM every live worker, wait for its drain, kill what is left; 0
+        when every worker ended cleanly: exit 0, or killed by the SIGTERM or SIGINT of the stop
+        before it could serve (a worker still starting)."""
+        self.sock.close()  # the port refuses new connections at once, as one API's does
+        for w in self.workers.values():
+            if w.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    w.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.drain_s + KILL_GRACE_S
         code = 0
-        for w in live:
+        for w in self.workers.values():  # those that died since the stop began included
             try:
                 rc = w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -186,7 +188,7 @@ class Supervisor:
                 rc = w.proc.wait()
                 log.error("api_worker_killed", worker=w.index, pid=w.proc.pid)
             self._forget(w.proc.pid)
-            code = max(code, int(rc != 0))
+            code = max(code, int(rc not in _CLEAN))
         return code
 
     def _forget(self, pid: int) -> None:

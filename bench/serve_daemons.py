@@ -46,7 +46,11 @@ def process_cpu_s(pid: int) -> float:
 def tree_cpu_s(pid: int) -> dict[int, float]:
     """`process_cpu_s` of `pid` and of each of its live children (an API's workers), by pid."""
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return {p: process_cpu_s(p) for p in [pid, *map(int, kids)]}
+    found = {}
+    for p in [pid, *map(int, kids)]:
+        with contextlib.suppress(FileNotFoundError):  # a child that exited meanwhile
+            found[p] = process_cpu_s(p)
+    return found
 
 
 #: a directory: the daemons log at INFO and each pair's logs are copied there when it stops

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from api_server import workers
-from tests.api.conftest import MODEL, openai, short_runtime
+from tests.api.conftest import MODEL, free_port, openai, short_runtime
 from tests.integration.conftest import Pair
 
 
@@ -150,14 +150,23 @@ def _child(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, "-c", code]
 
 
-def _supervise(tmp_path: Path, argv: list[str], count: int = 2, drain_s: float = 0.2) -> int:
+def _supervise(
+    tmp_path: Path, argv: list[str], count: int = 2, drain_s: float = 0.2, stop_after: float = 0
+) -> int:
+    """Supervisor.run() over `argv` on a real listening socket; SIGTERM to it (this process)
+    after `stop_after` s when given. The socket is closed as the stop begins."""
+    timer = threading.Timer(stop_after, os.kill, (os.getpid(), signal.SIGTERM))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
-        sup = workers.Supervisor(
-            argv, dict(os.environ), sock.fileno(), count, tmp_path / "metrics", drain_s
-        )
-        return sup.run()
+        sup = workers.Supervisor(argv, dict(os.environ), sock, count, tmp_path / "metrics", drain_s)
+        if stop_after:
+            timer.start()
+        try:
+            return sup.run()
+        finally:
+            timer.cancel()
+            assert sock.fileno() == -1
 
 
 def test_workers_that_fail_at_once_end_the_api(tmp_path: Path) -> None:
@@ -176,15 +185,109 @@ def test_a_worker_is_restarted_and_one_that_ignores_sigterm_is_killed(
     monkeypatch.setattr(workers, "KILL_GRACE_S", 0.3)
     # lives past QUICK_EXIT_S then exits 0: started again every time; exits 0 on SIGTERM
     body = "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(0.4)"
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
-    assert _supervise(tmp_path, _child(tmp_path, body), count=1) == 0
+    assert _supervise(tmp_path, _child(tmp_path, body), count=1, stop_after=1.5) == 0
     assert len((tmp_path / "starts").read_text()) >= 3
 
     (tmp_path / "starts").unlink()
     t0 = time.monotonic()
-    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
-    timer.start()
     ignores = "signal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)"
-    assert _supervise(tmp_path, _child(tmp_path, ignores), count=1, drain_s=0.2) == 1
+    assert _supervise(tmp_path, _child(tmp_path, ignores), count=1, stop_after=0.5) == 1
     assert time.monotonic() - t0 < 5  # killed after the drain and the grace, not 60 s
+
+
+def test_a_worker_the_stop_kills_while_it_starts_is_a_clean_stop(tmp_path: Path) -> None:
+    """A worker that has not installed its handlers yet dies of the stop's SIGTERM: exit 0."""
+    slow = "time.sleep(60)"  # default SIGTERM action: killed, -15
+    assert _supervise(tmp_path, _child(tmp_path, slow), count=2, stop_after=0.3) == 0
+
+
+def _stream_in_thread(url: str, out: list) -> threading.Thread:  # type: ignore[type-arg]
+    """A streamed completion on its own connection, in a thread: its text, or its exception,
+    appended to `out` when it ends."""
+
+    def run() -> None:
+        try:
+            with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0) as api:
+                stream = api.completions.create(
+                    model=MODEL, prompt="Hello", max_tokens=8, temperature=0, stream=True
+                )
+                out.append("".join(c.choices[0].text for c in stream if c.choices))
+        except Exception as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_in_flight_counts_live_workers_and_a_stop_refuses_at_once(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """Requests held in flight (the decode stopped with SIGSTOP, within its link's heartbeat
+    timeout, here raised past the test's length): the gauge counts them, drops to 0 when the workers serving them are
+    killed, a stop refuses new connections at once while the workers drain, and a start on the
+    same port begins its sums from nothing, whatever an earlier run left in its metrics dir."""
+    runtime = short_runtime(tmp_path_factory)
+    pair = Pair(runtime)
+    try:
+        pair.start("decode", "--heartbeat-timeout", "60")
+        pair.start("prefill", "--heartbeat-timeout", "60")
+        decode = pair.daemons["decode"].proc.pid
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = ("api", "start", "--background", "--port", str(port), "--workers", "2")
+        assert _cli(runtime, *args).returncode == 0
+        log, metrics = runtime / f"api-{port}.log", runtime / f"api-{port}.metrics"
+        asyncio.run(_streams(url, ["Hello"] * 4))
+        saved = {f.name: f.read_bytes() for f in metrics.iterdir()}  # an earlier run's counts
+
+        held: list = []  # type: ignore[type-arg]
+        os.kill(decode, signal.SIGSTOP)
+        try:
+            threads = [_stream_in_thread(url, held) for _ in range(4)]
+            assert _wait(lambda: _metric(url, "pdkv_api_requests_in_flight") == 4, 5)
+            for pid in [e["pid"] for e in _events(log, "api_worker_started")]:
+                os.kill(pid, signal.SIGKILL)  # both workers, and the requests they held
+            assert _wait(lambda: len(_events(log, "api_worker_started")) == 4, 5)
+            assert _metric(url, "pdkv_api_requests_in_flight") == 0
+        finally:
+            os.kill(decode, signal.SIGCONT)
+        for t in threads:
+            t.join(10)
+        assert len(held) == 4 and all(isinstance(x, Exception) for x in held), held
+
+        drained: list = []  # type: ignore[type-arg]
+        os.kill(decode, signal.SIGSTOP)
+        try:
+            threads = [_stream_in_thread(url, drained) for _ in range(2)]
+            assert _wait(lambda: _metric(url, "pdkv_api_requests_in_flight") == 2, 5), drained
+            stop = subprocess.Popen(
+                [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime), "stop", "api"]
+            )
+            assert _wait(lambda: _refused(port), 3), "the port still accepts during the drain"
+            assert stop.poll() is None  # the workers still drain the two held requests
+        finally:
+            os.kill(decode, signal.SIGCONT)
+        assert stop.wait(30) == 0
+        for t in threads:
+            t.join(10)
+        assert len(drained) == 2 and all(isinstance(x, str) and x for x in drained), drained
+
+        metrics.mkdir(mode=0o700)  # as a supervisor killed outright leaves it
+        for name, data in saved.items():
+            (metrics / name).write_bytes(data)
+        assert _cli(runtime, *args).returncode == 0
+        asyncio.run(_streams(url, ["Hello"]))
+        assert _metric(url, "pdkv_api_requests_total") == 1
+    finally:
+        _cli(runtime, "stop")
+        pair.stop_all()
+
+
+def _refused(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.connect(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            return True
+    return False
