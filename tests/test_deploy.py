@@ -3,6 +3,7 @@ image the override builds (a service left on pdkv:cpu would need a second build 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -169,3 +170,19 @@ def test_xpyd_k8s_pod_links_every_prefill_to_every_decode_in_one_ipc_and_pid_nam
     for n in (*decodes, *prefills):  # each daemon's probe asks its own runtime dir
         probe = containers[n]["readinessProbe"]["exec"]["command"]
         assert probe == ["sh", "-c", 'pdkv status "$PDKV_RUNTIME_DIR"'], n
+
+
+def test_the_env_example_names_every_daemon_setting_and_the_apis() -> None:
+    """deploy/systemd/pdkv.env.example is where a systemd user looks for a setting: each daemon
+    option's and each API option's environment variable is in it (commented), none unknown."""
+    from api_server.config import ApiConfig
+    from common import settings
+    from common.config import DecodeConfig, PrefillConfig
+
+    text = (DEPLOY / "systemd" / "pdkv.env.example").read_text()
+    named = set(re.findall(r"^#?(PDKV_[A-Z_]+)=", text, re.M))
+    daemons = {s.option.env for c in (DecodeConfig, PrefillConfig) for s in settings.declared(c)}
+    api = {s.option.env for s in settings.declared(ApiConfig)}
+    assert daemons - named == set() and api - named == set()
+    # besides those: the global --log-level, and a variable no option has
+    assert named - daemons - api == {"PDKV_LOG_LEVEL", "PDKV_SHARED_RUNTIME_DIR"}
