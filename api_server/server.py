@@ -110,6 +110,7 @@ def _serve(cfg: ApiConfig, sock: socket.socket, drain_timeout_s: float) -> int:
     server = uvicorn.Server(config)
     if workers.worker_index() is not None:
         log.info("api_worker_serving")
+        workers.serving()
     # uvicorn handles SIGTERM/SIGINT while it serves, then restores the previous handlers and
     # raises the signal again: with these no-op handlers that ends in a clean exit 0, not -15.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -14,8 +14,9 @@ supervisor serves nothing itself:
   killed. Exit 0 when every worker stopped cleanly (one still starting may die of the signal),
   1 otherwise.
 - A worker that exits while the API is not stopping is started again (`api_worker_exited`, then
-  `api_worker_started`); one that exits within QUICK_EXIT_S of its start MAX_QUICK_EXITS times in a
-  row (as every worker would, failing at start) ends the API with exit 1.
+  `api_worker_started`), however short its life, once it had begun to serve (it says so through a
+  pipe, READY_ENV); MAX_QUICK_EXITS in a row that exit before they serve (as every worker would,
+  failing at start: a bad checkpoint, a refused key) end the API with exit 1.
 - A worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG): no orphan keeps the port.
 - /metrics: the API's own series are summed over the workers, dead ones' counts included
   (prometheus_client's multiprocess mode; its files in RUNTIME_DIR/api-PORT.metrics/, emptied at
@@ -33,7 +34,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -48,8 +49,9 @@ FD_ENV, INDEX_ENV, PARENT_ENV, CREATED_ENV = (
     "PDKV_API_SUPERVISOR",
     "PDKV_API_CREATED",
 )
+#: the write end of a pipe a worker writes one byte to as it begins to serve
+READY_ENV = "PDKV_API_WORKER_READY"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
-QUICK_EXIT_S = 10.0
 MAX_QUICK_EXITS = 3
 KILL_GRACE_S = 5.0
 POLL_S = 0.1
@@ -87,11 +89,38 @@ def inherited_socket() -> int:
     return int(os.environ[FD_ENV])
 
 
+def serving() -> None:
+    """In a worker: tell the supervisor it serves now (its exits from now on are not start-up
+    failures)."""
+    fd = int(os.environ.get(READY_ENV, "-1"))
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.write(fd, b"1")
+            os.close(fd)
+
+
 @dataclass
 class _Worker:
     index: int
     proc: subprocess.Popen
-    started: float = field(default_factory=time.monotonic)
+    ready: int  # the read end of its readiness pipe (-1 once read or closed)
+    serving: bool = False
+
+    def check_ready(self) -> None:
+        """Whether it said it serves (a byte on its pipe, read without blocking)."""
+        if self.ready < 0:
+            return
+        try:
+            said = os.read(self.ready, 1)
+        except BlockingIOError:
+            return
+        self.serving = said == b"1"
+        self.close()
+
+    def close(self) -> None:
+        if self.ready >= 0:
+            os.close(self.ready)
+            self.ready = -1
 
 
 class Supervisor:
@@ -143,26 +172,36 @@ class Supervisor:
 
     def _start(self, index: int) -> None:
         fd = self.sock.fileno()
-        proc = subprocess.Popen(self.argv, env={**self.env, INDEX_ENV: str(index)}, pass_fds=(fd,))
-        self.workers[index] = _Worker(index, proc)
+        ready, told = os.pipe()
+        os.set_blocking(ready, False)
+        env = {**self.env, INDEX_ENV: str(index), READY_ENV: str(told)}
+        try:
+            proc = subprocess.Popen(self.argv, env=env, pass_fds=(fd, told))
+        except BaseException:
+            os.close(ready)
+            raise
+        finally:
+            os.close(told)
+        self.workers[index] = _Worker(index, proc, ready)
         log.info("api_worker_started", worker=index, pid=proc.pid)
 
     def _exited(self, w: _Worker) -> bool:
         """Start again a worker that exited on its own; True when workers keep failing."""
+        w.check_ready()
         code = w.proc.poll()
         if code is None or self.stopping:
             return False
+        w.check_ready()  # a byte it wrote just before it exited
+        w.close()
         self._forget(w.proc.pid)
-        quick = time.monotonic() - w.started < QUICK_EXIT_S
-        self.quick_exits = self.quick_exits + 1 if quick else 0
+        self.quick_exits = 0 if w.serving else self.quick_exits + 1
         if self.quick_exits >= MAX_QUICK_EXITS:
             log.error(
                 "api_workers_failing",
                 worker=w.index,
                 pid=w.proc.pid,
                 code=code,
-                quick_exits=self.quick_exits,
-                within_s=QUICK_EXIT_S,
+                exits_before_serving=self.quick_exits,
             )
             return True
         log.warning("api_worker_exited", worker=w.index, pid=w.proc.pid, code=code, restart=True)
@@ -187,6 +226,7 @@ class Supervisor:
                 w.proc.kill()
                 rc = w.proc.wait()
                 log.error("api_worker_killed", worker=w.index, pid=w.proc.pid)
+            w.close()
             self._forget(w.proc.pid)
             code = max(code, int(rc not in _CLEAN))
         return code

@@ -118,6 +118,15 @@ def test_workers_share_the_port_and_their_metrics(tmp_path_factory: pytest.TempP
         assert [(e["worker"], e["pid"], e["code"]) for e in exited] == [(0, first[0], -9)]
         asyncio.run(_streams(url, prompts))
         assert _metric(url, "pdkv_api_requests_total") == sent + len(prompts)
+        # killed again and again once serving, within seconds of its start: not a start-up
+        # failure, so the API goes on (three exits before serving would end it)
+        for kills in (2, 3, 4):
+            assert _wait(lambda k=kills: len(_events(log, "api_worker_serving")) == k + 1)
+            newest = _events(log, "api_worker_started")[-1]["pid"]
+            os.kill(newest, signal.SIGKILL)
+            assert _wait(lambda k=kills: len(_events(log, "api_worker_started")) == k + 2)
+        assert _wait(lambda: len(_events(log, "api_worker_serving")) == 6)
+        assert asyncio.run(_streams(url, prompts[:2])) and _alive(supervisor)
 
         stopped = _cli(runtime, "stop", "api")
         assert stopped.returncode == 0, stopped.stdout + stopped.stderr
@@ -169,22 +178,32 @@ def _supervise(
             assert sock.fileno() == -1
 
 
-def test_workers_that_fail_at_once_end_the_api(tmp_path: Path) -> None:
-    t0 = time.monotonic()
+#: a stand-in worker's line saying it serves, as api_server.workers.serving() does
+SERVING = "os.write(int(os.environ['PDKV_API_WORKER_READY']), b'1')\n"
+
+
+def test_workers_that_fail_before_they_serve_end_the_api(tmp_path: Path) -> None:
     assert _supervise(tmp_path, _child(tmp_path, "sys.exit(3)")) == 1
-    # two started, each of the first two quick exits started one again, the third ended it
+    # two started, each of the first two exits started one again, the third ended it
     assert (tmp_path / "starts").read_text() == "x" * 4
-    assert time.monotonic() - t0 < workers.QUICK_EXIT_S
     assert not (tmp_path / "metrics").exists()
+
+
+def test_a_worker_that_served_is_started_again_however_short_its_life(tmp_path: Path) -> None:
+    """An OOM kill or a crash of serving workers, however often, is not a start-up failure."""
+    dies = SERVING + "time.sleep(0.1)\nsys.exit(1)"
+    t0 = time.monotonic()
+    _supervise(tmp_path, _child(tmp_path, dies), count=2, stop_after=1.5)
+    assert time.monotonic() - t0 >= 1.5  # ended by the stop, not by the workers' exits
+    assert len((tmp_path / "starts").read_text()) >= 6
 
 
 def test_a_worker_is_restarted_and_one_that_ignores_sigterm_is_killed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(workers, "QUICK_EXIT_S", 0.2)
     monkeypatch.setattr(workers, "KILL_GRACE_S", 0.3)
-    # lives past QUICK_EXIT_S then exits 0: started again every time; exits 0 on SIGTERM
-    body = "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(0.4)"
+    # serves, then exits 0: started again every time; exits 0 on SIGTERM
+    body = SERVING + "signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))\ntime.sleep(0.4)"
     assert _supervise(tmp_path, _child(tmp_path, body), count=1, stop_after=1.5) == 0
     assert len((tmp_path / "starts").read_text()) >= 3
 
