@@ -15,7 +15,7 @@ supervisor serves nothing itself:
   1 otherwise.
 - A worker that exits while the API is not stopping is started again (`api_worker_exited`, then
   `api_worker_started`), however short its life, once it had begun to serve (it says so through a
-  pipe, READY_ENV); MAX_QUICK_EXITS in a row that exit before they serve (as every worker would,
+  pipe, READY_ENV); MAX_EXITS_BEFORE_SERVING in a row that exit before they serve (as every worker would,
   failing at start: a bad checkpoint, a refused key) end the API with exit 1.
 - A worker whose supervisor dies gets SIGTERM (PR_SET_PDEATHSIG): no orphan keeps the port.
 - /metrics: the API's own series are summed over the workers, dead ones' counts included
@@ -52,7 +52,7 @@ FD_ENV, INDEX_ENV, PARENT_ENV, CREATED_ENV = (
 #: the write end of a pipe a worker writes one byte to as it begins to serve
 READY_ENV = "PDKV_API_WORKER_READY"
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client when it is imported
-MAX_QUICK_EXITS = 3
+MAX_EXITS_BEFORE_SERVING = 3
 KILL_GRACE_S = 5.0
 POLL_S = 0.1
 #: a worker's exit codes that end a stop cleanly
@@ -124,7 +124,7 @@ class _Worker:
 
 
 class Supervisor:
-    """Starts and keeps `count` workers running `argv` on the listening socket `fd`."""
+    """Starts and keeps `count` workers running `argv` on the listening socket `sock`."""
 
     def __init__(
         self,
@@ -146,7 +146,7 @@ class Supervisor:
             METRICS_ENV: str(metrics),
         }
         self.workers: dict[int, _Worker] = {}
-        self.quick_exits = 0
+        self.exits_before_serving = 0
         self.stopping = False
 
     def run(self) -> int:
@@ -194,14 +194,14 @@ class Supervisor:
         w.check_ready()  # a byte it wrote just before it exited
         w.close()
         self._forget(w.proc.pid)
-        self.quick_exits = 0 if w.serving else self.quick_exits + 1
-        if self.quick_exits >= MAX_QUICK_EXITS:
+        self.exits_before_serving = 0 if w.serving else self.exits_before_serving + 1
+        if self.exits_before_serving >= MAX_EXITS_BEFORE_SERVING:
             log.error(
                 "api_workers_failing",
                 worker=w.index,
                 pid=w.proc.pid,
                 code=code,
-                exits_before_serving=self.quick_exits,
+                exits_before_serving=self.exits_before_serving,
             )
             return True
         log.warning("api_worker_exited", worker=w.index, pid=w.proc.pid, code=code, restart=True)
