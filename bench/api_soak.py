@@ -1,0 +1,168 @@
+"""Soak of the HTTP API's workers: requests through `pdkv api start --workers N` while a worker
+is SIGKILLed every `--kill-every` seconds.
+
+Starts a CPU pair and the API (the real CLI, the tiny model), then sends `--requests` greedy
+completions (`ignore_eos`, 16 tokens, half of them streamed) over fresh connections, at most
+`--concurrency` at once, 40 distinct prompts in turn. Clean when: every request that succeeds
+gives the text every other request with its prompt got; every failure is a connection that broke
+(a killed worker's); the API is still up at the end and stops cleanly; and neither daemon holds
+a block (OWNED or LEASED) or a request afterwards (each killed worker's requests were aborted).
+Exit 0 when clean.
+
+    .venv/bin/python bench/api_soak.py [--requests 4000] [--workers 2] [--kill-every 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+TOKENS = 16
+
+
+def cli(rt: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt), *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+async def one(http: httpx.AsyncClient, url: str, prompt: str, stream: bool) -> str:
+    """One completion's text; RuntimeError on an HTTP or in-stream error."""
+    body = {"model": "pdkv-tiny", "prompt": prompt, "max_tokens": TOKENS, "temperature": 0}
+    body |= {"ignore_eos": True, "stream": stream}
+    if not stream:
+        resp = await http.post(url + "/v1/completions", json=body)
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}")
+        return resp.json()["choices"][0]["text"]
+    text = ""
+    async with http.stream("POST", url + "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}")
+        async for line in resp.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"error event {event['error'].get('code')}")
+                text += "".join(c.get("text", "") for c in event.get("choices", []))
+    return text
+
+
+def live_workers(log: Path) -> list[int]:
+    """Pids of the workers the supervisor started that still run."""
+    started = [json.loads(x) for x in log.read_text().splitlines() if "api_worker_started" in x]
+    return [e["pid"] for e in started if Path(f"/proc/{e['pid']}").exists()]
+
+
+async def soak(rt: Path, url: str, args: argparse.Namespace) -> dict:
+    prompts = [f"prompt {i} " * (1 + i % 7) for i in range(40)]
+    texts: dict[str, str] = {}
+    failures: dict[str, int] = {}
+    wrong: list[dict] = []
+    kills: list[int] = []
+    done = asyncio.Event()
+
+    async def killer() -> None:
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), args.kill_every)
+            if not done.is_set() and (pids := live_workers(rt / "api-0.log")):
+                pid = random.choice(pids)
+                os.kill(pid, signal.SIGKILL)
+                kills.append(pid)
+
+    limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=0)
+    gate = asyncio.Semaphore(args.concurrency)
+    async with httpx.AsyncClient(timeout=60, limits=limits, trust_env=False) as http:
+
+        async def request(i: int) -> None:
+            prompt = prompts[i % len(prompts)]
+            async with gate:
+                try:
+                    text = await one(http, url, prompt, stream=i % 2 == 0)
+                except (httpx.TransportError, RuntimeError) as exc:
+                    key = f"{type(exc).__name__}: {str(exc)[:60]}"
+                    failures[key] = failures.get(key, 0) + 1
+                    return
+            if texts.setdefault(prompt, text) != text:
+                wrong.append({"request": i, "prompt": prompt, "want": texts[prompt], "got": text})
+
+        task = asyncio.create_task(killer())
+        t0 = time.monotonic()
+        await asyncio.gather(*(request(i) for i in range(args.requests)))
+        wall = time.monotonic() - t0
+        done.set()
+        await task
+    ok = args.requests - sum(failures.values())
+    return {"ok": ok, "failures": failures, "wrong": wrong, "kills": len(kills), "wall_s": wall}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    rt = Path(tempfile.mkdtemp(prefix="pdkv-apisoak-"))
+    os.chmod(rt, 0o700)
+    try:
+        for role in ("decode", "prefill"):
+            started = cli(rt, role, "start", "--background")
+            assert started.returncode == 0, started.stderr
+        started = cli(
+            rt, "api", "start", "--background", "--port", "0", "--workers", str(args.workers)
+        )
+        assert started.returncode == 0, started.stderr
+        url = re.search(r"(http://\S+)/v1", started.stdout).group(1)
+        res = asyncio.run(soak(rt, url, args))
+        time.sleep(1.0)  # the killed workers' aborts reach the daemons
+        status = json.loads(cli(rt, "status", "--json").stdout)
+        res["api_up"] = bool(status.get("apis"))
+        res["held"] = {
+            r: {k: status[r]["pool"][k] for k in ("owned", "leased")}
+            | {"requests": status[r]["inflight"]}
+            for r in ("prefill", "decode")
+        }
+        res["api_stopped"] = cli(rt, "stop", "api").returncode == 0
+    finally:
+        cli(rt, "stop")
+        shutil.rmtree(rt, ignore_errors=True)
+    failures_ok = all(k.split(":")[0] in BROKEN for k in res["failures"])
+    held = sum(v for d in res["held"].values() for v in d.values())
+    res["clean"] = bool(
+        not res["wrong"] and failures_ok and res["api_up"] and res["api_stopped"] and not held
+    )
+    print(
+        f"{args.requests} requests in {res['wall_s']:.0f} s through {args.workers} workers, "
+        f"{res['kills']} killed: {res['ok']} ok, failed {res['failures'] or 0}, "
+        f"{len(res['wrong'])} with another text, held afterwards {res['held']}, "
+        f"API up {res['api_up']}, stopped cleanly {res['api_stopped']}: "
+        + ("clean" if res["clean"] else "NOT CLEAN")
+    )
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+    return 0 if res["clean"] else 1
+
+
+#: what a request on a killed worker fails with: its connection broke (httpx's names)
+BROKEN = {"RemoteProtocolError", "ReadError", "WriteError", "ConnectError"}
+
+if __name__ == "__main__":
+    raise SystemExit(main())
