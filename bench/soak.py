@@ -361,8 +361,11 @@ async def _soak(
     shared = client.Connection(sock)
 
     def row() -> None:
-        p = sample([procs["prefill"].pid])
-        d = sample([proc.pid for role, proc in procs.items() if role != "prefill"])
+        try:
+            p = sample([procs["prefill"].pid])
+            d = sample([proc.pid for role, proc in procs.items() if role != "prefill"])
+        except psutil.NoSuchProcess:  # a daemon killed (--kill) as it was sampled: no row
+            return
         rows.append(
             {
                 "requests": done,
