@@ -32,6 +32,8 @@ from pathlib import Path
 import httpx
 
 TOKENS = 16
+#: what a request on a killed worker fails with: its connection broke (httpx's names)
+BROKEN = {"RemoteProtocolError", "ReadError", "WriteError", "ConnectError"}
 
 
 def cli(rt: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -160,9 +162,6 @@ def main() -> int:
         args.out.write_text(json.dumps(res, indent=2) + "\n")
     return 0 if res["clean"] else 1
 
-
-#: what a request on a killed worker fails with: its connection broke (httpx's names)
-BROKEN = {"RemoteProtocolError", "ReadError", "WriteError", "ConnectError"}
 
 if __name__ == "__main__":
     raise SystemExit(main())
