@@ -63,6 +63,8 @@ def configure(fmt: LogFormat = "auto", level: str = "INFO", *, stream=None) -> N
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # one write() per line (print() makes two: the line, then "\n"), so that processes
+        # sharing a log file (an API's workers) never interleave inside a line
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=True,  # loggers bind on first use, after this ran
     )
