@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.rundir import StartupError, read_pid
+from common.rundir import StartupError, child_pids, read_pid
 from common.settings import instance_name, opt
 
 #: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat
@@ -198,14 +198,6 @@ class RunningApi:
     workers: int = 0  # its live worker processes (--workers N > 1); 0: it serves alone
 
 
-def _children(pid: int) -> int:
-    """How many live child processes `pid` has (0 when it cannot be read)."""
-    try:
-        return len(Path(f"/proc/{pid}/task/{pid}/children").read_text().split())
-    except OSError:
-        return 0
-
-
 def api_pidfiles(runtime_dir: Path) -> dict[int, Path]:
     """Every API pidfile in `runtime_dir`, live or stale, by port."""
     found = {}
@@ -227,5 +219,5 @@ def running_apis(runtime_dir: Path) -> list[RunningApi]:
             url: str | None = api_file(runtime_dir, port, "url").read_text().strip() or None
         except OSError:
             url = None
-        apis.append(RunningApi(port, pid, url, _children(pid)))
+        apis.append(RunningApi(port, pid, url, len(child_pids(pid))))
     return apis

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import httpx
 
+from common.rundir import child_pids
+
 TOKENS = 16
 #: what a request on a killed worker fails with: its connection broke (httpx's names)
 BROKEN = {"RemoteProtocolError", "ReadError", "WriteError", "ConnectError"}
@@ -63,13 +65,7 @@ async def one(http: httpx.AsyncClient, url: str, prompt: str, stream: bool) -> s
     return text
 
 
-def live_workers(log: Path) -> list[int]:
-    """Pids of the workers the supervisor started that still run."""
-    started = [json.loads(x) for x in log.read_text().splitlines() if "api_worker_started" in x]
-    return [e["pid"] for e in started if Path(f"/proc/{e['pid']}").exists()]
-
-
-async def soak(rt: Path, url: str, args: argparse.Namespace) -> dict:
+async def soak(supervisor: int, url: str, args: argparse.Namespace) -> dict:
     prompts = [f"prompt {i} " * (1 + i % 7) for i in range(40)]
     texts: dict[str, str] = {}
     failures: dict[str, int] = {}
@@ -81,7 +77,7 @@ async def soak(rt: Path, url: str, args: argparse.Namespace) -> dict:
         while not done.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), args.kill_every)
-            if not done.is_set() and (pids := live_workers(rt / "api-0.log")):
+            if not done.is_set() and (pids := child_pids(supervisor)):
                 pid = random.choice(pids)
                 os.kill(pid, signal.SIGKILL)
                 kills.append(pid)
@@ -133,7 +129,8 @@ def main() -> int:
         )
         assert started.returncode == 0, started.stderr
         url = re.search(r"(http://\S+)/v1", started.stdout).group(1)
-        res = asyncio.run(soak(rt, url, args))
+        supervisor = int(re.search(r"pid (\d+)", started.stdout).group(1))
+        res = asyncio.run(soak(supervisor, url, args))
         time.sleep(1.0)  # the killed workers' aborts reach the daemons
         status = json.loads(cli(rt, "status", "--json").stdout)
         res["api_up"] = bool(status.get("apis"))

@@ -27,6 +27,7 @@ from pathlib import Path
 from serve_load import ServerTimings
 
 from common import client
+from common.rundir import child_pids
 from common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,9 +46,8 @@ def process_cpu_s(pid: int) -> float:
 
 def tree_cpu_s(pid: int) -> dict[int, float]:
     """`process_cpu_s` of `pid` and of each of its live children (an API's workers), by pid."""
-    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     found = {}
-    for p in [pid, *map(int, kids)]:
+    for p in [pid, *child_pids(pid)]:
         with contextlib.suppress(FileNotFoundError):  # a child that exited meanwhile
             found[p] = process_cpu_s(p)
     return found

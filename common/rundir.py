@@ -45,6 +45,14 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def child_pids(pid: int) -> list[int]:
+    """The live child processes of `pid` (an API's workers); [] when it cannot be read."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def read_pid(pidfile: Path) -> int | None:
     """The pid in `pidfile` if the file exists, holds a pid and that process is alive."""
     try:
