@@ -25,9 +25,17 @@ TORCH_CPU ?= torch==2.13.0
 # build of torch (GBs) while NIXL itself imports without torch.
 NIXL ?= nixl-cu13==1.5.1
 PYTEST_ARGS ?=
-INPUTS := pyproject.toml CMakeLists.txt $(wildcard csrc/*)
+# The editable install maps each module to its file: a module added, moved or removed needs a
+# reinstall, so the list of modules is an input too (rewritten only when it changes).
+MODULES := $(VENV)/.pdkv-modules
+INPUTS := pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(MODULES)
 
-.PHONY: install demo test test-gpu lint format smoke bench clean
+.PHONY: install demo test test-gpu lint format smoke bench clean FORCE
+
+$(MODULES): FORCE
+	@mkdir -p $(VENV)
+	@find common prefill_server decode_server api_server pdkv -name '*.py' | sort > $@.new
+	@if cmp -s $@.new $@; then rm $@.new; else mv $@.new $@; fi
 
 install: $(STAMP)
 

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.rundir import StartupError, child_pids, read_pid
+from common.daemon.rundir import StartupError, child_pids, read_pid
 from common.settings import instance_name, opt
 
 #: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat

@@ -31,9 +31,9 @@ from api_server.config import ApiConfig
 from api_server.errors import timed_out, unavailable
 from api_server.model import ServedModel, Unservable, served_model
 from common import client
+from common.daemon.rundir import StartupError
 from common.errors import PdkvError
 from common.protocol import ModelCard, StatusReply
-from common.rundir import StartupError
 
 log = structlog.get_logger(__name__)
 STATUS_FRESH_S = 1.0

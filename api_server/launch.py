@@ -17,8 +17,9 @@ import click
 
 from api_server.config import ApiConfig, base_url, running_apis
 from api_server.daemons import check_at_start
-from common import logs, settings
-from common.rundir import StartupError, ensure_runtime_dir, read_pid
+from common import settings
+from common.daemon import logs
+from common.daemon.rundir import StartupError, ensure_runtime_dir, read_pid
 
 EXIT_OK, EXIT_STARTUP = 0, 3
 READY_TIMEOUT_S = 60.0

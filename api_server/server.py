@@ -23,8 +23,9 @@ import uvicorn
 from api_server import workers
 from api_server.app import Api
 from api_server.config import ApiConfig, base_url
-from common import heap, settings
-from common.rundir import StartupError, remove_file, write_pidfile
+from common import settings
+from common.daemon import heap
+from common.daemon.rundir import StartupError, remove_file, write_pidfile
 
 log = structlog.get_logger(__name__)
 
@@ -115,7 +116,7 @@ def _serve(cfg: ApiConfig, sock: socket.socket, drain_timeout_s: float) -> int:
     # raises the signal again: with these no-op handlers that ends in a clean exit 0, not -15.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    heap.freeze_startup_heap()  # as the daemons do (common.heap)
+    heap.freeze_startup_heap()  # as the daemons do (common.daemon.heap)
     pauses = heap.watch_pauses()
     try:
         server.run(sockets=[sock])

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import httpx
 
-from common.rundir import child_pids
+from common.daemon.rundir import child_pids
 
 TOKENS = 16
 #: what a request on a killed worker fails with: its connection broke (httpx's names)

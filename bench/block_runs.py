@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.allocator import BlockAllocator
-from common.kvpool import block_runs
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import block_runs
 
 
 def runs_per_handoff(args: argparse.Namespace) -> list[int]:

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from common import client, daemon
-from common.channel import connect
+from common import client
+from common.daemon import lifecycle
 from common.ipc.shm import ShmRegion
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import (
@@ -45,6 +45,7 @@ from common.protocol import (
     fingerprint,
 )
 from common.protocol.version import PROTOCOL_VERSION
+from common.wire.channel import connect
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -250,7 +251,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     sys.setswitchinterval(0.0002)  # as the daemons do
-    res = daemon.run(lambda: run(args))  # uvloop, as the daemons use
+    res = lifecycle.run(lambda: run(args))  # uvloop, as the daemons use
     print(
         f"CPU handoff ({res['prompt_tokens']}-token prompt, {res['block_nbytes']} B blocks), {res['machine']}, {res['date']}"
     )

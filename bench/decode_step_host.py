@@ -27,13 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from common import logs  # noqa: E402
-from common.config import DecodeConfig  # noqa: E402
-from common.modelrt import ModelRuntime  # noqa: E402
+from common.daemon import logs  # noqa: E402
+from common.daemon.runtime import ModelRuntime  # noqa: E402
 from common.protocol import Message, encode  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
+from decode_server.config import DecodeConfig  # noqa: E402
 from decode_server.requests import DecodeRequests  # noqa: E402
 from decode_server.sequence import Phase, Sequence, blocks_needed  # noqa: E402
+from decode_server.startup import load_runtime  # noqa: E402
 
 
 class NullPeer:
@@ -116,7 +117,7 @@ def main() -> int:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = DecodeConfig(runtime_dir=Path(tmp), device="cpu", num_blocks=8192)
-        rt = ModelRuntime.load(cfg, "decode")
+        rt = load_runtime(cfg)
         try:
             for batch in args.batch:
                 runs = [

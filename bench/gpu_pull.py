@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from common.blockcopy import copy_blocks
+from common.kv.blockcopy import copy_blocks
 
 BLOCK = (16, 32, 2, 8, 128)
 

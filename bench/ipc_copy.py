@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.ipc.base import RegionDescriptor
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 from common.transfer.regions import export_region, open_region
 
 LAYOUT = PoolLayout(

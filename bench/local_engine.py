@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.model import LlamaModel, finish_reason, make_generator, sample_batch, slots_for
 from common.sampling_params import SamplingParams
 

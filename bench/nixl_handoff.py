@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import Push, Register, Registered, decode, encode
 from common.transfer import KVConsumer, KVProducer
 from common.transfer.nixl_agent import NixlAgent

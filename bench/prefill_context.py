@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from common.config import PrefillConfig
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
+from prefill_server.config import PrefillConfig
 from prefill_server.forward import Piece, run_prefill_batch
+from prefill_server.startup import load_runtime
 
 RESULTS: dict[str, float] = {}
 
@@ -67,7 +67,7 @@ def main() -> None:
         torch_threads=2,
         prefill_graph_tokens=args.graph_tokens,
     )
-    rt = ModelRuntime.load(cfg, "prefill")
+    rt = load_runtime(cfg)
     bs = rt.layout.block_size
     g = torch.Generator().manual_seed(0)
     n = args.prefix + args.own
@@ -87,13 +87,13 @@ def main() -> None:
         "own": [Piece(prompt[: args.own], 0, args.own, blocks, params)],
         "cached": [Piece(prompt, args.prefix, n, blocks, params)],
     }
-    graphs = rt.prefill_graphs
+    graphs = rt.graphs
     run(cases["full"])  # writes the prefix's K/V for `cached`
     runs = [(name, pieces, graphs) for name, pieces in cases.items()]
     if graphs is not None:  # each again launched eagerly, in the same process
         runs += [(f"{name}, eager", pieces, None) for name, pieces in cases.items()]
     for name, pieces, use in runs:
-        rt.prefill_graphs = use
+        rt.graphs = use
         for _ in range(3):
             run(pieces)
         times = []
@@ -115,7 +115,7 @@ def main() -> None:
         if graphs is not None and graphs.bucket_for([n], [len(blocks)]) is not None:
             profiled.append(("full", graphs))  # the whole prompt replayed (--graph-tokens >= it)
         for name, use in profiled:
-            rt.prefill_graphs = use
+            rt.graphs = use
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(3):
                     run(cases[name])

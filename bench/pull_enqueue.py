@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.blockcopy import copy_ids_cuda
 from common.cuda import ext, stream_ptr
-from common.kvpool import KVPool, PoolLayout
+from common.kv.blockcopy import copy_ids_cuda
+from common.kv.pool import KVPool, PoolLayout
 
 LAYOUT = PoolLayout(
     num_blocks=4096, num_layers=22, num_kv_heads=4, head_dim=64, block_size=16, dtype="bfloat16"

@@ -31,11 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from common import logs  # noqa: E402
-from common.channel import FrameChannel  # noqa: E402
+from common.daemon import logs  # noqa: E402
 from common.model.tokenizer import ByteTokenizer, HFTokenizer  # noqa: E402
 from common.protocol import Message, encode  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
+from common.wire.channel import FrameChannel  # noqa: E402
 from prefill_server.output import RequestOutput  # noqa: E402
 from prefill_server.request import PrefillRequest  # noqa: E402
 

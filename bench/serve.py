@@ -81,7 +81,7 @@ from serve_daemons import (  # noqa: E402
 from serve_report import plot, print_table, same_output  # noqa: E402
 
 from api_server.config import api_file  # noqa: E402
-from common import logs  # noqa: E402
+from common.daemon import logs  # noqa: E402
 
 #: nano-vllm's bench.py: 256 sequences, input and output lengths drawn from 100..1024
 NANO_REQUESTS, NANO_LEN = 256, (100, 1024)

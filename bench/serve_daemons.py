@@ -27,7 +27,7 @@ from pathlib import Path
 from serve_load import ServerTimings
 
 from common import client
-from common.rundir import child_pids
+from common.daemon.rundir import child_pids
 from common.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,7 +22,6 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.channel import FrameChannel, connect
 from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     Abort,
@@ -39,6 +38,7 @@ from common.protocol import (
     join_queued,
 )
 from common.sampling_params import SamplingParams, TokenLogprob
+from common.wire.channel import FrameChannel, connect
 
 __all__ = [
     "Connection",

@@ -1,7 +1,7 @@
 """A HANDOFF's way into the decode: checked against the link, and its blocks reserved for the
 request's whole life, or refused with the ERROR the protocol names (BAD_REQUEST, NO_CAPACITY).
 
-The decode's prefix cache (common.prefix_cache, the prefill's rules): the blocks start with the
+The decode's prefix cache (common.kv.prefix_cache, the prefill's rules): the blocks start with the
 cached blocks of the prompt's prefix, named from the HANDOFF's prompt tokens as the prefill names
 them, and only the rest are pulled; they are published once the pull wrote them."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import structlog
 
+from common.daemon.runtime import ModelRuntime
 from common.errors import OutOfBlocks, PdkvError
-from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode, Handoff
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key

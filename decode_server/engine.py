@@ -46,6 +46,7 @@ import numpy as np
 import structlog
 import torch
 
+from common.daemon.runtime import ModelRuntime
 from common.model.logits import TokenHistory
 from common.model.sampling import (
     SamplingError,
@@ -54,7 +55,6 @@ from common.model.sampling import (
     draw,
     make_generator,
 )
-from common.modelrt import ModelRuntime
 from common.sampling_params import TokenLogprob
 from decode_server.block_tables import BlockTables
 from decode_server.overlap import Launched, Readback
@@ -297,9 +297,9 @@ class DecodeEngine:
         prepared = replaying = time.monotonic_ns()
         with self.rt.on_stream():
             if self._graphable(n, tables):
-                assert self.rt.runner is not None
-                argmax, logits = self.rt.runner.run(tokens, positions, slots, tables, carry=carry)
-                replaying = self.rt.runner.replay_ns
+                assert self.rt.graphs is not None
+                argmax, logits = self.rt.graphs.run(tokens, positions, slots, tables, carry=carry)
+                replaying = self.rt.graphs.replay_ns
             else:
                 tok = torch.tensor(tokens, dtype=torch.long).to(dev)
                 if carry is not None:
@@ -382,12 +382,12 @@ class DecodeEngine:
         tokens, positions, slots, tables = self._inputs(batch)
         prepared = time.monotonic_ns()
         if self._graphable(len(batch), tables):
-            assert self.rt.runner is not None
+            assert self.rt.graphs is not None
             with self.rt.on_stream():  # replay the CUDA graph of this batch size
-                argmax, logits = self.rt.runner.run(tokens, positions, slots, tables)
+                argmax, logits = self.rt.graphs.run(tokens, positions, slots, tables)
                 launched = time.monotonic_ns()
                 out = self._draw(batch, logits, argmax)
-            replaying = self.rt.runner.replay_ns
+            replaying = self.rt.graphs.replay_ns
             self.last_step_ns = (started, prepared, replaying, launched, time.monotonic_ns())
             return out
         with self.rt.on_stream():
@@ -400,7 +400,7 @@ class DecodeEngine:
 
     def _graphable(self, n: int, tables: np.ndarray) -> bool:
         """Whether a step of n rows with these tables replays a CUDA graph (else: eager)."""
-        runner = self.rt.runner
+        runner = self.rt.graphs
         return (
             runner is not None
             and runner.bucket_for(n) is not None

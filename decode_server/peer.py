@@ -20,9 +20,9 @@ from typing import Any
 import msgspec
 import structlog
 
-from common.channel import FrameChannel
+from common.daemon.logs import clip
+from common.daemon.sched import cpus_apart
 from common.errors import PdkvError
-from common.logs import clip
 from common.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -35,10 +35,10 @@ from common.protocol import (
     encode,
     make_error,
 )
-from common.sched import cpus_apart
-from common.tcplink import new_nonce, proof, proof_ok
 from common.transfer import Consumer, TransferRefused
 from common.transfer.registry import UNIX, ConsumerSide
+from common.wire.channel import FrameChannel
+from common.wire.tcplink import new_nonce, proof, proof_ok
 
 log = structlog.get_logger(__name__)
 _ids = itertools.count(1)
@@ -70,7 +70,7 @@ class Peer:
         self.connected_at = time.monotonic()
         self.handoffs = 0
         self.greeted = False  # a HELLO was accepted: this connection is a link
-        # the prefill may run on none of our CPUs (common.sched.cpus_apart; REGISTER on): this
+        # the prefill may run on none of our CPUs (common.daemon.sched.cpus_apart; REGISTER on): this
         # loop may poll for its KV_READY while it computes (server.py, AWAIT_KV_SPIN_S)
         self.cpus_apart = False
         self._closed = False

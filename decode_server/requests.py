@@ -51,10 +51,10 @@ from typing import Any
 import structlog
 import torch
 
+from common.daemon.runtime import ModelRuntime
+from common.daemon.throughput import Throughput
 from common.errors import OutOfBlocks
-from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode, Handoff, KvLaunched, KvReady, Release, make_error
-from common.throughput import Throughput
 from common.transfer.interface import AFTER_DONE, PullDone
 from decode_server.admission import admit
 from decode_server.answers import Outbox, finish, out_of_phase

@@ -3,9 +3,9 @@ hands each frame to DecodeRequests (requests.py), which pulls the KV and decodes
 
 One way down: server → Peer (the link: channel, Consumer) and DecodeRequests (the request table,
 the engine). A link that ends is taken down from here: its pulls drained, its sequences dropped,
-then its peer closed. Life cycle and STATUS are common.server.DaemonServer's.
+then its peer closed. Life cycle and STATUS are common.daemon.server.DaemonServer's.
 
-With `--listen tcp://ADDR:PORT` the daemon also accepts links from other hosts (common.tcplink):
+With `--listen tcp://ADDR:PORT` the daemon also accepts links from other hosts (common.wire.tcplink):
 those prove the shared key in the handshake, and their KV moves through the "tcp" transport's
 consumer side (this daemon's one NIXL agent). The Unix socket serves as before. Each link's
 consumer comes from its kind's ConsumerSide (common.transfer.registry), opened once per daemon:
@@ -24,11 +24,12 @@ from typing import Any
 import msgspec
 import structlog
 
-from common import daemon
-from common.channel import MAX_FDS_HELD, FrameChannel
-from common.config import DecodeConfig
+from common.daemon import lifecycle
+from common.daemon.rundir import check_free
+from common.daemon.runtime import ModelRuntime
+from common.daemon.server import DaemonServer
+from common.daemon.throughput import Throughput
 from common.errors import PdkvError, ProtocolError
-from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
     ConnectionClosed,
@@ -44,13 +45,13 @@ from common.protocol import (
     Register,
     Status,
 )
-from common.rundir import check_free
-from common.server import DaemonServer
-from common.tcplink import TcpSettings, is_tcp, listen_tcp, tcp_settings, tune
-from common.throughput import Throughput
 from common.transfer.registry import TCP, UNIX, ConsumerSide, transport
+from common.wire.channel import MAX_FDS_HELD, FrameChannel
+from common.wire.tcplink import TcpSettings, is_tcp, listen_tcp, tcp_settings, tune
+from decode_server.config import DecodeConfig
 from decode_server.peer import HandshakeError, Peer
 from decode_server.requests import DecodeRequests
+from decode_server.startup import load_runtime
 
 log = structlog.get_logger(__name__)
 #: a refused handshake with the same reason is logged at warning at most this often
@@ -66,7 +67,7 @@ class DecodeServer(DaemonServer):
     role = "decode"
     in_flight_name = "sequences"
 
-    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
+    def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: lifecycle.StopFlag) -> None:
         super().__init__(cfg, rt, cfg.link_path, stop)
         self.cfg: DecodeConfig = cfg
         self._spin_s = cfg.spin_us / 1e6
@@ -88,7 +89,7 @@ class DecodeServer(DaemonServer):
         self.sides: dict[str, ConsumerSide] = {UNIX: transport(UNIX).consumer_side(rt.pool, loop)}
         self.tcp: TcpSettings | None = check_listen(cfg)
         self._tcp_listen: socket.socket | None = None
-        self._refusals: dict[str, daemon.RateLimitedLog] = {}  # reason -> its rate-limited log
+        self._refusals: dict[str, lifecycle.RateLimitedLog] = {}  # reason -> its rate-limited log
         self.kv_ready_polled = 0  # KV_READYs read while the loop polled their link (spin)
 
     # ---- life cycle ------------------------------------------------------------------------------
@@ -98,7 +99,7 @@ class DecodeServer(DaemonServer):
             side = transport(TCP).consumer_side(self.rt.pool, asyncio.get_running_loop())
             self.sides[TCP] = side
             self._tcp_listen = listen_tcp(self.tcp.host, self.tcp.port)
-            accept = daemon.accept_loop(
+            accept = lifecycle.accept_loop(
                 self._tcp_listen,
                 None,
                 self.serve_connection,
@@ -158,11 +159,11 @@ class DecodeServer(DaemonServer):
     def failure(self) -> BaseException | None:
         return self._failure
 
-    def _refusal_log(self, reason: str) -> daemon.RateLimitedLog:
+    def _refusal_log(self, reason: str) -> lifecycle.RateLimitedLog:
         if len(self._refusals) > 64:  # reasons name peers' fields: keep the table small
             self._refusals.clear()
         return self._refusals.setdefault(
-            reason, daemon.RateLimitedLog("handshake_refused", REFUSAL_LOG_INTERVAL_S)
+            reason, lifecycle.RateLimitedLog("handshake_refused", REFUSAL_LOG_INTERVAL_S)
         )
 
     async def end_remaining(self) -> None:
@@ -319,8 +320,8 @@ async def serve(cfg: DecodeConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.link_path, cfg.pidfile)  # fail fast, before loading the model
     check_listen(cfg)
-    return await daemon.serve_until_stopped(
-        lambda: ModelRuntime.load(cfg, "decode"),
+    return await lifecycle.serve_until_stopped(
+        lambda: load_runtime(cfg),
         lambda rt, stop: DecodeServer(cfg, rt, stop),
         ModelRuntime.close,
     )

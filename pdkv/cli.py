@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from common.rundir import default_runtime_dir
+from common.daemon.rundir import default_runtime_dir
 from pdkv import client_commands, commands
 from pdkv.cli_api import api
 from pdkv.cli_daemons import decode, prefill

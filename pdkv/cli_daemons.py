@@ -1,14 +1,15 @@
 """`pdkv decode start` and `pdkv prefill start`: the two daemons' command groups, thin shims over
 pdkv/commands.py's start_daemon. Their options are the settings DecodeConfig and PrefillConfig
-declare (common/config.py), made click options by cli_options.py."""
+declare (prefill_server/config.py, decode_server/config.py), made click options by cli_options.py."""
 
 from __future__ import annotations
 
 import click
 
-from common.config import DecodeConfig, PrefillConfig
+from decode_server.config import DecodeConfig
 from pdkv import commands
 from pdkv.cli_options import daemon_options
+from prefill_server.config import PrefillConfig
 
 
 @click.group()

@@ -17,10 +17,12 @@ from typing import Any
 
 import click
 
-from common import client, logs, settings
-from common.config import DecodeConfig, PrefillConfig
+from common import client, settings
+from common.daemon import logs
+from common.daemon.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
 from common.errors import PdkvError
-from common.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
+from decode_server.config import DecodeConfig
+from prefill_server.config import PrefillConfig
 
 EXIT_OK, EXIT_FAIL, EXIT_STARTUP = 0, 1, 3
 CONFIGS: dict[str, type[DecodeConfig | PrefillConfig]] = {
@@ -48,7 +50,7 @@ def start_daemon(
     """Run a daemon in the foreground, or detach it and return once it answers STATUS.
 
     `exit_when_done` (the CLI's foreground start, never a test process): once the daemon has
-    run and shut down, end the process at once with its exit code (common.daemon.exit_now); a
+    run and shut down, end the process at once with its exit code (common.daemon.lifecycle.exit_now); a
     start that fails before it runs returns its code as usual."""
     try:
         cfg = make_config(g, role=role, **opts)
@@ -59,14 +61,14 @@ def start_daemon(
     if background:
         return _start_background(g, cfg)
     logs.configure(g.log_format, g.log_level)  # type: ignore[arg-type]
-    from common import daemon
+    from common.daemon import lifecycle
 
     try:
         if role == "decode":
             from decode_server.server import serve
         else:
             from prefill_server.server import serve
-        code = daemon.run(lambda: serve(cfg))  # type: ignore[arg-type]
+        code = lifecycle.run(lambda: serve(cfg))  # type: ignore[arg-type]
     except StartupError as exc:
         click.echo(f"error: {exc}", err=True)
         return EXIT_STARTUP
@@ -74,7 +76,7 @@ def start_daemon(
         click.echo(f"error: {role} daemon failed: {exc}", err=True)
         return EXIT_STARTUP
     if exit_when_done:
-        daemon.exit_now(code)
+        lifecycle.exit_now(code)
     return code
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from common import client, logs
+from common import client
+from common.daemon import logs
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams
 from pdkv.progress import Progress
@@ -109,9 +110,9 @@ def _reference(
     in another order than the reference's batch of one, and a tie then goes either way."""
     import torch
 
+    from common.daemon.runtime import resolve_device
     from common.model import reference
     from common.model.loader import load_model
-    from common.modelrt import resolve_device
 
     dev = resolve_device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -146,7 +147,7 @@ def run_demo(
     model: str | None = None,
     log_level: str = "INFO",
 ) -> int:
-    from common.modelrt import resolve_device
+    from common.daemon.runtime import resolve_device
 
     # the reference's model load logs too: keep its lines out of the table (stderr, warnings only)
     logs.configure("auto", "WARNING")

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 from api_server.config import ApiConfig
-from common.config import DecodeConfig, PrefillConfig
 from common.settings import Setting, declared
+from decode_server.config import DecodeConfig
+from prefill_server.config import PrefillConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 _BLOCK = re.compile(r"(<!-- settings: (\w+) -->\n)(.*?)(<!-- /settings -->)", re.S)

@@ -3,7 +3,7 @@
 Both are waited for within the handoff deadline; every change of capacity (blocks freed, a slot
 free again) wakes every waiter, which then looks again. NO_CAPACITY when the deadline passes,
 BAD_REQUEST for a prompt the whole pool cannot hold. A prompt's blocks start with the cached
-blocks of its prefix (common.prefix_cache), looked up again at every try; CACHED blocks count
+blocks of its prefix (common.kv.prefix_cache), looked up again at every try; CACHED blocks count
 as free, so the cache never causes a NO_CAPACITY.
 """
 
@@ -13,10 +13,10 @@ import asyncio
 import contextlib
 import time
 
-from common.allocator import BlockAllocator
 from common.errors import OutOfBlocks
+from common.kv.allocator import BlockAllocator
+from common.kv.prefix_cache import PrefixCache
 from common.model.paged import blocks_for
-from common.prefix_cache import PrefixCache
 from common.protocol import ErrorCode
 from common.transfer import Producer
 from prefill_server.request import RequestFailed

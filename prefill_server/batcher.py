@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import structlog
 
+from common.daemon.runtime import ModelRuntime
 from common.model.sampling import SamplingError, SamplingParams
-from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
 from common.timings import Marks
 from common.transfer import Producer

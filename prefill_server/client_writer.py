@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 
-from common.channel import FrameChannel
 from common.protocol import Message, encode
+from common.wire.channel import FrameChannel
 
 HIGH_WATER = 256 * 1024  # bytes queued for a client before its senders wait for it
 

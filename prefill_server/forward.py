@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import torch
 
+from common.daemon.runtime import ModelRuntime
 from common.model import logits as logits_mod
 from common.model.logits import TokenHistory
 from common.model.paged import slots_for
 from common.model.prefill import prefill_many, split_rows
 from common.model.sampling import SamplingError, SamplingParams, draw, make_generator
-from common.modelrt import ModelRuntime
 from common.sampling_params import TokenLogprob
 from common.transfer import Producer
 
@@ -67,7 +67,7 @@ def run_prefill_batch(
     SamplingError in its place when that prompt's logits are not finite or its draw fails (the
     other prompts keep theirs); None for the other pieces.
 
-    A batch that fits the daemon's prefill graphs (`rt.prefill_graphs`: few enough tokens and
+    A batch that fits the daemon's prefill graphs (`rt.graphs`: few enough tokens and
     prompts, none asking for prompt logprobs) replays one instead of launching its kernels.
     Otherwise the pieces run in as few forwards as `token_budget` allows (one, when the caller keeps their
     sum within it), and each prompt's logits and token are those of prefilling it alone: the
@@ -97,7 +97,7 @@ def run_prefill_batch(
     for p, want in zip(pieces, every, strict=True):
         if want and p.start != 0:
             raise ValueError("prompt logprobs need the whole prompt in one piece")
-    graphs = rt.prefill_graphs  # small forwards replay a CUDA graph (host-bound otherwise)
+    graphs = rt.graphs  # small forwards replay a CUDA graph (host-bound otherwise)
     bucket = None
     if graphs is not None and not any(every):
         bucket = graphs.bucket_for(lengths, [len(t) for t in tables])

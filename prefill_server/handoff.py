@@ -27,10 +27,10 @@ import asyncio
 import contextlib
 import time
 
-from common.allocator import BlockAllocator
-from common.config import PrefillConfig
+from common.kv.allocator import BlockAllocator
 from common.protocol import Abort, Error, ErrorCode, Handoff, KvLaunched, KvReady, Message
 from common.transfer import Producer
+from prefill_server.config import PrefillConfig
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.link import DecodeLink
 from prefill_server.phase import Event, Phase

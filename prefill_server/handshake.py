@@ -15,14 +15,14 @@ import os
 import msgspec
 import structlog
 
-from common.channel import FrameChannel
-from common.config import PrefillConfig
+from common.daemon.runtime import ModelRuntime
 from common.errors import PdkvError, ProtocolError
-from common.modelrt import ModelRuntime
 from common.protocol import Error, ErrorCode, Hello, HelloOk, Registered, make_error
-from common.tcplink import TcpSettings, new_nonce, proof, proof_ok, tcp_settings
 from common.transfer import Producer
 from common.transfer.registry import TCP, ProducerSettings, link_kind, transport
+from common.wire.channel import FrameChannel
+from common.wire.tcplink import TcpSettings, new_nonce, proof, proof_ok, tcp_settings
+from prefill_server.config import PrefillConfig
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ timeout ends the link. The frames about requests go to the listener given to `st
 request pipeline, `LinkListener`); on loss it is told `link_lost` (every request handed to this
 link gets LINK_LOST) and the link reconnects with capped exponential backoff.
 
-With `--decode tcp://HOST:PORT` the link crosses hosts (common.tcplink; the handshake proves
+With `--decode tcp://HOST:PORT` the link crosses hosts (common.wire.tcplink; the handshake proves
 the shared key both ways). The producer is the link kind's transport's (common.transfer.registry);
 the link never names one: frames of the transport's own (NIXL's PUSH) go to
 `producer.handle_frame`.
@@ -23,8 +23,6 @@ from typing import Protocol
 
 import structlog
 
-from common.channel import FrameChannel, connect
-from common.config import PrefillConfig
 from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     PROTOCOL_VERSION,
@@ -36,8 +34,10 @@ from common.protocol import (
     Pong,
     encode,
 )
-from common.tcplink import connect_tcp
 from common.transfer import Producer
+from common.wire.channel import FrameChannel, connect
+from common.wire.tcplink import connect_tcp
+from prefill_server.config import PrefillConfig
 from prefill_server.handshake import LinkRefused, check_decode_option, handshake
 
 log = structlog.get_logger(__name__)

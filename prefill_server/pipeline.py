@@ -33,10 +33,10 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from common.config import PrefillConfig
+from common.daemon.runtime import ModelRuntime
+from common.daemon.throughput import Throughput
+from common.kv.prefix_cache import PrefixCache
 from common.model.sampling import finish_reason
-from common.modelrt import ModelRuntime
-from common.prefix_cache import PrefixCache
 from common.protocol import (
     Error,
     ErrorCode,
@@ -47,10 +47,10 @@ from common.protocol import (
     StepTokens,
     Tokens,
 )
-from common.throughput import Throughput
 from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
+from prefill_server.config import PrefillConfig
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.forward import FirstToken
 from prefill_server.handoff import HandoffPath

@@ -7,7 +7,7 @@ the decode's TOKENS itself, from the link's read callback); ABORT cancels one; S
 The server is the composition root: it builds the Producer (the pool exported once), a
 DecodeLink per decode daemon (DecodeLinks) and the RequestPipeline over them, and starts each
 link with the pipeline as its listener; nothing below holds the server. Life cycle and STATUS
-are common.server.DaemonServer's.
+are common.daemon.server.DaemonServer's.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import Any
 
 import structlog
 
-from common import daemon
-from common.channel import FrameChannel
-from common.config import PrefillConfig
+from common.daemon import lifecycle
+from common.daemon.rundir import check_free
+from common.daemon.runtime import ModelRuntime
+from common.daemon.server import DaemonServer
+from common.daemon.throughput import Throughput
 from common.errors import PdkvError, ProtocolError
 from common.model.sampling import SamplingParamsError
-from common.modelrt import ModelRuntime
 from common.protocol import (
     Abort,
     ConnectionClosed,
@@ -37,15 +38,15 @@ from common.protocol import (
     Status,
     make_error,
 )
-from common.rundir import check_free
-from common.server import DaemonServer
-from common.throughput import Throughput
+from common.wire.channel import FrameChannel
 from prefill_server.client_writer import ClientWriter
+from prefill_server.config import PrefillConfig
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.handshake import check_decode_option, make_producer
 from prefill_server.link import DecodeLink
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import RequestFailed
+from prefill_server.startup import load_runtime
 
 log = structlog.get_logger(__name__)
 
@@ -54,7 +55,7 @@ class PrefillServer(DaemonServer):
     role = "prefill"
     in_flight_name = "requests"
 
-    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: daemon.StopFlag) -> None:
+    def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: lifecycle.StopFlag) -> None:
         super().__init__(cfg, rt, cfg.client_path, stop)
         self.cfg: PrefillConfig = cfg
         self.producer = make_producer(cfg, rt)
@@ -275,8 +276,8 @@ async def serve(cfg: PrefillConfig) -> int:
     """Load the model, serve until SIGTERM/SIGINT, drain, exit code."""
     check_free(cfg.client_path, cfg.pidfile)  # fail fast, before loading the model
     check_decode_option(cfg)
-    return await daemon.serve_until_stopped(
-        lambda: ModelRuntime.load(cfg, "prefill"),
+    return await lifecycle.serve_until_stopped(
+        lambda: load_runtime(cfg),
         lambda rt, stop: PrefillServer(cfg, rt, stop),
         ModelRuntime.close,
     )

@@ -14,8 +14,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from common.allocator import BlockAllocator, BlockState, Lease
 from common.errors import AllocatorError, OutOfBlocks
+from common.kv.allocator import BlockAllocator, BlockState, Lease
 
 
 def test_allocate_hands_out_ascending_ids_and_appends() -> None:

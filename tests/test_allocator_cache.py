@@ -1,6 +1,6 @@
 """The prefix cache in the block allocator: named blocks shared by requests (refcounted), kept
 CACHED after their last holder and evicted least recently freed first only when FREE runs out;
-leased blocks never handed out; names from common.blockhash."""
+leased blocks never handed out; names from common.kv.blockhash."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from common.allocator import BlockAllocator, BlockState
-from common.blockhash import block_names, hash_seed
 from common.errors import AllocatorError, OutOfBlocks
+from common.kv.allocator import BlockAllocator, BlockState
+from common.kv.blockhash import block_names, hash_seed
 
 SEED = hash_seed(model="m", dtype="float32", block_size=4, layout={"num_layers": 2})
 

@@ -1,4 +1,4 @@
-"""Block names (common.blockhash) go on the wire and are compared across daemons: pinned to fixed
+"""Block names (common.kv.blockhash) go on the wire and are compared across daemons: pinned to fixed
 vectors, and the fast packing/hashing path checked against the plain definition (array.array
 packing, one BLAKE2b per block) on random prompts; LazyNames reads like the list it stands for,
 however much of it is computed."""
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.blockhash import LazyNames, block_names, hash_seed
+from common.kv.blockhash import LazyNames, block_names, hash_seed
 
 SEED = hash_seed(model="m", dtype="float32", block_size=16, layout={"num_layers": 2})
 INT64 = st.integers(-(2**63), 2**63 - 1)

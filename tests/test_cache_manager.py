@@ -18,14 +18,14 @@ import msgspec
 import pytest
 import torch
 
-from common.allocator import BlockAllocator
-from common.cache_manager import Cache, CacheManager
 from common.cuda import cuda_available
 from common.errors import IpcError, PdkvError
 from common.ipc.fdpass import recv_with_fds
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import ErrorCode, decode, encode
 from common.transfer import KVConsumer, KVProducer, TransferRefused
+from common.transfer.cache_manager import Cache, CacheManager
 
 LAYOUT = PoolLayout(
     num_blocks=16, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32"
@@ -35,11 +35,11 @@ LAYOUT = PoolLayout(
 # (arange), exports both once, then answers "check" requests about its own memory.
 OWNER = """
 import json, socket, sys, torch
-from common.cache_manager import Cache, CacheManager
+from common.transfer.cache_manager import Cache, CacheManager
 from common.cuda import cuda_available
 from common.ipc.fdpass import send_with_fds
 from common.ipc.shm import shm_empty
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 sock = socket.socket(fileno=int(sys.argv[1]))
 layout = PoolLayout.from_wire(json.loads(sys.argv[2]))
 device = sys.argv[3]

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.allocator import BlockAllocator
-from common.cache_manager import CacheManager
 from common.errors import IpcError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
+from common.kv.prefix_cache import PrefixCache
 from common.model.loader import tiny_model
 from common.model.paged import slots_for
-from common.prefix_cache import PrefixCache
+from common.transfer.cache_manager import CacheManager
 
 BLOCK = 4
 

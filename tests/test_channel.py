@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from common.channel import MAX_FDS_PER_MSG, FrameChannel, connect
 from common.errors import PdkvError, ProtocolError
 from common.protocol import (
     HEADER_SIZE,
@@ -29,6 +28,7 @@ from common.protocol import (
     encode,
 )
 from common.protocol.frame import HEADER
+from common.wire.channel import MAX_FDS_PER_MSG, FrameChannel, connect
 
 
 @pytest.fixture
@@ -537,8 +537,8 @@ async def test_spin_delivers_and_stops_after_its_window(
 
 _CLOSE_DURING_WRITE = """
 import asyncio, socket
-from common import daemon
-from common.channel import FrameChannel
+from common.daemon import lifecycle
+from common.wire.channel import FrameChannel
 from common.protocol import Error, ErrorCode, Ping
 
 async def main() -> int:
@@ -560,7 +560,7 @@ async def main() -> int:
     left.close(), right.close()
     return 0
 
-raise SystemExit(daemon.run(main))
+raise SystemExit(lifecycle.run(main))
 """
 
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from common import cuda
-from common.blockcopy import copy_blocks
 from common.errors import CudaError, IpcError
 from common.ipc.backends import backend_for
 from common.ipc.base import RegionDescriptor
 from common.ipc.events import CpuEventRing, event_ring, imported_event_ring
+from common.kv.blockcopy import copy_blocks
 
 pytestmark = pytest.mark.skipif(
     cuda.cuda_available(), reason="checks the no-GPU behaviour; this machine has a GPU"

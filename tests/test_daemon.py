@@ -7,7 +7,7 @@ import os
 import signal
 import time
 
-from common import daemon, heap
+from common.daemon import heap, lifecycle
 
 
 class FakeServer:
@@ -24,8 +24,8 @@ class FakeServer:
 
 def test_sigterm_while_serving_runs_the_shutdown_sequence():
     events: list[str] = []
-    code = daemon.run(
-        lambda: daemon.serve_until_stopped(
+    code = lifecycle.run(
+        lambda: lifecycle.serve_until_stopped(
             lambda: "model", lambda m, _stop: FakeServer(events), lambda m: events.append("close")
         )
     )
@@ -45,8 +45,8 @@ def test_sigterm_during_model_load_stops_cleanly_without_serving():
         time.sleep(0.2)
         return "model"
 
-    code = daemon.run(
-        lambda: daemon.serve_until_stopped(
+    code = lifecycle.run(
+        lambda: lifecycle.serve_until_stopped(
             slow_load, lambda m, _stop: FakeServer(events), lambda m: events.append(f"close {m}")
         )
     )
@@ -57,7 +57,7 @@ def test_sigterm_during_model_load_stops_cleanly_without_serving():
 def test_new_event_loop_is_uvloop_when_installed():
     import uvloop  # a dependency of pdkv on Linux
 
-    loop = daemon.new_event_loop()
+    loop = lifecycle.new_event_loop()
     try:
         assert isinstance(loop, uvloop.Loop)
     finally:

@@ -177,7 +177,8 @@ def test_the_env_example_names_every_daemon_setting_and_the_apis() -> None:
     option's and each API option's environment variable is in it (commented), none unknown."""
     from api_server.config import ApiConfig
     from common import settings
-    from common.config import DecodeConfig, PrefillConfig
+    from decode_server.config import DecodeConfig
+    from prefill_server.config import PrefillConfig
 
     text = (DEPLOY / "systemd" / "pdkv.env.example").read_text()
     named = set(re.findall(r"^#?(PDKV_[A-Z_]+)=", text, re.M))

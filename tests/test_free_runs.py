@@ -1,4 +1,4 @@
-"""The allocator's FREE blocks as runs (common.free_runs), against a plain set as the reference."""
+"""The allocator's FREE blocks as runs (common.kv.free_runs), against a plain set as the reference."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from common.allocator import BlockAllocator
-from common.free_runs import FreeRuns
-from common.kvpool import block_runs
+from common.kv.allocator import BlockAllocator
+from common.kv.free_runs import FreeRuns
+from common.kv.pool import block_runs
 
 
 def _runs(blocks: list[int]) -> int:

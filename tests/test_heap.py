@@ -1,4 +1,4 @@
-"""common.heap: the startup heap frozen out of every later collection, long collections logged."""
+"""common.daemon.heap: the startup heap frozen out of every later collection, long collections logged."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import structlog
 
-from common import heap
+from common.daemon import heap
 
 
 def test_freezing_moves_every_live_object_out_of_the_collected_generations():

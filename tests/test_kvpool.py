@@ -10,7 +10,7 @@ import torch
 
 from common.errors import IpcError, PdkvError
 from common.ipc.shm import is_shm
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 
 
 def layout(**overrides: object) -> PoolLayout:

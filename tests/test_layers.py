@@ -130,8 +130,13 @@ def test_only_the_app_imports_the_app():
             assert not any(d == "pdkv" or d.startswith("pdkv.") for d in deps), name
 
 
-WIRE = ("common.channel", "common.tcplink", "common.fd_inbox", "common.frame_reader")
-TRANSFER = ("common.transfer", "common.cache_manager", "common.layerwise")
+WIRE = (
+    "common.wire.channel",
+    "common.wire.tcplink",
+    "common.wire.fd_inbox",
+    "common.wire.frame_reader",
+)
+TRANSFER = ("common.transfer", "common.transfer.cache_manager", "common.transfer.layerwise")
 
 
 def _in(name: str, layer: tuple[str, ...]) -> bool:
@@ -143,7 +148,7 @@ def test_the_wire_and_the_transfer_meet_only_in_the_message_types():
     transfer imports of the wire only its message types (common.protocol)."""
     graph = _graph()
     wire = [n for n in graph if _in(n, WIRE) or _in(n, ("common.protocol",))]
-    assert {"common.channel", "common.tcplink", "common.fd_inbox"} <= set(wire)
+    assert {"common.wire.channel", "common.wire.tcplink", "common.wire.fd_inbox"} <= set(wire)
     for name in wire:
         into = {d for d in graph[name] if _in(d, TRANSFER)}
         assert not into, f"{name} imports {into}"

@@ -1,4 +1,4 @@
-"""A prompt's block names computed only as far as they are read (common.blockhash.LazyNames):
+"""A prompt's block names computed only as far as they are read (common.kv.blockhash.LazyNames):
 the same names as block_names, whichever way they are read, and a lookup that misses at the first
 block computes one name, not one per block."""
 
@@ -8,10 +8,10 @@ import random
 
 import pytest
 
-from common.allocator import BlockAllocator
-from common.blockhash import LazyNames, block_names, hash_seed
-from common.kvpool import PoolLayout
-from common.prefix_cache import PrefixCache
+from common.kv.allocator import BlockAllocator
+from common.kv.blockhash import LazyNames, block_names, hash_seed
+from common.kv.pool import PoolLayout
+from common.kv.prefix_cache import PrefixCache
 
 SEED = hash_seed(model="m", dtype="float32", block_size=16, layout={"num_layers": 2})
 

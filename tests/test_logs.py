@@ -1,4 +1,4 @@
-"""common.logs: each log line reaches its stream in one write, so that processes sharing a log
+"""common.daemon.logs: each log line reaches its stream in one write, so that processes sharing a log
 file (an API's workers, all on the one file `pdkv api start --background` opens) never
 interleave inside a line."""
 
@@ -12,7 +12,7 @@ import sys
 def test_two_processes_logging_to_one_file_keep_every_line_whole(tmp_path) -> None:
     code = (
         "import sys, structlog\n"
-        "from common import logs\n"
+        "from common.daemon import logs\n"
         "logs.configure('json', 'INFO')\n"
         "log = structlog.get_logger('t')\n"
         "for i in range(3000):\n"

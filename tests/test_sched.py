@@ -1,4 +1,4 @@
-"""common.sched: the loop thread's scheduler slice and whether two processes share a CPU."""
+"""common.daemon.sched: the loop thread's scheduler slice and whether two processes share a CPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from common import sched
+from common.daemon import sched
 
 
 def _slice_ns(path: str = "/proc/thread-self/sched") -> int | None:

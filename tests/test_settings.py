@@ -15,12 +15,13 @@ from click.testing import CliRunner
 
 from api_server.config import ApiConfig
 from common import settings
-from common.config import DecodeConfig, PrefillConfig
 from common.settings import Setting, declared
+from decode_server.config import DecodeConfig
 from pdkv import settings_doc
 from pdkv.cli import cli
 from pdkv.cli_options import config_options
 from pdkv.commands import Globals, background_argv, make_config
+from prefill_server.config import PrefillConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 OPERATIONS = ROOT / "docs" / "operations.md"

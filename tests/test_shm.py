@@ -21,7 +21,7 @@ from common.ipc.backends import backend_for
 from common.ipc.base import RegionDescriptor
 from common.ipc.fdpass import recv_exact_with_fds, recv_with_fds, send_with_fds
 from common.ipc.shm import ShmRegion, is_shm, shm_empty
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 60  # seconds for any wait on the child; a failure must not hang the suite
@@ -285,7 +285,7 @@ import msgspec, torch
 from common.ipc.base import RegionDescriptor
 from common.ipc.fdpass import recv_exact_with_fds, send_with_fds
 from common.ipc.shm import ShmRegion
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 
 sock = socket.socket(fileno=int(sys.argv[1]))
 sock.settimeout(60)

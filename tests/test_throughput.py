@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.throughput import Throughput
+from common.daemon.throughput import Throughput
 
 
 def test_rate_is_over_the_window_and_forgets_old_seconds() -> None:

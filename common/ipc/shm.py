@@ -47,7 +47,7 @@ from common.ipc.base import (
 
 log = structlog.get_logger(__name__)
 
-_ALLOC_HINT = "allocate it with common.ipc.shm.shm_empty() or common.kvpool.KVPool.create()"
+_ALLOC_HINT = "allocate it with common.ipc.shm.shm_empty() or common.kv.pool.KVPool.create()"
 
 
 class _Mapping:

@@ -39,7 +39,7 @@ class ConnectionClosed(PdkvError):
 
 
 class ExactReader(Protocol):
-    """What the decoder reads from: asyncio.StreamReader, or common.channel.FrameChannel."""
+    """What the decoder reads from: asyncio.StreamReader, or common.wire.channel.FrameChannel."""
 
     async def readexactly(self, n: int) -> bytes: ...
 

@@ -12,7 +12,7 @@
 
 Messages cross between the sides only as `common.protocol` frames (REGISTER → consumer, HANDOFF
 → consumer, RELEASE → producer, and a transport's own frames through `handle_frame`).
-`common.cache_manager.CacheManager` uses the same IPC objects as the daemons.
+`common.transfer.cache_manager.CacheManager` uses the same IPC objects as the daemons.
 """
 
 from common.transfer.consumer import KVConsumer

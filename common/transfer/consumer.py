@@ -26,12 +26,12 @@ from collections.abc import Callable
 import structlog
 import torch
 
-from common.blockids import check_block_ids
 from common.errors import IpcError, PdkvError
 from common.ipc.backends import backend_for
 from common.ipc.base import SharedRegion
 from common.ipc.events import ImportedEventRing
-from common.kvpool import KVPool, PoolLayout
+from common.kv.blockids import check_block_ids
+from common.kv.pool import KVPool, PoolLayout
 from common.model.paged import blocks_for
 from common.protocol import ErrorCode, Handoff, Register
 from common.transfer.completion import CompletionWaiter

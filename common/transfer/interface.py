@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from common.allocator import BlockAllocator
 from common.errors import PdkvError
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import ErrorCode, Handoff, Message, MsgType, Register, Registered
 
 PullDone = Callable[[BaseException | None], None]
@@ -53,7 +53,7 @@ class Capabilities:
 @dataclass(frozen=True, slots=True)
 class PullPlan:
     """A checked pull, ready to start (`Consumer.plan`); `kernel` is the prepared launch on a
-    GPU (common.blockcopy.KernelCopy), None where the copy needs none; `tag` the push an early
+    GPU (common.kv.blockcopy.KernelCopy), None where the copy needs none; `tag` the push an early
     HANDOFF asked for already (NixlConsumer.early)."""
 
     src_ids: list[int]

@@ -43,9 +43,9 @@ from collections.abc import Callable
 
 import structlog
 
-from common.blockids import check_block_ids
 from common.errors import IpcError, PdkvError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.blockids import check_block_ids
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import (
     ErrorCode,
     Handoff,

@@ -35,9 +35,9 @@ import asyncio
 
 import structlog
 
-from common.allocator import BlockAllocator
 from common.errors import PdkvError
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import Message, MsgType, NixlRegion, Push, PushFailed, Register, Registered
 from common.transfer.interface import Capabilities, Producer, Reply
 from common.transfer.nixl_agent import NixlAgent, NixlTransferCancelled

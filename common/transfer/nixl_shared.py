@@ -7,7 +7,7 @@ they are one memcpy on one host (`kvpool.block_runs`).
 from __future__ import annotations
 
 from common.errors import PdkvError
-from common.kvpool import PoolLayout, block_runs
+from common.kv.pool import PoolLayout, block_runs
 from common.protocol import NixlRegion
 
 #: pull: the decode READs; push: the prefill WRITEs (the default: see nixl_consumer).

@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import Message, Register
 from common.transfer.nixl_agent import NixlAgent, load_nixl
 from common.transfer.nixl_consumer import NixlConsumer

@@ -23,10 +23,10 @@ from __future__ import annotations
 import structlog
 import torch
 
-from common.allocator import BlockAllocator
 from common.errors import IpcError
 from common.ipc.events import EventRing
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import Register
 from common.transfer.interface import Producer
 from common.transfer.regions import export_region

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from common.allocator import BlockAllocator
 from common.errors import PdkvError
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import Message, Register
 from common.transfer.interface import Consumer, Producer
 

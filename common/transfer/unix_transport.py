@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool
 from common.protocol import Message, Register
 from common.transfer.consumer import KVConsumer
 from common.transfer.producer import KVProducer

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import Message, Push, Register, Registered, decode, encode
 from common.transfer.nixl_agent import NixlAgent
 from common.transfer.nixl_sides import NixlConsumer, NixlProducer

@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 import pytest_asyncio
 import torch
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import Message, Push, Registered, decode
 from common.transfer.nixl_agent import NixlAgent
 from common.transfer.nixl_sides import NixlProducer

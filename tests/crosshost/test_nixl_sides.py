@@ -12,7 +12,7 @@ import pytest_asyncio
 import torch
 
 from common.errors import IpcError
-from common.kvpool import KVPool, block_runs
+from common.kv.pool import KVPool, block_runs
 from common.protocol import PushFailed, decode
 from common.transfer.interface import AFTER_DONE, PullPlan
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from common.channel import FrameChannel
 from common.errors import PdkvError, ProtocolError
 from common.protocol import Ping
-from common.tcplink import load_link_key, parse_tcp, proof, proof_ok
+from common.wire.channel import FrameChannel
+from common.wire.tcplink import load_link_key, parse_tcp, proof, proof_ok
 
 KEY = b"0123456789abcdef0123456789abcdef"
 

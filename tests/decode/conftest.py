@@ -19,15 +19,16 @@ from typing import Any
 import pytest
 import torch
 
-from common.config import DecodeConfig
-from common.kvpool import KVPool, PoolLayout
+from common.daemon.runtime import ModelRuntime
+from common.kv.pool import KVPool, PoolLayout
 from common.model.paged import blocks_for, slots_for
 from common.model.sampling import SamplingParams, make_generator, sample
-from common.modelrt import ModelRuntime
 from common.protocol import Handoff, Message, StepTokens
 from common.transfer import KVConsumer, KVProducer
 from common.transfer.consumer import AFTER_DONE
+from decode_server.config import DecodeConfig
 from decode_server.requests import DecodeRequests
+from decode_server.startup import load_runtime
 
 
 @dataclass(eq=False)
@@ -96,14 +97,14 @@ def rt(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ModelRuntime]:
     cfg = DecodeConfig(
         runtime_dir=tmp_path_factory.mktemp("rt"), device="cpu", num_blocks=24, block_size=4
     )
-    runtime = ModelRuntime.load(cfg, "decode")
+    runtime = load_runtime(cfg)
     yield runtime
     runtime.close()
 
 
 @pytest.fixture
 def side(rt: ModelRuntime) -> Iterator[Side]:
-    from common.allocator import BlockAllocator
+    from common.kv.allocator import BlockAllocator
 
     layout = PoolLayout(**{**rt.layout.to_wire(), "num_blocks": 32})
     pool = KVPool.create(layout)

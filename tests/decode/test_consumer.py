@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.errors import IpcError, PdkvError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode, Handoff, Register
 from common.transfer import KVConsumer, TransferRefused

@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from common.config import DecodeConfig
 from common.model import reference
 from common.protocol import Finish, KvReady, Tokens
 from common.transfer import KVConsumer
+from decode_server.config import DecodeConfig
 from decode_server.prefill_first import PrefillFirst
 from decode_server.requests import DecodeRequests
 from tests.decode.conftest import FakeLink, Side

@@ -1,6 +1,6 @@
 """Hand-driven peers over real sockets: a fake prefill (link client) and a fake decode (link server).
 
-Both speak the real protocol through common.channel.FrameChannel with a real shared-memory pool, so the
+Both speak the real protocol through common.wire.channel.FrameChannel with a real shared-memory pool, so the
 daemon under test sees exactly what a real peer would send, until the test makes the fake misbehave.
 """
 
@@ -13,9 +13,8 @@ import socket
 import threading
 from pathlib import Path
 
-from common.channel import FrameChannel, connect
 from common.ipc.shm import ShmRegion
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -36,6 +35,7 @@ from common.protocol import (
     Usage,
     fingerprint,
 )
+from common.wire.channel import FrameChannel, connect
 
 BLOCK = 16
 

@@ -298,7 +298,7 @@ def test_register_with_a_malformed_event_segment_is_a_bad_request(lpair, tiny):
 
 
 async def _hello(fake: FakePrefill, path: str):  # type: ignore[no-untyped-def]
-    from common.channel import connect as fconnect
+    from common.wire.channel import connect as fconnect
 
     ch = await fconnect(path)
     hello = Hello(

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from common.blockcopy import copy_blocks, copy_ids_cuda
 from common.errors import CudaError
 from common.ipc.events import EventRing
+from common.kv.blockcopy import copy_blocks, copy_ids_cuda
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def test_event_ring_acquire_exhausts() -> None:
 def test_a_planned_pull_launches_the_same_copy_later() -> None:
     """KVPool.plan_kernel_copy checks and prepares now, KernelCopy.launch only enqueues: the
     blocks equal those copy_blocks_from gives, and what the kernel cannot take plans None."""
-    from common.kvpool import KVPool, PoolLayout
+    from common.kv.pool import KVPool, PoolLayout
 
     layout = PoolLayout(
         num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=16, block_size=16, dtype="bfloat16"

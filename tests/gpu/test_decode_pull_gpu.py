@@ -15,15 +15,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.allocator import BlockAllocator
-from common.config import DecodeConfig
-from common.kvpool import KVPool, PoolLayout
+from common.daemon.runtime import ModelRuntime
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
 from common.protocol import Finish, Release, Tokens
 from common.transfer import KVConsumer, KVProducer
+from decode_server.config import DecodeConfig
 from decode_server.requests import DecodeRequests
+from decode_server.startup import load_runtime
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_requests import decode_until
 
@@ -38,7 +39,7 @@ def rt(tmp_path: Path) -> Iterator[ModelRuntime]:
     cfg = DecodeConfig(
         runtime_dir=tmp_path, device="cuda:0", dtype="float32", num_blocks=256, block_size=4
     )
-    runtime = ModelRuntime.load(cfg, "decode")
+    runtime = load_runtime(cfg)
     yield runtime
     runtime.close()
 

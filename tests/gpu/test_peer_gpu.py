@@ -9,10 +9,10 @@ import gpu_procs
 import pytest
 import torch
 
-from common.blockcopy import copy_blocks
 from common.ipc.cuda_raw import CudaRawRegion
 from common.ipc.events import imported_event_ring
-from common.kvpool import KVPool, PoolLayout
+from common.kv.blockcopy import copy_blocks
+from common.kv.pool import KVPool, PoolLayout
 from common.transfer.regions import open_region
 
 pytestmark = pytest.mark.gpu

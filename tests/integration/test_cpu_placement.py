@@ -2,7 +2,7 @@
 a decode with a CPU of its own polls its link for each early HANDOFF's KV_READY (instead of
 sleeping in epoll through the prefill's forward), a decode sharing its CPUs with the prefill
 never does; either way both loop threads ask the kernel for a short slice, the torch threads
-keep the default (common/sched.py)."""
+keep the default (common/daemon/sched.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from common import client, sched
+from common import client
+from common.daemon import sched
 from common.sampling_params import SamplingParams
 from tests.integration.conftest import Pair, wait_ready
 

@@ -3,7 +3,7 @@
 Its shutdown sequence ends with the `<role>_stopped` line; what followed it was CPython's
 interpreter finalization (full GC passes over the heap torch builds, then torch's static
 destructors): 0.75-1.0 s on a 2-core VM for the tiny model, 0.6-0.8 s on an H200 host, before the
-process was gone. common.daemon.exit_now skips it. The bound below is a behaviour bound, not a
+process was gone. common.daemon.lifecycle.exit_now skips it. The bound below is a behaviour bound, not a
 benchmark: several times what the exit takes now (~0.1 s), below what it took before.
 """
 

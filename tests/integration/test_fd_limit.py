@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.server import FD_HEADROOM
+from common.daemon.server import FD_HEADROOM
 from tests.integration.conftest import Daemon, wait_ready
 
 

@@ -1,4 +1,4 @@
-"""Triton's kernel cache directory (common.kernel_cache): the setting, TRITON_CACHE_DIR or the
+"""Triton's kernel cache directory (common.daemon.kernel_cache): the setting, TRITON_CACHE_DIR or the
 default, set in the daemon process before anything imports triton.
 
 The daemon test puts a stand-in `triton` package first on the daemon's path that records the
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from common import kernel_cache
-from common.config import DecodeConfig, PrefillConfig
+from common.daemon import kernel_cache
 from common.settings import declared
+from decode_server.config import DecodeConfig
+from prefill_server.config import PrefillConfig
 from tests.integration.conftest import Pair
 
 STAND_IN = """\

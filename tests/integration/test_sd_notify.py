@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common import client
-from common.notify import notify
+from common.daemon.notify import notify
 from tests.integration.conftest import Pair, wait_ready
 
 

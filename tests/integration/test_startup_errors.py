@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from common.config import DecodeConfig
-from common.modelrt import ModelRuntime
+from common.daemon.runtime import ModelRuntime
+from decode_server.config import DecodeConfig
 from tests.model.test_hf_checkpoint import save_hf_llama
 
 

@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-from common.config import PrefillConfig
 from common.model.sampling import SamplingParams
 from common.model.warmup import (
     batch_buckets,
@@ -21,6 +20,7 @@ from common.model.warmup import (
     prefill_token_buckets,
 )
 from prefill_server.batcher import PrefillBatcher
+from prefill_server.config import PrefillConfig
 
 CASES = [  # (budget, longest prompt): CUDA's default budget, CPU's, one prompt longer than it
     (PrefillConfig().prefill_budget("cuda"), 2048),

@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.channel import connect
-from common.config import PrefillConfig
+from common.daemon.runtime import ModelRuntime
 from common.model.loader import load_model
-from common.modelrt import ModelRuntime
 from common.protocol import Error, Finish, Generate, Tokens, encode
+from common.wire.channel import connect
+from prefill_server.config import PrefillConfig
+from prefill_server.startup import load_runtime
 from tests.integration.conftest import Pair, runtime_dir
 
 __all__ = [
@@ -103,6 +104,6 @@ def _runtime(
     cfg = PrefillConfig(
         runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=num_blocks
     )
-    runtime = ModelRuntime.load(cfg, "prefill")
+    runtime = load_runtime(cfg)
     yield cfg, runtime
     runtime.close()

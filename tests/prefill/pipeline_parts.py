@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from common.config import PrefillConfig
+from common.daemon.runtime import ModelRuntime
 from common.ipc.events import CpuEventRing
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
 from common.protocol import Generate, Message
 from common.transfer import KVProducer
 from prefill_server.client_writer import ClientWriter
+from prefill_server.config import PrefillConfig
 from prefill_server.decode_links import DecodeLinks
 from prefill_server.link import DecodeLoad
 from prefill_server.pipeline import RequestPipeline

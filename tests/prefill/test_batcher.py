@@ -11,10 +11,10 @@ import types
 
 import pytest
 
+from common.daemon.runtime import ModelRuntime
 from common.ipc.events import CpuEventRing
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
 from common.protocol import ErrorCode
 from common.timings import Marks
 from common.transfer import KVProducer

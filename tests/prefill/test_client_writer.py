@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from common.channel import FrameChannel
 from common.protocol import ErrorCode, Finish, Tokens, Usage, make_error
+from common.wire.channel import FrameChannel
 from prefill_server.client_writer import ClientWriter
 
 

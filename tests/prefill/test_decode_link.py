@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
-from common.allocator import BlockAllocator
-from common.config import PrefillConfig
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import Message
 from common.transfer import KVProducer
+from prefill_server.config import PrefillConfig
 from prefill_server.link import DecodeLink
 
 

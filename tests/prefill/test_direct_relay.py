@@ -11,7 +11,6 @@ import contextlib
 import socket
 
 from common import client
-from common.channel import FrameChannel
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import (
@@ -26,6 +25,7 @@ from common.protocol import (
     encode,
     split_frame,
 )
+from common.wire.channel import FrameChannel
 from prefill_server.client_writer import ClientWriter
 from tests.faults.conftest import poll, status
 from tests.prefill.conftest import BLOCK, events, prompts

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from common.config import PrefillConfig
+from common.daemon.runtime import ModelRuntime
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
 from common.protocol import Release
 from common.transfer import KVProducer
+from prefill_server.config import PrefillConfig
 from prefill_server.phase import Phase
 from prefill_server.pipeline import RequestPipeline
 from prefill_server.request import PrefillRequest
+from prefill_server.startup import load_runtime
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +24,7 @@ def cfg_rt(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[PrefillConfig, ModelRuntime]]:
     cfg = PrefillConfig(runtime_dir=Path(tmp_path_factory.mktemp("rt")), device="cpu", num_blocks=8)
-    runtime = ModelRuntime.load(cfg, "prefill")
+    runtime = load_runtime(cfg)
     yield cfg, runtime
     runtime.close()
 

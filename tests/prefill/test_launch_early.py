@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from common.daemon.runtime import ModelRuntime
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.modelrt import ModelRuntime
 from common.transfer import KVProducer
 from prefill_server.forward import (
     MAX_LAUNCHED,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from common.allocator import BlockState
+from common.kv.allocator import BlockState
 from common.protocol import Abort, Finish, Handoff, KvReady, Release, Usage
 from tests.prefill.pipeline_parts import Setup, cancelled
 

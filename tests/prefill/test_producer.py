@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from common.allocator import BlockAllocator
 from common.ipc.events import CpuEventRing
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import decode, encode
 from common.transfer import KVProducer
 

@@ -3,8 +3,8 @@ asks (Producer.leased_to, over a real allocator)."""
 
 from __future__ import annotations
 
-from common.allocator import BlockAllocator
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.transfer import KVProducer
 
 LAYOUT = PoolLayout(

@@ -15,9 +15,9 @@ import msgspec
 import pytest
 import torch
 
-from common.allocator import BlockAllocator
 from common.errors import PdkvError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import ErrorCode, MsgType, NixlRegion, Ping, PushFailed, Registered
 from common.transfer import Consumer, KVConsumer, KVProducer, Producer, TransferRefused, registry
 from common.transfer.nixl_agent import nixl_available

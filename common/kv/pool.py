@@ -15,16 +15,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from common.blockids import BlockIds, block_id_array, check_block_ids
 from common.cuda import has_extension
 from common.errors import IpcError
-from common.pool_layout import PoolLayout
+from common.kv.blockids import BlockIds, block_id_array, check_block_ids
+from common.kv.layout import PoolLayout
 
 # A pull copies run by run (one memcpy per run of adjacent blocks) while that is cheaper than one
 # gather + one scatter (index_select/index_copy_, which moves every byte twice). Measured on the
 # 2-core CPU box, 64 blocks: a run costs ~9 µs of Python/dispatch; the indexed path wins for
 # fragmented lists of small blocks (8 KiB: above ~4 runs; 64 KiB: above ~32) and loses at any run
-# count once blocks reach ~128 KiB. On CUDA the pull is common.blockcopy's single kernel launch.
+# count once blocks reach ~128 KiB. On CUDA the pull is common.kv.blockcopy's single kernel launch.
 _MIN_RUN_LIMIT = 4
 _RUN_BYTES_BREAK_EVEN = 2048  # CPU: runs allowed per pull ≈ block_nbytes / this
 _SMALL = 32  # id lists up to this long find their runs in plain Python
@@ -128,7 +128,7 @@ class KVPool:
         destination ids distinct. Between distinct CPU pools, each run of adjacent ids is one
         memmove; a copy within one pool (or between two pools over the same memory) takes one
         gather + one scatter, which is safe when source and destination blocks overlap. On one GPU
-        it is common.blockcopy's kernel, queued on `stream` (default: the current stream), the
+        it is common.kv.blockcopy's kernel, queued on `stream` (default: the current stream), the
         ids passed as launch parameters: the caller orders it after the producer's event and
         records an event (or synchronizes) before reading the result. A source on another device
         is read through torch's peer copy, the gather on its GPU ordered after this device's
@@ -158,13 +158,13 @@ class KVPool:
             # another device, or memory mapped in another GPU's context (cuda-torch imports):
             # torch's peer copy reads it, a kernel on this GPU could not; the gather on the
             # source GPU is ordered after our current stream (the producer's event wait)
-            from common.blockcopy import gather_after, ids_on
+            from common.kv.blockcopy import gather_after, ids_on
 
             picked = gather_after(src.tensor, torch.from_numpy(s), self.device)
             self.tensor.index_copy_(0, ids_on(torch.from_numpy(d), self.device), picked)
             return
         if kernel:
-            from common.blockcopy import copy_checked_blocks, copy_ids_cuda
+            from common.kv.blockcopy import copy_checked_blocks, copy_ids_cuda
 
             if has_extension():  # one launch per 480 blocks, nothing else on the host
                 copy_ids_cuda(self.tensor, src.tensor, s, d, stream)
@@ -187,7 +187,7 @@ class KVPool:
     def plan_kernel_copy(self, src: KVPool, src_ids: BlockIds, dst_ids: BlockIds) -> Any:
         """`copy_blocks_from` checked and made ready ahead of time, when it would be the one
         kernel launch (one GPU, distinct pools, the extension built): a
-        common.blockcopy.KernelCopy to `launch(stream)` later, else None (copy then with
+        common.kv.blockcopy.KernelCopy to `launch(stream)` later, else None (copy then with
         copy_blocks_from). Raises IpcError as copy_blocks_from would."""
         if not (self._dev == src._dev and self._dev[0] == "cuda" and has_extension()):
             return None
@@ -196,7 +196,7 @@ class KVPool:
         s, d = self._checked_ids(src, src_ids, dst_ids)
         if not d.size:
             return None
-        from common.blockcopy import KernelCopy
+        from common.kv.blockcopy import KernelCopy
 
         return KernelCopy.between(self.tensor, src.tensor, s, d)
 

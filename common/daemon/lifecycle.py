@@ -23,11 +23,11 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import structlog
 
-from common import heap, sched
-from common.channel import peer_credentials
-from common.notify import notify
+from common.daemon import heap, sched
+from common.daemon.notify import notify
+from common.daemon.rundir import claim_socket_path
 from common.protocol import ErrorCode, encode, make_error
-from common.rundir import claim_socket_path
+from common.wire.channel import peer_credentials
 
 log = structlog.get_logger(__name__)
 R = TypeVar("R")
@@ -196,7 +196,7 @@ async def serve_until_stopped(
         await server.start()
         heap.freeze_startup_heap()  # no full collection walks the model's objects again
         # a frame that wakes the loop preempts what runs on its CPU (a client, the other
-        # daemon's torch thread) instead of waiting for it to sleep: common/sched.py
+        # daemon's torch thread) instead of waiting for it to sleep: common/daemon/sched.py
         sched.set_slice(sched.LOOP_SLICE_US)
         pauses = heap.watch_pauses()
         ready = asyncio.create_task(_notify_ready(server), name="sd-notify-ready")

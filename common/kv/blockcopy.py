@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.blockids import block_id_array
 from common.cuda import cuda_errors, ext, has_extension, stream_ptr
 from common.errors import IpcError
+from common.kv.blockids import block_id_array
 
 _PEERS: set[tuple[int, int]] = set()
 

@@ -1,9 +1,9 @@
 """A daemon's prefix cache, as its request path uses it: a prompt's block names, the cached blocks
 it may reuse, publishing its blocks once their KV is written, and the counters STATUS reports
 (`pdkv status`, the API's /metrics). The blocks' states live in the allocator
-(common/allocator.py); this is the policy around it, the same in both daemons:
+(common/kv/allocator.py); this is the policy around it, the same in both daemons:
 
-- only full blocks are named (common/blockhash.py);
+- only full blocks are named (common/kv/blockhash.py);
 - a prompt reuses the longest run of cached blocks from its start, but never the block holding
   its last token: the prefill computes at least that token (its logits give the first token),
   and the decode pulls at least that block (a pull is never empty);
@@ -18,9 +18,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from common.allocator import BlockAllocator
-from common.blockhash import LazyNames, hash_seed
-from common.kvpool import PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.blockhash import LazyNames, hash_seed
+from common.kv.pool import PoolLayout
 
 
 class PrefixCache:

@@ -1,7 +1,7 @@
 """The lease book of a BlockAllocator: which requests each holder (a link) leases, and their
 deadlines in a heap with lazy deletion. Pure, no clock.
 
-Split out of common/allocator.py, whose state machine asks it to record a lease (`add`, which
+Split out of common/kv/allocator.py, whose state machine asks it to record a lease (`add`, which
 returns the lease's sequence number), forget one (`end`), list a holder's requests (`of_holder`)
 and the leases due by a time (`due`). A heap entry is live while its request still holds the lease
 of that sequence number; the allocator answers that through the `live` callable, so an ended lease

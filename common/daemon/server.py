@@ -5,7 +5,7 @@ subclass's parts and accepts connections (SO_PEERCRED-checked), each served in i
 `shutdown` is one sequence: stop accepting and remove the socket; wait, under `drain_timeout_s`,
 while work is in flight (not when the daemon has failed: nothing would finish); `end_remaining` (answer whoever still waits, end the links); cancel and
 await every task; close the model runtime and the subclass's parts; remove the pidfile. Signals
-and the model load around it are `common.daemon.serve_until_stopped`'s.
+and the model load around it are `common.daemon.lifecycle.serve_until_stopped`'s.
 
 A subclass gives: `role`, the socket path, `serve_connection(sock)`, `in_flight()`,
 `end_remaining()`, `links()` and `throughput` for STATUS, and optionally `start_parts()`,
@@ -24,12 +24,12 @@ from typing import Any, ClassVar
 
 import structlog
 
-from common import daemon
-from common.config import DaemonConfig
-from common.modelrt import ModelRuntime
+from common.daemon import lifecycle
+from common.daemon.config import DaemonConfig
+from common.daemon.rundir import remove_file, write_pidfile
+from common.daemon.runtime import ModelRuntime
+from common.daemon.throughput import Throughput
 from common.protocol import StatusReply
-from common.rundir import remove_file, write_pidfile
-from common.throughput import Throughput
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +42,7 @@ class DaemonServer:
     in_flight_name: ClassVar[str]  # what in_flight() counts, for the draining log line
 
     def __init__(
-        self, cfg: DaemonConfig, rt: ModelRuntime, socket_path: Path, stop: daemon.StopFlag
+        self, cfg: DaemonConfig, rt: ModelRuntime, socket_path: Path, stop: lifecycle.StopFlag
     ) -> None:
         self.cfg = cfg
         self.rt = rt
@@ -95,10 +95,10 @@ class DaemonServer:
     # ---- life cycle ------------------------------------------------------------------------------
     async def start(self) -> None:
         self._fd_limit()
-        self._listen = daemon.bind_unix_socket(self.socket_path, group=self.cfg.socket_group)
+        self._listen = lifecycle.bind_unix_socket(self.socket_path, group=self.cfg.socket_group)
         write_pidfile(self.cfg.pidfile)
         self.start_parts()
-        accept = daemon.accept_loop(
+        accept = lifecycle.accept_loop(
             self._listen,
             self.cfg.uids(),
             self.serve_connection,
@@ -112,7 +112,7 @@ class DaemonServer:
     def _fd_limit(self) -> None:
         """Room for --max-connections plus the daemon's own fds (links, pool, logs, torch)."""
         want = self.cfg.max_connections + FD_HEADROOM
-        before, after = daemon.raise_fd_limit(want)
+        before, after = lifecycle.raise_fd_limit(want)
         if after < want:
             log.warning(
                 "fd_limit_below_max_connections",

@@ -1,9 +1,9 @@
-"""The receiving half of a framed Unix-socket channel (common/channel.py's FrameChannel), with file
+"""The receiving half of a framed Unix-socket channel (common/wire/channel.py's FrameChannel), with file
 descriptors (SCM_RIGHTS).
 
 asyncio's streams cannot carry ancillary data, and the shm backend passes its memfd with the REGISTER
 frame, so the link reads with this instead: a reader callback drains the socket with recvmsg into a
-buffer, and the fds that came with the bytes into common/fd_inbox.py's FdInbox. Frames leave the
+buffer, and the fds that came with the bytes into common/wire/fd_inbox.py's FdInbox. Frames leave the
 buffer either through `recv` (`readexactly` serves the frame decoder; reading pauses past `max_buffer` bytes) or, on an
 established link, through `dispatch(handler)`, which splits and handles them in the callback
 itself; `spin` polls instead of sleeping while an answer is due.
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable
 
 from common.errors import ProtocolError
-from common.fd_inbox import CMSG_SPACE, MAX_FDS_HELD, MAX_FDS_PER_MSG, FdInbox
 from common.protocol import ConnectionClosed, Message, read_frame, split_frame
 from common.protocol.frame import HEADER, HEADER_SIZE
+from common.wire.fd_inbox import CMSG_SPACE, MAX_FDS_HELD, MAX_FDS_PER_MSG, FdInbox
 
 _RECV_SIZE = 256 * 1024  # read buffer while a large frame arrives
 _SMALL_RECV_SIZE = 16 * 1024  # read buffer otherwise

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,21 +19,23 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
-from common import kernel_cache
-from common.allocator import BlockAllocator
-from common.config import DaemonConfig
+from common.daemon import kernel_cache
+from common.daemon.config import DaemonConfig
+from common.daemon.sched import default_slice
+from common.daemon.throughput import Throughput
 from common.errors import PdkvError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.allocator import BlockAllocator
+from common.kv.pool import KVPool, PoolLayout
+from common.kv.prefix_cache import PrefixCache
 from common.model.loader import load_model, resolve_dtype
 from common.model.paged import blocks_for
-from common.prefix_cache import PrefixCache
 from common.protocol import ModelCard, compat_fields, fingerprint
-from common.sched import default_slice
-from common.throughput import Throughput
 from common.transfer.regions import default_backend
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
+#: a daemon's warm-up (ModelRuntime.load): (runtime, widest block table) -> its CUDA graphs
+Warm = Callable[["ModelRuntime", int], Any]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -69,80 +70,6 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return name
 
 
-def _capture_runner(
-    model: Any, kv: torch.Tensor, stream: Any, max_batch: int, max_blocks: int
-) -> Any:
-    """Build the decode daemon's CUDA-graph runner (on the torch thread, on its stream): one
-    graph per batch bucket, compiled and captured now, and the sampler's kernels run once
-    (common.model.warmup)."""
-    from common.model.runner import DecodeRunner
-    from common.model.warmup import warm_sampling
-
-    start = time.perf_counter()
-    with torch.cuda.stream(stream):
-        runner = DecodeRunner(model, kv, max_batch=max_batch, max_blocks=max_blocks)
-        runner.capture()
-        warm_sampling(runner.run([1], [0], [-1], [[0]])[1])
-        stream.synchronize()
-    log.info(
-        "kernels_warmed",
-        role="decode",
-        shapes=len(runner.buckets) + 1,
-        graphs=runner.buckets,
-        max_blocks=max_blocks,
-        seconds=round(time.perf_counter() - start, 3),
-    )
-    return runner
-
-
-def _warm_prefill(model: Any, kv: torch.Tensor, stream: Any, budget: int, max_prompt: int) -> None:
-    """Run the prefill's kernels once per shape class before serving (torch thread, its
-    stream; common.model.warmup), so that no request waits for Triton to compile them or for
-    a GEMM kernel's first load: the prefill's forwards, then the paged-context ones of a prefix
-    cache hit or a chunk (`warm_context`), then the sampler. Measured without it: a fresh
-    prefill daemon's first forward of several prompts took 0.9 s instead of 0.05 s. Nothing is
-    written into the pool."""
-    from common.model import warmup
-
-    buckets = warmup.prefill_token_buckets(budget, max_prompt)
-    groups = warmup.prefill_groups(buckets, budget, max_prompt)
-    contexts = warmup.context_groups(kv.shape[3])
-    start = time.perf_counter()
-    with torch.cuda.stream(stream):
-        logits = warmup.warm_prefill(model, kv, groups)
-        warmup.warm_context(model, kv, contexts)
-        warmup.warm_sampling(logits)
-        stream.synchronize()
-    log.info(
-        "kernels_warmed",
-        role="prefill",
-        shapes=len(groups) + len(contexts) + 1,
-        token_buckets=buckets,
-        seconds=round(time.perf_counter() - start, 3),
-    )
-
-
-def _capture_prefill_graphs(
-    model: Any, kv: torch.Tensor, stream: Any, max_tokens: int, max_blocks: int
-) -> Any:
-    """The prefill's CUDA graphs (common.model.prefill_graphs), captured on the torch thread and
-    its stream after the kernels are warm."""
-    from common.model.prefill_graphs import PrefillGraphs
-
-    start = time.perf_counter()
-    with torch.cuda.stream(stream):
-        graphs = PrefillGraphs(model, kv, max_tokens=max_tokens, max_seqs=8, max_blocks=max_blocks)
-        count = graphs.capture()
-    log.info(
-        "prefill_graphs_captured",
-        graphs=count,
-        token_buckets=graphs.tokens,
-        seq_buckets=graphs.seqs,
-        seconds=round(time.perf_counter() - start, 3),
-    )
-    return graphs
-
-
 TINY_NAME = "pdkv-tiny"
 
 
@@ -166,10 +93,11 @@ class ModelRuntime:
     fingerprint: str
     executor: ThreadPoolExecutor
     stream: Any = None  # the daemon's own CUDA stream (torch thread); None on CPU
-    runner: Any = None  # the decode daemon's DecodeRunner (CUDA graphs); None on CPU / prefill
     card: ModelCard | None = None  # the model as clients see it (STATUS_REPLY)
     prefix: PrefixCache | None = None  # the prefix cache over `allocator` (load() makes it)
-    prefill_graphs: Any = None  # the prefill daemon's PrefillGraphs; None on CPU / decode / off
+    #: the daemon's CUDA graphs, made by its warm-up (load's `warm`): the decode's DecodeRunner,
+    #: the prefill's PrefillGraphs; None on CPU, without a warm-up or with graphs off
+    graphs: Any = None
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -179,7 +107,12 @@ class ModelRuntime:
         )
 
     @classmethod
-    def load(cls, cfg: DaemonConfig, role: str) -> ModelRuntime:
+    def load(cls, cfg: DaemonConfig, role: str, warm: Warm | None = None) -> ModelRuntime:
+        """Load the model and make the pool, allocator, prefix cache and torch thread for the
+        daemon named `role` (its thread's and log lines' name). On CUDA with the Triton
+        kernels, `warm(rt, max_blocks)` then runs on the torch thread, on the daemon's stream:
+        the daemon's own warm-up, whose result (its CUDA graphs, or None) becomes `rt.graphs`.
+        `max_blocks` is the widest block table a sequence can have."""
         kernels = kernel_cache.configure(cfg.kernel_cache_dir)  # before anything imports triton
         device = resolve_device(cfg.device)
         backend = resolve_backend(cfg.ipc_backend, device)
@@ -206,26 +139,30 @@ class ModelRuntime:
         executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"pdkv-{role}-torch", initializer=default_slice
         )
-        stream = prefill_graphs = None
-        # the widest block table a sequence can have: the graphs' static tables are this wide
-        max_blocks = min(
-            blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
-        )
+        stream = None
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
-        if role == "prefill" and stream is not None and model.use_kernels:
-            budget = cfg.prefill_budget(device.type)  # type: ignore[attr-defined]
-            longest = min(cfg.max_prompt_tokens, model.config.max_position_embeddings)
-            executor.submit(_warm_prefill, model, pool.tensor, stream, budget, longest).result()
-            graph_tokens = cfg.prefill_graph_tokens  # type: ignore[attr-defined]
-            if graph_tokens:
-                args = (model, pool.tensor, stream, min(graph_tokens, budget), max_blocks)
-                prefill_graphs = executor.submit(_capture_prefill_graphs, *args).result()
-        runner = None
-        if role == "decode" and stream is not None and model.use_kernels:
-            args = (model, pool.tensor, stream, cfg.max_batch, max_blocks)
-            runner = executor.submit(_capture_runner, *args).result()
+        allocator = BlockAllocator(cfg.num_blocks)
+        rt = cls(
+            model,
+            tokenizer,
+            device,
+            layout,
+            pool,
+            allocator,
+            backend,
+            fp,
+            executor,
+            stream,
+            model_card(cfg.model, model.config.max_position_embeddings),
+            PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
+        )
+        if warm is not None and stream is not None and model.use_kernels:
+            max_blocks = min(
+                blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
+            )
+            rt.graphs = executor.submit(warm, rt, max_blocks).result()
         log.info("kernel_cache", **kernels)
         log.info(
             "model_loaded",
@@ -237,23 +174,7 @@ class ModelRuntime:
             num_blocks=cfg.num_blocks,
             pool_mib=round(layout.nbytes / 2**20, 1),
         )
-        allocator = BlockAllocator(cfg.num_blocks)
-        return cls(
-            model,
-            tokenizer,
-            device,
-            layout,
-            pool,
-            allocator,
-            backend,
-            fp,
-            executor,
-            stream,
-            runner,
-            model_card(cfg.model, model.config.max_position_embeddings),
-            PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
-            prefill_graphs,
-        )
+        return rt
 
     def on_stream(self) -> contextlib.AbstractContextManager[Any]:
         """Context for torch work on the daemon's own stream (a no-op on CPU)."""

@@ -26,7 +26,7 @@ touches a socket: how payload and fds travel is the caller's choice (common.ipc.
 daemons' FrameChannel).
 
 Cache keys, as LLM-DataDist's: a local blocks cache can name the blocks holding a token sequence's
-full blocks by the prefix cache's names (common.blockhash: chained over the tokens, seeded with
+full blocks by the prefix cache's names (common.kv.blockhash: chained over the tokens, seeded with
 the `model` given at registration and the pool's dtype and layout, so they equal a prefill
 daemon's names for the same model and layout) and find them again by name. The names are an
 index only: the caller allocates and writes the blocks, and unnames a block before reusing it.
@@ -40,19 +40,19 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from common.allocator import BlockAllocator
-from common.block_names import BlockNames
-from common.blockhash import block_names, hash_seed
-from common.blockids import check_block_ids
-from common.cache_links import open_link as _open_link
-from common.cache_links import pull as _pull
 from common.errors import IpcError, PdkvError
 from common.ipc.base import RegionDescriptor, SharedRegion
-from common.kvpool import KVPool, PoolLayout
-from common.layerwise import LayerSynchronizer, TransferTask, start_layerwise
+from common.kv.allocator import BlockAllocator
+from common.kv.block_names import BlockNames
+from common.kv.blockhash import block_names, hash_seed
+from common.kv.blockids import check_block_ids
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import encode
 from common.protocol.version import MAGIC
 from common.transfer import KVConsumer, KVProducer
+from common.transfer.cache_links import open_link as _open_link
+from common.transfer.cache_links import pull as _pull
+from common.transfer.layerwise import LayerSynchronizer, TransferTask, start_layerwise
 from common.transfer.regions import close_fds, default_backend, export_region, open_region
 
 _ids = itertools.count(1)

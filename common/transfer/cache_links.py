@@ -1,6 +1,6 @@
 """How CacheManager reads a peer's blocks cache: its export (a REGISTER frame and fds) opened as a
 KVConsumer, and a pull through that consumer completed before returning. Split out of
-common/cache_manager.py, the facade, which calls only these two functions of the transfer layer's
+common/transfer/cache_manager.py, the facade, which calls only these two functions of the transfer layer's
 consumer side."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from common.errors import PdkvError
-from common.kvpool import KVPool, PoolLayout
+from common.kv.pool import KVPool, PoolLayout
 from common.protocol import ErrorCode, Register, decode
 from common.transfer import KVConsumer, TransferRefused
 from common.transfer.regions import close_fds

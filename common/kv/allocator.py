@@ -17,7 +17,7 @@ A RESERVED block (`reserve`) has left the pool for good: the daemon's own, outsi
 and every verb.
 
 The prefix cache: a full block whose KV is written may be named by its hash (`publish`;
-common/blockhash.py) and then shared by several requests (`allocate(..., reuse=...)`); it is
+common/kv/blockhash.py) and then shared by several requests (`allocate(..., reuse=...)`); it is
 LEASED while any leased request holds it, OWNED while only others do, and CACHED (free, still
 named, evicted least recently freed first only when no FREE block is left) once nobody holds it.
 docs/architecture.md ("Block allocator") has the rules.
@@ -27,7 +27,7 @@ free + owned + leased == total always.
 
 Cost: every verb is O(blocks it touches) (O(1) per block, O(log) per run of FREE blocks), never
 a pass over the whole pool. FREE blocks are handed out longest free run first
-(common.free_runs), so a request's blocks come in as few runs of adjacent ids as the pool
+(common.kv.free_runs), so a request's blocks come in as few runs of adjacent ids as the pool
 allows, and a pull copies (a NIXL transfer posts) each run as one.
 """
 
@@ -38,10 +38,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from common.block_names import BlockNames
 from common.errors import AllocatorError, OutOfBlocks
-from common.free_runs import FreeRuns
-from common.leases import Entry, LeaseBook
+from common.kv.block_names import BlockNames
+from common.kv.free_runs import FreeRuns
+from common.kv.leases import Entry, LeaseBook
 
 
 class BlockState(enum.Enum):

@@ -1,6 +1,6 @@
 """The file descriptors that arrive with a framed channel's bytes (SCM_RIGHTS ancillary data).
 
-The frame reader (common/frame_reader.py) hands every recvmsg's ancillary data here. fds are held
+The frame reader (common/wire/frame_reader.py) hands every recvmsg's ancillary data here. fds are held
 in arrival order up to `max_fds` unclaimed, for the frame that announced them to take
 (`take(n)`: the REGISTER takes one per region); the rest are closed at once, so a peer cannot make
 a connection hold descriptors the protocol does not expect. With `max_fds` 0, or while the reader

@@ -1,7 +1,7 @@
 """A paged KV pool's geometry and dtype: what REGISTER carries and what two pools must share.
 
 Shape: (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim); index 0/1 of dim 2 is K/V
-(common.kvpool holds the tensor of that shape).
+(common.kv.pool holds the tensor of that shape).
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ from typing import Protocol
 
 import torch
 
-from common.blockids import block_id_array
 from common.errors import IpcError
-from common.kvpool import KVPool
+from common.kv.blockids import block_id_array
+from common.kv.pool import KVPool
 
 
 class LayerSynchronizer(Protocol):

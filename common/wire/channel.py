@@ -1,7 +1,7 @@
 """Framed, full-duplex I/O on a connected Unix socket, with file descriptors (SCM_RIGHTS).
 
 The read side (buffer, fds, `recv`/`dispatch`/`spin`, the idle and frame deadlines) is
-common/frame_reader.py's FrameReader; FrameChannel adds the send path and close(). `send` writes a
+common/wire/frame_reader.py's FrameReader; FrameChannel adds the send path and close(). `send` writes a
 whole frame at once when the socket is free, else in order behind the pending write, so concurrent
 senders never interleave; `write_nowait` does the same without awaiting, with a bound on what may
 queue for a peer that does not read. `connect` opens a channel to a socket path.
@@ -15,8 +15,8 @@ import functools
 import socket
 
 from common.errors import ProtocolError
-from common.frame_reader import MAX_FDS_HELD, MAX_FDS_PER_MSG, FrameReader
 from common.protocol import Message, encode
+from common.wire.frame_reader import MAX_FDS_HELD, MAX_FDS_PER_MSG, FrameReader
 
 __all__ = ["MAX_FDS_HELD", "MAX_FDS_PER_MSG", "FrameChannel", "connect", "peer_credentials"]
 

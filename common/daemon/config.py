@@ -1,5 +1,5 @@
 """What both daemons share of their settings (DaemonConfig); each daemon's own are in
-common.config (DecodeConfig, PrefillConfig), which re-exports this class.
+prefill_server.config (PrefillConfig) and decode_server.config (DecodeConfig).
 
 Each field a user sets declares its option here (common.settings.opt); `pdkv decode start`,
 `pdkv prefill start` and the tables in docs/operations.md are generated from the fields.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from common.rundir import default_runtime_dir
+from common.daemon.rundir import default_runtime_dir
 from common.settings import instance_name, int_tuple, opt
 
 

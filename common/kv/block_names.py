@@ -1,7 +1,7 @@
 """The prefix cache's index for a BlockAllocator: which block holds the KV named by which hash,
 and the CACHED blocks (named, held by nobody) in eviction order. Pure, no I/O.
 
-Split out of common/allocator.py, which owns the block states and decides when a block is named,
+Split out of common/kv/allocator.py, which owns the block states and decides when a block is named,
 parked (its last holder let go) or taken back; this class only keeps the two maps consistent:
 a name names at most one block, a block carries at most one name, and a parked block is named.
 """
