@@ -32,8 +32,9 @@ from common.daemon.runtime import ModelRuntime  # noqa: E402
 from common.protocol import Message, encode  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402
 from decode_server.config import DecodeConfig  # noqa: E402
+from decode_server.phase import Phase  # noqa: E402
 from decode_server.requests import DecodeRequests  # noqa: E402
-from decode_server.sequence import Phase, Sequence, blocks_needed  # noqa: E402
+from decode_server.sequence import Sequence, blocks_needed  # noqa: E402
 from decode_server.startup import load_runtime  # noqa: E402
 
 

@@ -19,7 +19,7 @@ log = structlog.get_logger(__name__)
 
 
 def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) -> Sequence | None:
-    """Check `h` and reserve its blocks: its Sequence (Phase.AWAITING_KV, nothing pulled yet),
+    """Check `h` and reserve its blocks: its Sequence (Phase.NEW, nothing planned or pulled yet),
     or None once the refusal is posted to `peer`."""
     consumer = peer.consumer
     try:

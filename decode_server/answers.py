@@ -14,7 +14,8 @@ import structlog
 from common.protocol import MAX_STEP_ENTRIES, ErrorCode, Finish, Message, StepTokens, Usage
 from common.sampling_params import TokenLogprob
 from decode_server.peer import Peer
-from decode_server.sequence import Phase, Sequence
+from decode_server.phase import Phase
+from decode_server.sequence import Sequence
 from decode_server.timings import finish_timings
 
 log = structlog.get_logger(__name__)

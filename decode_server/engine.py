@@ -58,6 +58,7 @@ from common.model.sampling import (
 from common.sampling_params import TokenLogprob
 from decode_server.block_tables import BlockTables
 from decode_server.overlap import Launched, Readback
+from decode_server.phase import FIRST_DUE
 from decode_server.sequence import Sequence
 from decode_server.warm import warm_wait
 
@@ -143,7 +144,7 @@ class DecodeEngine:
         (launched on KV_LAUNCHED): that step's results wait for them."""
         if self._ahead is None or not self._ahead.firsts:
             return []
-        return [s for s in self._ahead.firsts if s.first_pending]
+        return [s for s in self._ahead.firsts if s.phase in FIRST_DUE]
 
     @property
     def ahead(self) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections.abc as abc
-import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,42 +11,18 @@ from common.model.paged import blocks_for, slot_of
 from common.model.sampling import SamplingParams, finish_reason
 from common.sampling_params import TokenLogprob
 from common.timings import Marks
+from decode_server.phase import Phase
 
 if TYPE_CHECKING:
     from common.transfer.interface import PullPlan
     from decode_server.peer import Peer
 
 
-class Phase(enum.Enum):
-    """Where a request is in the decode daemon and what happens next (the transitions and what
-    each sends: decode_server/requests.py).
-
-    AWAITING_KV  an early HANDOFF: blocks reserved, its pull planned, nothing read of the peer's
-                 pool yet; KV_READY (its first token) starts the pull.
-    PULLING      its pull in flight, the sequence outside the batch (a NIXL transfer, a CPU copy
-                 while it runs, or a sequence its first token finished): on pull done RELEASE,
-                 then it joins the batch, or gets its FINISH.
-    DECODING     in the batch or queued for it: each step sends its token (STEP_TOKENS), the
-                 last one FINISH. With `pull_outstanding` (CUDA: its first step's stream
-                 waits for the pull on the GPU) its RELEASE goes once the host sees the pull
-                 done. After KV_LAUNCHED (`first_pending`) it joins before its KV_READY: its
-                 first step reads the first token on the GPU, and its result and RELEASE
-                 wait for KV_READY.
-    ENDING       answered (FINISH, ERROR) or aborted, out of the batch: its blocks are freed
-                 once no pull is outstanding (its RELEASE went) and no step is in flight.
-    """
-
-    AWAITING_KV = "awaiting_kv"
-    PULLING = "pulling"
-    DECODING = "decoding"
-    ENDING = "ending"
-
-
 @dataclass(eq=False, slots=True)
 class Sequence:
     """A request in the decode daemon, from its HANDOFF until its blocks are freed. `link` is
-    the prefill it came from; `phase` says where it is, `pull_outstanding` whether a started
-    pull's completion (and so its RELEASE) is still due.
+    the prefill it came from; `phase` says where it is (decode_server/phase.py), moved only by
+    DecodeRequests through the phase table.
 
     `generated` holds every generated token (the prefill's first one included); the KV cache
     holds positions 0..position-1, and the next step writes the K/V of the last token at
@@ -64,9 +39,8 @@ class Sequence:
     stop_ids: frozenset[int]
     block_size: int
     event_slot: int = -1  # the HANDOFF's, echoed in RELEASE
-    phase: Phase = Phase.AWAITING_KV
-    pull_outstanding: bool = False
-    plan: PullPlan | None = None  # AWAITING_KV: the pull prepared ahead of its KV_READY
+    phase: Phase = Phase.NEW
+    plan: PullPlan | None = None  # AWAITING_KV/_READY: the pull prepared ahead of its KV_READY
     marks: Marks = field(default_factory=Marks)  # decode_server.timings names them
     steps: int = 0  # decode steps it has been in
     later_step_ns: int = 0  # torch-thread time of its steps after the first, summed
@@ -83,15 +57,9 @@ class Sequence:
     prompt: list[int] = field(default_factory=list)
     history: TokenHistory | None = None  # penalized: built by its first step (torch thread)
     last_logprob: TokenLogprob | None = None  # its last step's token's, when it asks for them
-    # v12, KV_LAUNCHED (requests.py): `launched` the frame came (an ABORT is answered with
-    # RELEASE from then on); `first_on_device` the device int64 [1] its pull copies the first
-    # token into, read by its first step's launch; `first_pending` it is in the
-    # batch while the host lacks its first token (KV_READY brings it: no result is read before);
-    # `release_due` its pull is done and its RELEASE waits for that KV_READY
-    launched: bool = False
+    # v12, started on KV_LAUNCHED (launched.py): the device int64 [1] its pull copies the first
+    # token into, read by its first step's launch
     first_on_device: Any = None
-    first_pending: bool = False
-    release_due: bool = False
     # unique across links (request ids are only unique per prefill daemon): seq_key, made once
     key: str = field(init=False)
     # greedy, no penalty, no min_tokens, no logprobs: its token is the argmax of the raw logits,

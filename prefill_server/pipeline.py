@@ -85,9 +85,9 @@ class RequestPipeline:
         self.capacity = Capacity(rt.allocator, producer, rt.layout.block_size, self.prefix)
         self.handoff = HandoffPath(cfg, producer, links, rt.allocator)
         self.output = RequestOutput(rt.tokenizer)
-        self.requests: dict[str, PrefillRequest] = {}  # in flight
-        # ended while the decode may read their blocks: those and their slot wait for its answer
-        self.aborting: dict[str, PrefillRequest] = {}
+        # every request we hold anything of: those in flight, and those ended while the decode
+        # may read their blocks (phase ABORTING: those and their slot wait for its answer)
+        self.requests: dict[str, PrefillRequest] = {}
         self.throughput = Throughput()  # finished requests and their tokens, for status
         # the decode's TOKENS frames relayed to clients from the read callback / by their task
         self.relayed = {"direct": 0, "queued": 0}
@@ -105,10 +105,10 @@ class RequestPipeline:
                 self.deliver(each)
             return
         rid = getattr(msg, "request_id", None)
-        if rid in self.aborting:
-            self._abort_answered(self.aborting[rid], msg)
-            return
         req = self.requests.get(rid) if rid else None
+        if req is not None and req.phase is Phase.ABORTING:
+            self._abort_answered(req, msg)
+            return
         if req is None:
             if isinstance(msg, Release):
                 self._late_release(msg.event_slot, msg.request_id)
@@ -206,7 +206,7 @@ class RequestPipeline:
             self._late_release(msg.event_slot, req.request_id)
         elif isinstance(msg, Release | Error):
             req.advance(Event.ABORT_ANSWERED)
-            del self.aborting[req.request_id]
+            del self.requests[req.request_id]
             if req.request_id in self.rt.allocator:
                 self.rt.allocator.free(req.request_id)
             self._late_release(req.event_slot, req.request_id)
@@ -225,10 +225,10 @@ class RequestPipeline:
         to another decode after its forward instead (REFUSED; the blocks of a forward not run
         yet are not leased: they stay its own)."""
         freed = self.producer.link_lost(link_id)  # its leases (and quarantined slots) too
-        for rid, req in list(self.aborting.items()):
-            if req.link_id == link_id:  # its blocks were leased to the link: freed above
-                req.advance(Event.LINK_LOST)
-                del self.aborting[rid]
+        for rid, req in list(self.requests.items()):
+            if req.link_id == link_id and req.phase is Phase.ABORTING:
+                req.advance(Event.LINK_LOST)  # its blocks were leased to the link: freed above
+                del self.requests[rid]
         for req in self.requests.values():
             if req.link_id == link_id and req.accepts(Event.LINK_LOST):
                 req.advance(Event.LINK_LOST)  # an early offer: REFUSED, offered again
@@ -246,13 +246,14 @@ class RequestPipeline:
             await asyncio.sleep(min(1.0, self.cfg.lease_timeout_s / 4))
             for rid in self.producer.expired(time.monotonic()):
                 log.warning("lease_expired", request_id=rid)
-                if (ended := self.aborting.pop(rid, None)) is not None:
+                req = self.requests.get(rid)
+                if req is not None and req.phase is Phase.ABORTING:
                     # its ABORT got no answer in time: its slot goes back too (as its blocks
                     # did, and as both would if the link ended), and its id may come again
-                    ended.advance(Event.LEASE_EXPIRED)
-                    self._late_release(ended.event_slot, rid)
-                req = self.requests.get(rid)
-                if req is not None:
+                    req.advance(Event.LEASE_EXPIRED)
+                    del self.requests[rid]
+                    self._late_release(req.event_slot, rid)
+                elif req is not None:
                     req.inbox.put_nowait(
                         Error(code=ErrorCode.WAIT_TIMEOUT, message="decode did not release in time")
                     )
@@ -260,7 +261,7 @@ class RequestPipeline:
 
     def shut_down(self) -> None:
         """Every request still in flight ends with SHUTTING_DOWN."""
-        for req in list(self.requests.values()):
+        for req in self.live():
             req.inbox.put_nowait(
                 Error(code=ErrorCode.SHUTTING_DOWN, message="prefill daemon is shutting down")
             )
@@ -269,7 +270,12 @@ class RequestPipeline:
         """Whether these requests (one forward's) are all we have in flight: their decode then
         has nothing else of ours to decode, and a KV_LAUNCHED lets it start their first step
         behind the forward. Under load nothing is launched early (no frames, no waits)."""
-        return len(self.requests) <= len(request_ids) and set(self.requests) <= set(request_ids)
+        live = {req.request_id for req in self.live()}
+        return len(live) <= len(request_ids) and live <= set(request_ids)
+
+    def live(self) -> list[PrefillRequest]:
+        """The requests in flight: all we hold but those ended and ABORTING."""
+        return [req for req in self.requests.values() if req.phase is not Phase.ABORTING]
 
     def _launched(self, request_ids: list[str], queued_ns: int) -> None:
         """The batcher queued these requests' forwards, first tokens (mailbox) and slot records
@@ -338,12 +344,12 @@ class RequestPipeline:
         """The request, if it may start: RequestFailed saying why not otherwise."""
         if self.stopping:
             raise RequestFailed(ErrorCode.SHUTTING_DOWN, "prefill daemon is shutting down")
-        if rid in self.requests or rid in self.aborting:
+        if rid in self.requests:
             raise RequestFailed(ErrorCode.BAD_REQUEST, f"request id {rid} is already in flight")
-        if len(self.requests) >= self.cfg.max_pending:
+        if (in_flight := len(self.live())) >= self.cfg.max_pending:
             raise RequestFailed(
                 ErrorCode.NO_CAPACITY,
-                f"{len(self.requests)} requests in flight, the limit is {self.cfg.max_pending} "
+                f"{in_flight} requests in flight, the limit is {self.cfg.max_pending} "
                 "(retry later, or raise --max-pending)",
             )
         config = self.rt.model.config
@@ -416,8 +422,9 @@ class RequestPipeline:
         self.handoff.flush(req)  # a WRITE its KV_READY announced reads the blocks while leased
         self.handoff.end(req)
         if req.phase is Phase.ABORTING:  # its blocks stay leased until the decode answers
-            self.aborting[rid] = req
-        elif rid in self.rt.allocator:
+            self.capacity.changed()
+            return
+        if rid in self.rt.allocator:
             self.rt.allocator.free(rid)
         if self.requests.get(rid) is req:
             del self.requests[rid]

@@ -90,7 +90,7 @@ class PrefillServer(DaemonServer):
             self.stop_flag.fail(f"prefill batcher failed: {type(exc).__name__}: {exc}")
 
     def in_flight(self) -> int:
-        return len(self.pipeline.requests)
+        return len(self.pipeline.live())
 
     def refuse_new(self) -> None:
         self.pipeline.stopping = True

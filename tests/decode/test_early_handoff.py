@@ -15,6 +15,7 @@ import msgspec
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Handoff, KvLaunched, KvReady, Release, Tokens
+from decode_server.phase import Phase
 from tests.decode.conftest import FakeLink, Side
 from tests.decode.test_deferred_pull import PROMPT
 from tests.decode.test_requests import decode_until
@@ -224,9 +225,9 @@ async def test_kv_launched_then_kv_ready_on_cpu_decodes_to_the_reference(
     h = side.prefill("r1", PROMPT, GREEDY)
     table.handoff(link, early(h))
     (seq,) = table.sequences()
-    assert not seq.launched
+    assert seq.phase is Phase.AWAITING_KV
     table.kv_launched(link, KvLaunched(request_id="r1", sent_ns=1))
-    assert seq.launched and not seq.first_pending  # CPU: nothing starts on it
+    assert seq.phase is Phase.AWAITING_READY  # CPU: nothing starts on it
     assert link.sent == [] and len(table) == 0  # still awaiting its KV
     assert table.launched_first == 0
     table.kv_ready(link, KvReady(request_id="r1", first_token=h.first_token))

@@ -16,8 +16,8 @@ import structlog
 
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
+from decode_server.phase import Phase
 from decode_server.requests import DecodeRequests
-from decode_server.sequence import Phase
 from tests.decode.conftest import FakeLink, LaterConsumer, Side
 from tests.decode.test_deferred_pull import PROMPT
 from tests.decode.test_requests import decode_until
@@ -77,9 +77,9 @@ def test_a_copy_done_inside_its_start_decodes_with_nothing_outstanding(
         Release(request_id="late", event_slot=-1)
     ]
     table.kv_ready(link, KvReady(request_id="early", first_token=h.first_token))
-    assert [(s.request_id, s.phase, s.pull_outstanding) for s in table.sequences()] == [
-        ("late", Phase.DECODING, False),
-        ("early", Phase.DECODING, False),
+    assert [(s.request_id, s.phase) for s in table.sequences()] == [
+        ("late", Phase.DECODING),  # not DECODING_PULL: nothing outstanding
+        ("early", Phase.DECODING),
     ]
     assert len(link.of(Release)) == 2 and len(table) == 2
     assert table.drop_peer(link) == 2 and table.sequences() == []
@@ -92,9 +92,9 @@ async def test_a_stream_ordered_pull_decodes_at_once_with_its_pull_outstanding(
 ):
     table.handoff(dlink, side.prefill("r1", PROMPT, GREEDY))
     (seq,) = table.sequences()
-    assert seq.phase is Phase.DECODING and seq.pull_outstanding  # RELEASE still due
+    assert seq.phase is Phase.DECODING_PULL  # in the batch, its RELEASE still due
     table.abort(dlink, "r1")
-    assert table.phase("link-d", "r1") is Phase.ENDING  # the copy may still write its blocks
+    assert table.phase("link-d", "r1") is Phase.ABORTED_PULL  # the copy may still write them
     assert table.sequences() == [] and "link-d/r1" in rt.allocator
     dlink.consumer.events[0].complete()
     await dlink.consumer.drain()
@@ -127,22 +127,22 @@ async def test_a_second_handoff_of_a_held_request_is_bad_request_in_every_phase(
 ):
     handoffs = {
         "a": early(side.prefill("a", PROMPT, GREEDY)),  # AWAITING_KV
-        "d": side.prefill("d", PROMPT, GREEDY),  # DECODING, its pull outstanding
-        "e": side.prefill("e", PROMPT, GREEDY),  # ENDING once aborted: its pull outstanding
+        "d": side.prefill("d", PROMPT, GREEDY),  # DECODING_PULL: its pull outstanding
+        "e": side.prefill("e", PROMPT, GREEDY),  # ABORTED_PULL once aborted: pull outstanding
     }
     for h in handoffs.values():
         table.handoff(dlink, h)
     table.abort(dlink, "e")
     before = {rid: table.phase("link-d", rid) for rid in handoffs}
-    assert before == {"a": Phase.AWAITING_KV, "d": Phase.DECODING, "e": Phase.ENDING}
+    assert before == {"a": Phase.AWAITING_KV, "d": Phase.DECODING_PULL, "e": Phase.ABORTED_PULL}
     with structlog.testing.capture_logs() as logs:
         for h in handoffs.values():
             table.handoff(dlink, h)
     assert _errors(dlink) == [(ErrorCode.BAD_REQUEST, rid) for rid in handoffs]
     assert out_of_phase(logs) == [
         ("HANDOFF", "a", "awaiting_kv", "warning"),
-        ("HANDOFF", "d", "decoding", "warning"),
-        ("HANDOFF", "e", "ending", "warning"),
+        ("HANDOFF", "d", "decoding_pull", "warning"),
+        ("HANDOFF", "e", "aborted_pull", "warning"),
     ]
     assert {rid: table.phase("link-d", rid) for rid in handoffs} == before  # nothing moved
     assert len(dlink.consumer.events) == 2  # and no pull started
@@ -156,26 +156,26 @@ async def test_a_second_handoff_of_a_held_request_is_bad_request_in_every_phase(
 
 
 async def test_kv_ready_out_of_phase_is_dropped_and_logged(side: Side, dlink, table, rt):
-    """Not held or ENDING: a race the protocol expects (info); PULLING or DECODING: its KV is
-    being pulled already (warning). None is answered, and no phase moves."""
+    """Not held or ended: a race the protocol expects (info); PULLING or DECODING_PULL: its KV
+    is being pulled already (warning). None is answered, and no phase moves."""
     table.handoff(dlink, early(last := side.prefill("p", PROMPT, SamplingParams(max_tokens=1))))
     table.kv_ready(dlink, KvReady(request_id="p", first_token=last.first_token))  # PULLING
     h = side.prefill("d", PROMPT, GREEDY)
     table.handoff(dlink, early(h))
-    table.kv_ready(dlink, KvReady(request_id="d", first_token=h.first_token))  # DECODING
+    table.kv_ready(dlink, KvReady(request_id="d", first_token=h.first_token))  # DECODING_PULL
     table.handoff(dlink, early(e := side.prefill("e", PROMPT, GREEDY)))
     table.kv_ready(dlink, KvReady(request_id="e", first_token=e.first_token))
-    table.abort(dlink, "e")  # ENDING: its pull outstanding
+    table.abort(dlink, "e")  # ABORTED_PULL: its pull outstanding
     phases = {rid: table.phase("link-d", rid) for rid in "pde"}
-    assert phases == {"p": Phase.PULLING, "d": Phase.DECODING, "e": Phase.ENDING}
+    assert phases == {"p": Phase.PULLING, "d": Phase.DECODING_PULL, "e": Phase.ABORTED_PULL}
     with structlog.testing.capture_logs() as logs:
         for rid in ["nobody", "p", "d", "e"]:
             table.kv_ready(dlink, KvReady(request_id=rid, first_token=7))
     assert out_of_phase(logs) == [
         ("KV_READY", "nobody", None, "info"),
         ("KV_READY", "p", "pulling", "warning"),
-        ("KV_READY", "d", "decoding", "warning"),
-        ("KV_READY", "e", "ending", "info"),
+        ("KV_READY", "d", "decoding_pull", "warning"),
+        ("KV_READY", "e", "aborted_pull", "info"),
     ]
     assert dlink.sent == [] and len(dlink.consumer.events) == 3
     assert {rid: table.phase("link-d", rid) for rid in "pde"} == phases
@@ -192,7 +192,7 @@ async def test_abort_of_a_request_not_held_or_ending_is_cache_not_exist(
     side: Side, dlink, table, rt
 ):
     table.handoff(dlink, side.prefill("e", PROMPT, GREEDY))
-    table.abort(dlink, "e")  # ENDING: RELEASE after its pull is the answer
+    table.abort(dlink, "e")  # ABORTED_PULL: RELEASE after its pull is the answer
     with structlog.testing.capture_logs() as logs:
         table.abort(dlink, "nobody")
         table.abort(dlink, "e")
@@ -202,7 +202,7 @@ async def test_abort_of_a_request_not_held_or_ending_is_cache_not_exist(
     ]
     assert out_of_phase(logs) == [
         ("ABORT", "nobody", None, "info"),
-        ("ABORT", "e", "ending", "info"),
+        ("ABORT", "e", "aborted_pull", "info"),
     ]
     dlink.consumer.events[0].complete()
     await dlink.consumer.drain()
@@ -246,12 +246,12 @@ async def test_shutdown_answers_every_live_phase_and_frees_each_once_its_pull_is
     h = side.prefill("p", PROMPT, SamplingParams(max_tokens=1))
     table.handoff(dlink, early(h))
     table.kv_ready(dlink, KvReady(request_id="p", first_token=h.first_token))  # PULLING
-    table.handoff(dlink, side.prefill("d", PROMPT, GREEDY))  # DECODING
+    table.handoff(dlink, side.prefill("d", PROMPT, GREEDY))  # DECODING_PULL
     assert table.shutdown(ErrorCode.SHUTTING_DOWN, "decode daemon is shutting down") == 3
     assert sorted(_errors(dlink)) == [(ErrorCode.SHUTTING_DOWN, rid) for rid in "adp"]
     assert table.sequences() == [] and table.phase("link-d", "a") is None  # nothing pulled
-    assert {table.phase("link-d", rid) for rid in "pd"} == {Phase.ENDING}
-    assert table.shutdown(ErrorCode.SHUTTING_DOWN, "again") == 0  # ENDING ones were answered
+    assert {table.phase("link-d", rid) for rid in "pd"} == {Phase.ENDING_PULL}  # pulls due
+    assert table.shutdown(ErrorCode.SHUTTING_DOWN, "again") == 0  # ended ones were answered
     for event in dlink.consumer.events:
         event.complete()
     await dlink.consumer.drain()
