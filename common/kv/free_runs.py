@@ -1,7 +1,7 @@
 """The FREE blocks of a BlockAllocator as runs of adjacent ids, handed out longest run first.
 
 A request's blocks then come in as few runs as the pool allows, and a pull or a NIXL transfer
-moves each run as one copy or one descriptor (`kvpool.block_runs`). A plain stack of free ids
+moves each run as one copy or one descriptor (`common.kv.pool.block_runs`). A plain stack of free ids
 (the allocator's before 2026-12-03) fragments under churn: `bench/block_runs.py` (two pools of
 4,096 blocks, prompts and outputs of 100-1,024 tokens at 20/s) gave 11.7 runs per handoff on
 average (p99 34); taken longest run first, 1.0.

@@ -1,7 +1,7 @@
 """What both NIXL transfer sides share: the transfer modes, the push notification, byte runs.
 
 Blocks move in runs of adjacent blocks (adjacent in both pools), one NIXL descriptor per run, as
-they are one memcpy on one host (`kvpool.block_runs`).
+they are one memcpy on one host (`common.kv.pool.block_runs`).
 """
 
 from __future__ import annotations

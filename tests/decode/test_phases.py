@@ -87,7 +87,7 @@ def test_a_copy_done_inside_its_start_decodes_with_nothing_outstanding(
         side.producer.allocator.free(rid)
 
 
-async def test_a_stream_ordered_pull_decodes_at_once_with_its_pull_outstanding(
+async def test_a_stream_ordered_pull_decodes_at_once_as_decoding_pull(
     side: Side, dlink, table, rt
 ):
     table.handoff(dlink, side.prefill("r1", PROMPT, GREEDY))
@@ -211,7 +211,7 @@ async def test_abort_of_a_request_not_held_or_ending_is_cache_not_exist(
     side.producer.allocator.free("e")
 
 
-def test_a_pull_done_without_a_pull_outstanding_is_a_logged_bug_that_moves_nothing(
+def test_a_pull_done_in_a_phase_without_a_transfer_due_is_a_logged_bug_that_moves_nothing(
     side: Side, link: FakeLink, table, rt
 ):
     table.handoff(link, side.prefill("r1", PROMPT, GREEDY))  # CPU: copied, RELEASE, DECODING
