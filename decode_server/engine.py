@@ -21,19 +21,11 @@ fails, leaves the batch with `seq.error` set (the owner answers its request) and
 on. A failure of the step itself (the forward pass) belongs to no sequence: `step()` raises it,
 and the owner ends the daemon (exit status 1) rather than live on without decoding.
 
-With `overlap` (decode_server/overlap.py), a batch of plain sequences is stepped one ahead: each
-`step()` launches the next step and then reads the one launched by the call before, so the
-results it returns are one step old and one launched step (`in_flight`) may still write the K/V
-of the sequences it holds after `step()` returned. While `hold()` says so (a prefill computing
-a prompt handed off early), steps are not launched ahead. While the batch is empty and
-`expecting()` says a sequence will join soon (one awaits its KV), `wait_for_work` keeps the torch
-thread awake (decode_server/warm.py).
-
-A sequence may also join before the host has its first token (KV_LAUNCHED, v12: requests.py):
-`seq.first_on_device` is a device int64 [1] its pull fills with that token. Its first step is
-launched ahead whatever `hold()` says, the token carried from there on the GPU (as from a step
-ahead), one position past the prompt; `first_pending()` names the sequences of the step ahead
-whose first token the host still lacks, and the owner reads that step only once it has it.
+With `overlap`, `step()` hands the batch to decode_server/ahead.py (AheadSteps: steps launched
+one ahead of their read, and the first step launched on KV_LAUNCHED), its one seam; the plain
+step below is schedule (admit the queued sequences), run (`_step` on the torch thread), and
+postprocess (`_results`). While the batch is empty and `expecting()` says a sequence will join
+soon (one awaits its KV), `wait_for_work` keeps the torch thread awake (decode_server/warm.py).
 """
 
 from __future__ import annotations
@@ -51,21 +43,16 @@ from common.model.logits import TokenHistory
 from common.model.sampling import (
     SamplingError,
     argmax_isolated,
-    carry_tokens,
     draw,
     make_generator,
 )
 from common.sampling_params import TokenLogprob
+from decode_server.ahead import AheadSteps
 from decode_server.block_tables import BlockTables
-from decode_server.overlap import Launched, Readback
-from decode_server.phase import FIRST_DUE
 from decode_server.sequence import Sequence
 from decode_server.warm import warm_wait
 
 log = structlog.get_logger(__name__)
-#: how long the host waits for a step launched on KV_LAUNCHED whose sequence ended before its
-#: KV_READY (its prefill may have died mid-forward) before the daemon gives up (exit status 1)
-LAUNCHED_STEP_WAIT_S = 30.0
 
 Drawn = tuple[list[int | SamplingError], list[TokenLogprob | None] | None]
 """A step's tokens (or the SamplingError of a row that failed alone) and, when some row asks for
@@ -84,19 +71,14 @@ class DecodeEngine:
     ) -> None:
         self.rt = rt
         self.max_batch = max_batch
-        self.overlap = overlap
-        self._hold = hold  # overlap: no step is launched ahead while this says so
         self._expecting = expecting  # --warm-wait: a sequence will join soon (warm.py)
         self.warm_waits = 0  # waits with the torch thread kept awake
         self._active: dict[str, Sequence] = {}
         self._waiting: dict[str, Sequence] = {}
         self._work = asyncio.Event()
-        self._ahead: Launched | None = None  # overlap: the step launched and not read yet
-        self._launch_first: Sequence | None = None  # queued with its first token on the GPU
-        self._readback = Readback(max_batch, rt.device) if overlap else None
+        # --overlap-steps: steps launched one ahead, and KV_LAUNCHED's first step (ahead.py)
+        self.ahead_steps = AheadSteps(self, rt, max_batch, hold) if overlap else None
         self.steps = 0
-        self.overlapped = 0  # steps launched ahead of the previous step's read
-        self.held = 0  # steps that could have been launched ahead but were held (`hold`)
         # the last step's torch-thread clock (monotonic ns): started, prepared (pulls waited
         # for, inputs computed), replaying (the graph's inputs copied, its replay called),
         # launched (every kernel queued, before the host sync), synced (tokens on the host); set
@@ -113,7 +95,8 @@ class DecodeEngine:
         """Queue a sequence; it joins the batch at the next step."""
         self._waiting[seq.key] = seq
         if seq.first_on_device is not None:
-            self._launch_first = seq
+            assert self.ahead_steps is not None  # launched.py launches only with overlap
+            self.ahead_steps.add_first(seq)
         self._work.set()
 
     def expect(self) -> None:
@@ -124,8 +107,8 @@ class DecodeEngine:
 
     def remove(self, key: str) -> Sequence | None:
         """Take a sequence out by its key (abort, link loss); its blocks are the caller's to free."""
-        if self._launch_first is not None and self._launch_first.key == key:
-            self._launch_first = None
+        if self.ahead_steps is not None:
+            self.ahead_steps.remove(key)
         return self._active.pop(key, None) or self._waiting.pop(key, None)
 
     def sequences(self) -> list[Sequence]:
@@ -134,44 +117,38 @@ class DecodeEngine:
     def __len__(self) -> int:
         return len(self._active) + len(self._waiting)
 
+    # what the step ahead holds (ahead.py; nothing without overlap)
     @property
     def launching(self) -> bool:
-        """Whether a sequence waits to be launched with its first token on the GPU."""
-        return self._launch_first is not None
-
-    def first_pending(self) -> list[Sequence]:
-        """The sequences of the step ahead whose first token the host does not have yet
-        (launched on KV_LAUNCHED): that step's results wait for them."""
-        if self._ahead is None or not self._ahead.firsts:
-            return []
-        return [s for s in self._ahead.firsts if s.phase in FIRST_DUE]
+        return self.ahead_steps is not None and self.ahead_steps.launching
 
     @property
     def ahead(self) -> bool:
-        """Whether a step launched ahead is still to be read (overlap)."""
-        return self._ahead is not None
+        return self.ahead_steps is not None and self.ahead_steps.ahead
+
+    def first_pending(self) -> list[Sequence]:
+        return [] if self.ahead_steps is None else self.ahead_steps.first_pending()
 
     def in_flight(self, key: str) -> bool:
-        """Whether a step launched and not read yet holds the sequence `key` (overlap): that
-        step may still write its K/V, so its blocks must not be freed yet."""
-        return self._ahead is not None and key in self._ahead.rows
+        return self.ahead_steps is not None and self.ahead_steps.in_flight(key)
 
     def settle(self) -> None:
-        """Wait (on the host) for the step launched ahead, if any, and drop it: nothing is in
-        flight after. For the loop's end; its tokens are not answered."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or ahead.done is None:
-            return
-        try:
-            ahead.wait(LAUNCHED_STEP_WAIT_S)
-        except RuntimeError as exc:  # the daemon ends anyway; its GPU may never be idle
-            log.error("step_ahead_never_completed", error=str(exc))
+        if self.ahead_steps is not None:
+            self.ahead_steps.settle()
+
+    @property
+    def overlapped(self) -> int:
+        return 0 if self.ahead_steps is None else self.ahead_steps.overlapped
+
+    @property
+    def held(self) -> int:
+        return 0 if self.ahead_steps is None else self.ahead_steps.held
 
     # ---- steps ---------------------------------------------------------------------------------
     async def wait_for_work(self) -> None:
         """Return once a sequence is in the batch or queued to join it, or a step launched
         ahead is still to be read."""
-        while not self._active and not self._waiting and self._ahead is None:
+        while not self._active and not self._waiting and not self.ahead:
             self._work.clear()
             if self._expecting is not None and self._expecting():
                 self.warm_waits += 1
@@ -183,48 +160,20 @@ class DecodeEngine:
         """Admit the queued sequences, run one step on the torch thread, and return each batch
         member's (sequence, token) — token -1 with `seq.error` set for one that failed alone.
         Sequences removed while the step ran are left out. Raises what failed the step itself.
-        Overlapped (module docstring): the results are those of the step launched by the call
-        before (none after a launch from idle), and the next step is in flight on return."""
-        while self._waiting and len(self._active) < self.max_batch:
+        Overlapped (ahead.py): the results are those of the step launched by the call before
+        (none after a launch from idle), and the next step is in flight on return."""
+        while self._waiting and len(self._active) < self.max_batch:  # schedule
             key, seq = next(iter(self._waiting.items()))
             del self._waiting[key]
             self._active[key] = seq
-        ahead = self._ahead
-        launch = self._launchable(ahead)
-        ahead_ok = self.overlap and all(s.plain for s in launch)
-        first = None  # decided here, on the loop: the torch thread reads no flag KV_READY moves
-        if ahead is None and self._launch_first is not None:  # launched alone, and ahead
-            first, self._launch_first = self._launch_first, None
-            launch, ahead_ok = [first], True
-        elif ahead_ok and self._hold is not None and self._hold():
-            ahead_ok = False
-            self.held += 1
-        if ahead is None and not (ahead_ok and launch):
-            batch = launch
-            if not batch:
-                return []
-            tokens, logprobs = await self.rt.run(self._step, batch)
-        else:  # read the step ahead; launch the next first when it may run ahead too
-            self._ahead = None
-            launched, batch, tokens = await self.rt.run(
-                self._cycle, launch if ahead_ok else [], ahead, first
-            )
-            self._ahead, logprobs = launched, None
-            if not batch:
-                return []
-        return self._results(batch, tokens, logprobs)
-
-    def _launchable(self, ahead: Launched | None) -> list[Sequence]:
-        """The batch of the next launch: every active sequence but those the step ahead
-        finishes by length (its token is their last)."""
-        if ahead is None:
-            return list(self._active.values())
-        rows = ahead.rows
-        return [
-            s
-            for s in self._active.values()
-            if s.key not in rows or len(s.generated) + 1 < s.sampling.max_tokens
-        ]
+        if self.ahead_steps is not None:  # run: one ahead (the seam of the fast paths)
+            batch, tokens, logprobs = await self.ahead_steps.step(self._active)
+        else:  # run: plain
+            batch = list(self._active.values())
+            tokens, logprobs = await self.rt.run(self._step, batch) if batch else ([], None)
+        if not batch:
+            return []
+        return self._results(batch, tokens, logprobs)  # postprocess
 
     def _results(
         self,
@@ -260,59 +209,6 @@ class DecodeEngine:
                 del self._active[seq.key]
             results.append((seq, tok))
         return results
-
-    def _cycle(
-        self, launch: list[Sequence], ahead: Launched | None, first: Sequence | None = None
-    ) -> tuple[Launched | None, list[Sequence], list[int | SamplingError]]:
-        """Torch thread, overlapped: launch `launch` (if any) behind the step ahead, then read
-        the step ahead (if any): (the new launch, the read step's batch and tokens). `first`:
-        `launch` is that one sequence, its first token on the GPU (`_launch`)."""
-        new = self._launch(launch, ahead, first) if launch else None
-        if ahead is None:
-            return new, [], []
-        if not all(s.generated for s in ahead.firsts):  # ended before KV_READY: maybe never
-            ahead.wait(LAUNCHED_STEP_WAIT_S)  # the prefill's forward ends: raises, else
-        tokens = ahead.read()
-        self.last_step_ns = (*ahead.clock, time.monotonic_ns())
-        return new, ahead.batch, tokens
-
-    def _launch(
-        self, batch: list[Sequence], ahead: Launched | None, first: Sequence | None = None
-    ) -> Launched:
-        """Torch thread: queue one step of `batch` (all plain) without reading it; a sequence in
-        `ahead` takes that step's argmax as its token, one position further. `first` (the whole
-        batch, nothing ahead): its first token is taken from `first.first_on_device` on the GPU
-        and its position is the prompt's end, whatever the host holds by now (KV_READY may
-        append that token on the loop meanwhile)."""
-        started = time.monotonic_ns()
-        self._wait_for_pulls(batch)
-        n, rows = len(batch), {} if ahead is None else ahead.rows
-        src = np.fromiter((rows.get(s.key, -1) for s in batch), np.int64, n)
-        carry = (src, ahead.argmax) if ahead is not None and (src >= 0).any() else None
-        if first is not None:
-            src[0] = 0
-            carry = (src, first.first_on_device)
-        tokens, positions, slots, tables = self._inputs(batch, pending=src >= 0, first=first)
-        dev = self.rt.device
-        assert self._readback is not None
-        prepared = replaying = time.monotonic_ns()
-        with self.rt.on_stream():
-            if self._graphable(n, tables):
-                assert self.rt.graphs is not None
-                argmax, logits = self.rt.graphs.run(tokens, positions, slots, tables, carry=carry)
-                replaying = self.rt.graphs.replay_ns
-            else:
-                tok = torch.tensor(tokens, dtype=torch.long).to(dev)
-                if carry is not None:
-                    carry_tokens(tok, torch.from_numpy(src).to(dev), carry[1])
-                logits = self._eager(tok, positions, slots, tables)
-                argmax = torch.argmax(logits, dim=-1)
-            host, done = self._readback.start(argmax, logits)
-        self.overlapped += ahead is not None
-        keys = {s.key: i for i, s in enumerate(batch)}
-        clock = (started, prepared, replaying, time.monotonic_ns())
-        firsts = [] if first is None else [first]
-        return Launched(batch, keys, argmax, host, done, clock, firsts)
 
     def _wait_for_pulls(self, batch: list[Sequence]) -> None:
         """Torch thread, before the step's first launch: the compute stream waits (on the GPU)

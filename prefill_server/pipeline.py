@@ -5,7 +5,7 @@ the prompts queued meanwhile in one forward on the torch thread) → first token
 hand it over (HANDOFF, retried while the decode answers NO_CAPACITY, until the handoff deadline)
 → relay TOKENS/FINISH (`_relay`; while the request's task waits for its inbox with nothing
 queued and its client keeps up, the link's read callback relays its TOKENS straight to the
-client instead: `_relay_direct`). Whatever ends the request, `finally` frees its blocks exactly
+client instead: prefill_server/relay.py). Whatever ends the request, `finally` frees its blocks exactly
 once and ends its handoff as its phase says (prefill_server.phase: ABORT to a decode that may
 hold it, its event slot freed or quarantined).
 
@@ -56,6 +56,7 @@ from prefill_server.forward import FirstToken
 from prefill_server.handoff import HandoffPath
 from prefill_server.output import RequestOutput
 from prefill_server.phase import Event, IllegalEvent, Phase
+from prefill_server.relay import Relay
 from prefill_server.request import ClientSink, PrefillRequest, RequestFailed, prompt_tokens
 
 log = structlog.get_logger(__name__)
@@ -89,15 +90,14 @@ class RequestPipeline:
         # may read their blocks (phase ABORTING: those and their slot wait for its answer)
         self.requests: dict[str, PrefillRequest] = {}
         self.throughput = Throughput()  # finished requests and their tokens, for status
-        # the decode's TOKENS frames relayed to clients from the read callback / by their task
-        self.relayed = {"direct": 0, "queued": 0}
+        self.relay = Relay(self.output, self.throughput)  # the decode's frames to the client
         self.stopping = False  # set by the server's shutdown: new requests are refused
 
     # ---- from the link ---------------------------------------------------------------------------
     def deliver(self, msg: Message) -> None:
         """A frame from the decode about a request, in the link's read callback: the event of
         the request's phase (RELEASE frees its blocks and slot; TOKENS go to its client when
-        `_relay_direct` may relay them, else with FINISH and ERROR to its inbox; STEP_TOKENS,
+        relay.py may relay them directly, else with FINISH and ERROR to its inbox; STEP_TOKENS,
         decoded once, as the TOKENS and FINISH frames it stands for, in order). A frame its
         phase cannot take is logged as an error and dropped."""
         if isinstance(msg, StepTokens):
@@ -152,51 +152,15 @@ class RequestPipeline:
             req.advance(Event.NO_CAPACITY if msg.code == ErrorCode.NO_CAPACITY else Event.ERROR)
         elif isinstance(msg, Tokens):
             req.advance(Event.TOKENS)
-            if self._relay_direct(req, msg):
+            if self.relay.direct(req, msg):  # relay.py: from here, when nothing can overtake
                 return
-            self.relayed["queued"] += 1
+            self.relay.counts["queued"] += 1
         elif isinstance(msg, Finish):
             req.advance(Event.FINISH)
         else:
             log.warning("link_message_unexpected", type=msg.TYPE.name, request_id=req.request_id)
             return
         req.inbox.put_nowait(msg)
-
-    def _relay_direct(self, req: PrefillRequest, msg: Tokens) -> bool:
-        """Relay the decode's TOKENS `msg` to the client now, from the read callback, as `_relay`
-        would (its tokens appended to `req.generated`, the same frame: text delta, logprobs),
-        and return True; or return False, changing nothing, and the frame goes to the inbox.
-
-        Direct only when no frame can overtake or be overtaken and no wait is skipped: the
-        request's task waits in `_relay` for its inbox (every frame before this one queued to
-        the client, the handover done) and is not being cancelled, nothing is queued in the
-        inbox, `msg` carries no prompt logprobs, and the client's writer takes a frame without
-        waiting (`can_send_now`: open, within its high-water mark, not stalled past its write
-        timeout). FINISH and ERROR always take the inbox, so the task still ends the request
-        (usage, timings, cleanup) and its FINISH follows every TOKENS; once a frame is queued
-        there every later one follows it until the task has taken them all. A failure here
-        fails this request alone (ERROR INTERNAL through its inbox), never the link."""
-        task, sink = req.waiting, req.sink
-        if (
-            task is None
-            or sink is None
-            or task.cancelling()
-            or not req.inbox.empty()
-            or msg.prompt_logprobs is not None
-            or not sink.can_send_now()
-        ):
-            return False
-        try:
-            req.generated.extend(msg.tokens)
-            sink.send_nowait(self.output.tokens(req, msg.tokens, msg.logprobs))
-        except Exception as exc:  # a bug must not end the link's other requests
-            log.exception("direct_relay_failed", request_id=req.request_id)
-            error = f"{type(exc).__name__}: {exc}"
-            req.inbox.put_nowait(Error(code=ErrorCode.INTERNAL, message=error))
-            return True
-        req.direct_frames += 1
-        self.relayed["direct"] += 1
-        return True
 
     def _abort_answered(self, req: PrefillRequest, msg: Message) -> None:
         """The decode's RELEASE (naming the slot) or ERROR for an ABORTING request frees its
@@ -293,7 +257,7 @@ class RequestPipeline:
     ) -> AsyncIterator[Tokens | Finish]:
         """The request's frames to its client, in order, FINISH last; RequestFailed to end it
         with ERROR. With `sink` (the client's writer, where the consumer sends what this
-        yields) its relayed TOKENS may go there directly instead (`_relay_direct`). `read_ns`:
+        yields) its relayed TOKENS may go there directly instead (relay.py). `read_ns`:
         when its GENERATE was read (monotonic ns; 0: not known)."""
         req = self._admit(rid, msg)
         req.marks.stamp("read", read_ns)
@@ -317,7 +281,7 @@ class RequestPipeline:
             for frame in self.output.prompt_logprobs(req, answer.prompt_logprobs):
                 yield frame
             if (first := answer.token) is None:  # max_tokens 0: the prompt scored, no token
-                yield self._finish(req, "length", {})
+                yield self.relay.finish(req, "length", {})
                 return
             req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
@@ -330,12 +294,12 @@ class RequestPipeline:
             req.marks.stamp("first_out")  # resumed: the consumer has queued it to the client
             self.handoff.flush(req)  # a TCP push link: the WRITE that KV_READY announced
             if reason:  # nothing left to decode (an early HANDOFF is aborted as it ends)
-                yield self._finish(req, reason, {})
+                yield self.relay.finish(req, reason, {})
                 return
             if shared > 1:  # the batch-mates' first tokens go to their clients before this HANDOFF
                 await asyncio.sleep(0)
             first_answer = await self.handoff.hand_over(req)
-            async for out in self._relay(req, first_answer):
+            async for out in self.relay.stream(req, first_answer):
                 yield out
         finally:
             self._cleanup(req)
@@ -390,32 +354,6 @@ class RequestPipeline:
             return result
         finally:
             future.cancel()  # the request went away while queued: skip its prompt
-
-    async def _relay(self, req: PrefillRequest, first: Message) -> AsyncIterator[Tokens | Finish]:
-        msg: Message = first
-        while True:
-            if isinstance(msg, Tokens):
-                msg, after = req.more_tokens(msg)  # the steps queued meanwhile, in one frame
-                req.generated.extend(msg.tokens)
-                yield self.output.tokens(req, msg.tokens, msg.logprobs)
-                if after is not None:
-                    msg = after
-                    continue
-            elif isinstance(msg, Finish):
-                yield self._finish(req, msg.reason, msg.timings)
-                return
-            elif isinstance(msg, Error):
-                raise RequestFailed(msg.code, msg.message)
-            req.waiting = asyncio.current_task()  # meanwhile TOKENS may go to the client direct
-            try:
-                msg = await req.inbox.get()
-            finally:
-                req.waiting = None
-
-    def _finish(self, req: PrefillRequest, reason: str, decode_timings: dict[str, float]) -> Finish:
-        req.marks.stamp("finished")
-        self.throughput.add(len(req.generated), requests=1)
-        return self.output.finish(req, reason, decode_timings)
 
     def _cleanup(self, req: PrefillRequest) -> None:
         rid = req.request_id

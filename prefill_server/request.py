@@ -40,7 +40,7 @@ class ClientSink(Protocol):
 class PrefillRequest:
     """Created by RequestPipeline.run; the pipeline routes the decode's answers (from the link)
     into `inbox`, except the TOKENS it relays from the link's read callback straight to `sink`
-    while `waiting` (RequestPipeline._relay_direct). Its life is `phase` (prefill_server.phase),
+    while `waiting` (prefill_server/relay.py). Its life is `phase` (prefill_server.phase),
     moved only by `advance`, for every frame either way.
 
     Marks (monotonic ns, `marks`): arrived, first_token (on the loop), handoff_sent (the last

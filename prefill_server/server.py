@@ -122,7 +122,7 @@ class PrefillServer(DaemonServer):
         return self.pipeline.throughput
 
     def log_stopped(self) -> dict[str, Any]:
-        relayed = self.pipeline.relayed
+        relayed = self.pipeline.relay.counts
         return {
             "served": self.pipeline.throughput.served,
             "relayed_direct": relayed["direct"],
@@ -218,7 +218,7 @@ class PrefillServer(DaemonServer):
         link, the model) is the request's failure and is answered like any other. Frames go
         through the connection's ClientWriter: no wait and no timer per token unless the client
         has fallen behind; the pipeline may relay the decode's TOKENS to `writer` itself, from
-        the link's read callback, while this task waits (RequestPipeline._relay_direct)."""
+        the link's read callback, while this task waits (prefill_server/relay.py)."""
         rlog = log.bind(request_id=rid)
         try:
             outputs_of = self.pipeline.run(rid, msg, writer, read_ns)

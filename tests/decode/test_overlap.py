@@ -178,6 +178,6 @@ async def test_no_step_runs_ahead_while_a_prefill_computes_an_early_handoff(
     assert table.engine.overlapped > 0
     _assert_reference(rt, link, [(running, PROMPTS[0], GREEDY), (waiting, PROMPTS[1], GREEDY)])
     always = DecodeRequests(rt, max_batch=8, overlap="always")
-    assert always.engine._hold is None
+    assert always.engine.ahead_steps is not None and always.engine.ahead_steps._hold is None
     for rid in ("run", "wait"):
         side.producer.allocator.free(rid)

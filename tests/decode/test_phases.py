@@ -87,9 +87,7 @@ def test_a_copy_done_inside_its_start_decodes_with_nothing_outstanding(
         side.producer.allocator.free(rid)
 
 
-async def test_a_stream_ordered_pull_decodes_at_once_as_decoding_pull(
-    side: Side, dlink, table, rt
-):
+async def test_a_stream_ordered_pull_decodes_at_once_as_decoding_pull(side: Side, dlink, table, rt):
     table.handoff(dlink, side.prefill("r1", PROMPT, GREEDY))
     (seq,) = table.sequences()
     assert seq.phase is Phase.DECODING_PULL  # in the batch, its RELEASE still due

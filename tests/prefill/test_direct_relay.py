@@ -1,4 +1,4 @@
-"""The direct relay (RequestPipeline._relay_direct) on the real pipeline and a real ClientWriter
+"""The direct relay (prefill_server/relay.py's Relay.direct) on the real pipeline and a real ClientWriter
 on a Unix socket pair (tests.prefill.pipeline_parts; the link is the one fake): while the
 request's task waits for its inbox and the client keeps up, the decode's TOKENS go to the client
 from the read callback; once the client falls behind they take the inbox and the task's waiting
@@ -40,7 +40,7 @@ async def test_frames_switch_to_the_inbox_while_the_client_is_behind_and_back(cf
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     theirs.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # read later, in one go
     writer = ClientWriter(FrameChannel(ours, max_fds=0), write_timeout_s=30, high_water=32_000)
-    relayed = s.pipeline.relayed
+    relayed = s.pipeline.relay.counts
 
     def step(token: int) -> None:
         s.pipeline.deliver(Tokens(request_id="a", tokens=[token]))
@@ -114,7 +114,7 @@ async def test_a_request_being_cancelled_gets_no_direct_frame(cfg_rt) -> None:  
     await s.until(lambda: req.waiting is not None)
     task.cancel()  # the client's ABORT: a step that arrives before the task runs stays unsent
     s.pipeline.deliver(Tokens(request_id="a", tokens=[12]))
-    assert s.pipeline.relayed == {"direct": 0, "queued": 2}
+    assert s.pipeline.relay.counts == {"direct": 0, "queued": 2}
     await asyncio.gather(task, return_exceptions=True)
     writer.flush()
     writer.channel.close()
