@@ -1,5 +1,6 @@
 """The transfer layer as a library, in the shape of LLM-DataDist's cache manager: a thin facade
-over the daemons' own transfer objects.
+over the daemons' own transfer objects. The user's guide, with a two-process example, is
+docs/library.md.
 
     mgr = CacheManager()
     cache = mgr.register_blocks_cache(KVPool.create(layout))     # owner side
