@@ -1,6 +1,6 @@
 """The paged-context prefill attention kernel (issue 22) against the one it replaced, one layer.
 
-`varlen_context_attention` (common/model/kernels/varlen_attention.py) now packs a KV head's GQA
+`varlen_context_attention` (common/model/kernels/context_attention.py) now packs a KV head's GQA
 query heads into one tile's rows and splits the keys across programs; the kernel before it (one
 program per query tile x query head x sequence, walking the whole context) is kept below, only
 for this comparison. At TinyLlama-1.1B's shape (32 query heads, 4 KV heads, head_dim 64, block
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from common.model.kernels.attention import online_softmax_step
-from common.model.kernels.varlen_attention import _context_attention, context_splits, context_tiles
+from common.model.kernels.context_attention import _context_attention, context_splits, context_tiles
 from common.model.paged import blocks_for, context_attention
 
 CASES = [(128, 1536, 1), (128, 0, 1), (512, 1024, 1), (1024, 0, 1), (128, 1536, 4), (16, 2048, 8)]

@@ -181,7 +181,7 @@ def test_expired_heap_stays_bounded_under_churn() -> None:
         alloc.allocate("r", 1)
         alloc.lease("r", "link", float(i))
         alloc.release("r")
-    assert len(alloc._deadlines) <= 130  # stale entries are compacted, not kept forever
+    assert len(alloc._leases) <= 130  # stale entries are compacted, not kept forever
     assert alloc.expired(1e9) == []
 
 

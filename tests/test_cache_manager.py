@@ -295,3 +295,24 @@ def test_a_refused_import_answers_the_consumers_error_and_closes_every_fd(edit, 
         with pytest.raises(OSError):
             os.fstat(fd)
     mgr.close()
+
+
+def test_an_unregistered_cache_is_refused_by_name():
+    mgr = CacheManager()
+    owned = mgr.register_blocks_cache(_local())
+    payload, fds = mgr.export_cache(owned)
+    remote = mgr.import_cache(payload, [os.dup(fd) for fd in fds])
+    local = mgr.register_blocks_cache(_local())
+    plain = mgr.register_cache(torch.zeros(4))
+    for cache in (remote, owned, plain):
+        mgr.unregister_cache(cache)
+        mgr.unregister_cache(cache)  # idempotent
+    with pytest.raises(IpcError, match=f"cache {remote.cache_id} was unregistered"):
+        mgr.pull_blocks(remote, local, [0], [0])
+    with pytest.raises(IpcError, match="was unregistered"):
+        mgr.push_blocks(local, remote, [0], [0])
+    with pytest.raises(IpcError, match="was unregistered"):
+        mgr.export_cache(owned)
+    with pytest.raises(IpcError, match="was unregistered"):
+        mgr.push_cache(plain, mgr.register_cache(torch.zeros(4)))
+    mgr.close()

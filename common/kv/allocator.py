@@ -22,6 +22,10 @@ LEASED while any leased request holds it, OWNED while only others do, and CACHED
 named, evicted least recently freed first only when no FREE block is left) once nobody holds it.
 docs/architecture.md ("Block allocator") has the rules.
 
+Each kind of state has its book beside this module: FREE runs in common.kv.free_runs, names
+and the CACHED order in common.kv.block_names, the LEASED blocks, their holders and deadlines in
+common.kv.leases; this class moves blocks between them.
+
 Counts: `num_free` includes the CACHED blocks (`num_cached` of them), so
 free + owned + leased == total always.
 
@@ -34,14 +38,13 @@ allows, and a pull copies (a NIXL transfer posts) each run as one.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from common.errors import AllocatorError, OutOfBlocks
 from common.kv.block_names import BlockNames
 from common.kv.free_runs import FreeRuns
-from common.kv.leases import Entry, LeaseBook
+from common.kv.leases import Entry, Lease, LeaseBook
 
 
 class BlockState(enum.Enum):
@@ -50,14 +53,6 @@ class BlockState(enum.Enum):
     OWNED = "owned"
     LEASED = "leased"
     RESERVED = "reserved"  # out of the pool for good, the daemon's own (`reserve`)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Who holds a leased request's blocks, and until when (caller's clock; None = no deadline)."""
-
-    holder: str
-    deadline: float | None
 
 
 @dataclass
@@ -77,10 +72,8 @@ class BlockAllocator:
         self._free = FreeRuns(num_blocks)
         self._names = BlockNames(num_blocks)  # the named blocks and the CACHED ones' LRU order
         self._users: list[set[str]] = [set() for _ in range(num_blocks)]
-        self._lease_refs = [0] * num_blocks  # leased requests holding the block
         self._requests: dict[str, _Request] = {}
-        self._deadlines = LeaseBook(self._live)  # holders' requests, deadlines
-        self._num_leased = 0
+        self._leases = LeaseBook(num_blocks, self._live)  # LEASED blocks, holders, deadlines
         self._reserved: set[int] = set()
 
     # -- counters ---------------------------------------------------------------------------
@@ -117,11 +110,11 @@ class BlockAllocator:
 
     @property
     def num_leased(self) -> int:
-        return self._num_leased
+        return self._leases.num_leased
 
     @property
     def num_owned(self) -> int:
-        return self.total - self.num_free - self._num_leased
+        return self.total - self.num_free - self._leases.num_leased
 
     # -- allocate / free --------------------------------------------------------------------
 
@@ -251,14 +244,8 @@ class BlockAllocator:
                 f"request {request_id!r} is already leased to {req.lease.holder!r}; "
                 "release it before leasing again"
             )
-        if not isinstance(holder, str) or not holder:
-            raise AllocatorError(f"lease holder must be a non-empty str, got {holder!r}")
-        _check_deadline(deadline)
-        req.lease = Lease(holder, deadline)
-        req.lease_seq = self._deadlines.add(request_id, holder, deadline)
-        for block in req.blocks:
-            self._lease_refs[block] += 1
-            self._num_leased += self._lease_refs[block] == 1
+        req.lease = Lease(holder, deadline)  # AllocatorError for a bad holder or deadline
+        req.lease_seq = self._leases.add(request_id, req.blocks, req.lease)
 
     def unlease(self, request_id: str) -> None:
         """LEASED → OWNED: the holder refused the request (NO_CAPACITY) and reads none of its
@@ -282,7 +269,7 @@ class BlockAllocator:
 
         An unknown holder (or one with no leases left) frees nothing and returns [].
         """
-        request_ids = self._deadlines.of_holder(holder)
+        request_ids = self._leases.of_holder(holder)
         for request_id in request_ids:
             self.free(request_id)
         return request_ids
@@ -293,7 +280,7 @@ class BlockAllocator:
         The caller decides what to do (usually `release` each). Cost: O(expired + stale entries
         popped) — only the part of the deadline heap that is already due is visited.
         """
-        return self._deadlines.due(now)
+        return self._leases.due(now)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -313,7 +300,7 @@ class BlockAllocator:
             raise AllocatorError(f"block id {block_id} out of range [0, {self._ids})")
         if block_id in self._reserved:
             return BlockState.RESERVED
-        if self._lease_refs[block_id]:
+        if self._leases.is_leased(block_id):
             return BlockState.LEASED
         if self._users[block_id]:
             return BlockState.OWNED
@@ -387,23 +374,12 @@ class BlockAllocator:
 
     def _end_lease(self, request_id: str, req: _Request) -> None:
         assert req.lease is not None
-        for block in req.blocks:
-            self._lease_refs[block] -= 1
-            self._num_leased -= self._lease_refs[block] == 0
         lease, req.lease, req.lease_seq = req.lease, None, -1  # its heap entry is now stale
-        self._deadlines.end(request_id, lease.holder, lease.deadline is not None)
+        self._leases.end(request_id, req.blocks, lease)
 
     def _live(self, entry: Entry) -> bool:
         req = self._requests.get(entry[2])
         return req is not None and req.lease_seq == entry[1]
-
-
-def _check_deadline(deadline: float | None) -> None:
-    bad = (
-        isinstance(deadline, bool) or not isinstance(deadline, int | float) or math.isnan(deadline)
-    )
-    if deadline is not None and bad:
-        raise AllocatorError(f"lease deadline must be a number or None, got {deadline!r}")
 
 
 def _check_count(n: int) -> None:

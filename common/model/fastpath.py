@@ -15,11 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from common.model.kernels.attention import paged_decode_attention
+from common.model.kernels.context_attention import varlen_context_attention
 from common.model.kernels.fused import rms_norm, rope_and_store, silu_mul
-from common.model.kernels.varlen_attention import (
-    varlen_causal_attention,
-    varlen_context_attention,
-)
+from common.model.kernels.varlen_attention import varlen_causal_attention
 
 # common.model.llama.LlamaModel, which calls into this module: typed loosely here so that the two
 # modules do not import each other (tests/test_layers.py)

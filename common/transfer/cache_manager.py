@@ -1,5 +1,6 @@
 """The transfer layer as a library, in the shape of LLM-DataDist's cache manager: a thin facade
-over the daemons' own transfer objects.
+over the daemons' own transfer objects. The user's guide, with a two-process example, is
+docs/library.md.
 
     mgr = CacheManager()
     cache = mgr.register_blocks_cache(KVPool.create(layout))     # owner side
@@ -81,11 +82,20 @@ class Cache:
     consumer: KVConsumer | None = field(default=None, repr=False)
     names: BlockNames | None = field(default=None, repr=False)  # a local blocks cache's keys
     seed: bytes = b""  # the root of its block names
+    unregistered: bool = False  # by CacheManager.unregister_cache: no transfer may use it
 
     def blocks(self) -> KVPool:
+        self.check_registered()
         if self.pool is None:
             raise IpcError(f"cache {self.cache_id} is a plain cache, not a blocks cache")
         return self.pool
+
+    def check_registered(self) -> None:
+        """IpcError if the cache was unregistered (an imported one is unmapped by then)."""
+        if self.unregistered:
+            raise IpcError(
+                f"cache {self.cache_id} was unregistered; register or import it again to use it"
+            )
 
 
 class CacheManager:
@@ -115,6 +125,7 @@ class CacheManager:
         """Forget a cache: an exported one is no longer shared (its producer closes), an imported
         one is unmapped (its consumer closes; drop your views of it first). Idempotent."""
         self._caches.pop(cache.cache_id, None)
+        cache.unregistered = True
         if cache.producer is not None:
             cache.producer.close()
             cache.producer = None
@@ -139,6 +150,7 @@ class CacheManager:
         """(payload, fds) a peer passes to import_cache; the fds stay owned here. Export once per
         peer, not per transfer. A blocks cache's payload is the REGISTER frame of the KVProducer
         built over it on the first export (the pool is exported once per process)."""
+        cache.check_registered()  # a new producer here would outlive close()
         if cache.remote:
             raise IpcError(f"cache {cache.cache_id} is imported; only its owner can export it")
         if cache.pool is None:
@@ -269,6 +281,8 @@ def _copy_blocks(src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int])
 
 
 def _copy_whole(src: Cache, dst: Cache) -> None:
+    src.check_registered()
+    dst.check_registered()
     if src.tensor.shape != dst.tensor.shape or src.tensor.dtype != dst.tensor.dtype:
         raise IpcError(
             f"cannot copy a {tuple(src.tensor.shape)} {src.tensor.dtype} cache into a "

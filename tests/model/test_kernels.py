@@ -227,7 +227,7 @@ def test_varlen_context_matches_torch_context_attention(
 ) -> None:
     """The paged-context prefill kernel against paged.context_attention per sequence: contexts
     of 0, partial and whole blocks, new runs longer than a tile; NaN in unread slots."""
-    from common.model.kernels.varlen_attention import varlen_context_attention
+    from common.model.kernels.context_attention import varlen_context_attention
     from common.model.paged import context_attention
 
     gen = torch.Generator().manual_seed(hq * d + block_size)
@@ -333,16 +333,16 @@ def test_varlen_context_splits_and_padding(
     one-split tiles writing their output directly while others go through the merge.
     Every buffer the function allocates starts poisoned, so an unwritten row or an unwritten
     partial read by the merge shows (see _poisoned_empty)."""
-    from common.model.kernels import varlen_attention as va
+    from common.model.kernels import context_attention as ca
 
-    monkeypatch.setattr(va, "SPLIT_KEYS", split_keys)
+    monkeypatch.setattr(ca, "SPLIT_KEYS", split_keys)
     gen = torch.Generator().manual_seed(hq * 10 + hkv + (splits or 0))
     starts = [0, 5, 32, 300, 7, 450, 0]
     lengths = [70, 20, 33, 40, 0, 1, 0]
     q, kv, cu, st, tables = _context_case(hq, hkv, 64, 16, starts, lengths, 32, 5, gen)
     with monkeypatch.context() as m:
         m.setattr(torch, "empty", _poisoned_empty(torch.empty))
-        out = va._context_attention(q, kv, 1, cu, st, tables, max(lengths), splits=splits)
+        out = ca._context_attention(q, kv, 1, cu, st, tables, max(lengths), splits=splits)
     _check_context(out, q, kv, cu, st, tables)
 
 
@@ -351,14 +351,14 @@ def test_varlen_context_replays_with_other_starts(monkeypatch, hq: int, hkv: int
     """What a prefill graph relies on: the same host shapes (max_seqlen, sequences, table width,
     the same buffers) with other device lengths and starts, longer and shorter, give the right
     result each time; the launch is one that splits the keys."""
-    from common.model.kernels import varlen_attention as va
+    from common.model.kernels import context_attention as ca
 
-    monkeypatch.setattr(va, "SPLIT_KEYS", 64)  # these contexts' tiles use several splits
+    monkeypatch.setattr(ca, "SPLIT_KEYS", 64)  # these contexts' tiles use several splits
     gen = torch.Generator().manual_seed(hq + hkv)
     max_seqlen, width, bs = 48, 30, 16
-    block_q, _ = va.context_tiles(hq, hkv, 64, True, max_seqlen)
+    block_q, _ = ca.context_tiles(hq, hkv, 64, True, max_seqlen)
     tiles = -(-max_seqlen // block_q) * hkv * 3
-    assert va.context_splits(tiles, width * bs, va.NUM_SMS) > 1
+    assert ca.context_splits(tiles, width * bs, ca.NUM_SMS) > 1
     q, kv, cu, st, tables = _context_case(
         hq, hkv, 64, bs, [400, 0, 100], [48, 30, 10], width, 0, gen
     )
@@ -371,5 +371,5 @@ def test_varlen_context_replays_with_other_starts(monkeypatch, hq: int, hkv: int
         q.copy_(torch.randn(q.shape, generator=gen))  # 88 rows: a shorter case leaves some over
         with monkeypatch.context() as m:
             m.setattr(torch, "empty", _poisoned_empty(torch.empty))
-            out = va.varlen_context_attention(q, kv, 1, cu, st, tables, max_seqlen)
+            out = ca.varlen_context_attention(q, kv, 1, cu, st, tables, max_seqlen)
         _check_context(out, q, kv, cu, st, tables)

@@ -1,5 +1,6 @@
 """Paged-decode attention over the block table, and the flash-attention tile both attention
-kernels fold keys with (`online_softmax_step`; the varlen prefill kernel is in varlen_attention.py).
+kernels fold keys with (`online_softmax_step`; the varlen prefill kernel is in varlen_attention.py,
+the paged-context one in context_attention.py).
 
 `paged_decode_attention` is `common.model.paged.paged_attention` without the gather: each program
 takes one (row, KV head, split of the context) and reads that row's blocks through its block table,
