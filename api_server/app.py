@@ -215,6 +215,7 @@ class Api:
             started=started,
             created=int(time.time()),
             choices=len(jobs),
+            n=req.n or 1,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             fmt=None if jobs[0].sampling.logprobs is None else LogprobFormat(model.counter),
             echoes=echoes,
