@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import msgspec
 
 from common import client
 from common.errors import PdkvError
+from common.health import daemons_healthy
 from common.protocol import ConnectionClosed
 from common.sampling_params import SamplingParams
 from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
@@ -26,17 +28,13 @@ def status(
     link_socket: Path | None = None,
     as_json: bool = False,
 ) -> int:
-    """Print each daemon's state; exit 0 only when both answer and the prefill's link is up."""
+    """Print each daemon's state; the exit code is `pdkv status RUNTIME_DIR`'s (healthy): a
+    socket given as an option counts as found even where it is missing."""
     targets = {
-        "prefill": client_socket or g.runtime_dir / "prefill.sock",
-        "decode": link_socket or g.runtime_dir / "decode.sock",
+        "prefill": (client_socket or g.runtime_dir / "prefill.sock", client_socket is not None),
+        "decode": (link_socket or g.runtime_dir / "decode.sock", link_socket is not None),
     }
-    out: dict[str, Any] = {}
-    for role, path in targets.items():
-        try:
-            out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
-        except (OSError, TimeoutError, PdkvError) as exc:
-            out[role] = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+    out = {role: _ask(role, path, named=named) for role, (path, named) in targets.items()}
     apis = _apis(g.runtime_dir)  # optional: not part of the exit code
     if as_json:
         click.echo(json.dumps({**out, **({"apis": apis} if apis else {})}, indent=2))
@@ -46,38 +44,50 @@ def status(
         for api in apis:
             workers = f"  ({api['workers']} workers)" if api.get("workers") else ""
             click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1{workers}")
-    return EXIT_OK if healthy(out) else EXIT_FAIL
+    return EXIT_OK if healthy(out.values()) else EXIT_FAIL
 
 
 def status_of_dirs(dirs: list[Path], *, as_json: bool = False) -> int:
     """`pdkv status DIR...`: every daemon of several runtime dirs (one per daemon in an XpYd
     deployment: a dir may hold a prefill, a decode or both). Exit 0 only when every dir holds a
-    daemon's socket, every socket answers, and every prefill has a decode link up."""
+    daemon's socket and the daemons are healthy (healthy)."""
     found: list[dict[str, Any]] = []
+    ok = True
     for d in dirs:
-        sockets = [
-            (r, d / f"{r}.sock") for r in ("prefill", "decode") if (d / f"{r}.sock").exists()
-        ]
-        if not sockets:  # a daemon stopped cleanly removes its socket: the dir is named, down
+        here = [_ask(r, d / f"{r}.sock", named=False) for r in ("prefill", "decode")]
+        here = [st for st in here if not st.get("absent")]
+        if not here:  # a daemon stopped cleanly removes its socket: the dir is named, down
             why = "no daemon: neither prefill.sock nor decode.sock here"
-            found.append({"runtime_dir": str(d), "role": "daemon", "down": why, "socket": str(d)})
-        for role, path in sockets:
-            try:
-                st = msgspec.to_builtins(asyncio.run(client.status(str(path))))
-            except (OSError, TimeoutError, PdkvError) as exc:
-                st = {"role": role, "down": why_down(role, exc), "socket": str(path)}
-            found.append({"runtime_dir": str(d), **st})
-    ok = all(
-        "down" not in st
-        and (st["role"] != "prefill" or any(lk.get("state") == "up" for lk in st["links"]))
-        for st in found
-    )
+            here = [{"role": "daemon", "down": why, "socket": str(d)}]
+        ok = healthy(here) and ok
+        found += [{"runtime_dir": str(d), **st} for st in here]
     if as_json:
         click.echo(json.dumps({"daemons": found, "healthy": ok}, indent=2))
     else:
         for st in found:
             click.echo(f"[{st['runtime_dir']}]\n{_status_line(st['role'], st)}")
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def healthy(daemons: Iterable[dict[str, Any]]) -> bool:
+    """The one rule of `pdkv status` and `pdkv status DIR...`, over one runtime dir's daemons:
+    those whose socket is there (or was named) count; the dir is healthy when it holds one and
+    each answers and is linked to the other kind (common.health). A daemon whose socket is not
+    there is left out: a prefill's decode may live in another dir (`--decode`), and a missing
+    counterpart shows in the link of the daemon that is there."""
+    return daemons_healthy(st for st in daemons if not st.get("absent"))
+
+
+def _ask(role: str, path: Path, *, named: bool) -> dict[str, Any]:
+    """The STATUS of the daemon at `path` as a dict, or one whose `down` says why it did not
+    answer (`absent` too when there is no socket there and it was not named)."""
+    try:
+        return msgspec.to_builtins(asyncio.run(client.status(str(path))))
+    except (OSError, TimeoutError, PdkvError) as exc:
+        st = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+        if not named and not path.exists():
+            st["absent"] = True
+        return st
 
 
 def why_down(role: str, exc: BaseException) -> str:
@@ -106,13 +116,6 @@ def _apis(runtime_dir: Path) -> list[dict[str, Any]]:
         }
         for a in running_apis(runtime_dir)
     ]
-
-
-def healthy(out: dict[str, Any]) -> bool:
-    """Both daemons answered, and a link of the prefill to a decode is up."""
-    if any("down" in st for st in out.values()):
-        return False
-    return any(link.get("state") == "up" for link in out["prefill"].get("links") or [])
 
 
 def _prefix_cache_text(cache: dict[str, int]) -> str:
