@@ -15,8 +15,8 @@ import msgspec
 
 from common import client
 from common.errors import PdkvError
-from common.health import daemons_healthy
-from common.protocol import ConnectionClosed
+from common.health import daemons_healthy, link_problem
+from common.protocol import ConnectionClosed, ModelCard, StatusReply
 from common.sampling_params import SamplingParams
 from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
 
@@ -217,9 +217,12 @@ def generate(
         return result
 
     try:
+        st = ready(path)
         if chat:
-            prompt, prompt_tokens = chat_prompt(path, prompt, system=system)
+            prompt, prompt_tokens = chat_prompt(st.model_card, prompt, system=system)
         result = asyncio.run(run())
+    except LinkDown as exc:
+        return _generate_failed(as_json, None, "LINK_DOWN", str(exc), newline=False)
     except ChatUnavailable as exc:
         return _generate_failed(as_json, None, "CHAT_TEMPLATE", str(exc), newline=False)
     except client.RequestFailed as exc:
@@ -250,20 +253,35 @@ def generate(
     return EXIT_OK
 
 
+class LinkDown(PdkvError):
+    """The prefill daemon answers but has no link to a decode up: the request is not sent."""
+
+
+def ready(path: str) -> StatusReply:
+    """The STATUS of the prefill daemon at `path` once it can take a request; LinkDown, with
+    the reason the HTTP API's 503 gives (common.health), when no link of it to a decode is up.
+    Sent anyway, the request would wait in the prefill up to its --handoff-timeout for a decode
+    that may not come back. A link that drops after this STATUS is waited for by the prefill,
+    as for the API's requests."""
+    st = asyncio.run(client.status(path))
+    if why := link_problem(st.links):
+        raise LinkDown(f"{why}; the request was not sent (pdkv status shows the link)")
+    return st
+
+
 class ChatUnavailable(PdkvError):
     """`generate --chat` cannot build the chat prompt; the message says why."""
 
 
 def chat_prompt(
-    socket_path: str, text: str, *, system: str | None = None
+    card: ModelCard | None, text: str, *, system: str | None = None
 ) -> tuple[str | None, list[int] | None]:
-    """(prompt, prompt_tokens) of the chat `[system,] user: text` for the daemons at
-    `socket_path`: their checkpoint's chat template (from their STATUS's model card), rendered
-    and tokenized by api_server.chat exactly as /v1/chat/completions does (transformers'
-    apply_chat_template ids); the default template's text for the built-in tiny model."""
+    """(prompt, prompt_tokens) of the chat `[system,] user: text` for the daemons whose STATUS
+    has the model card `card`: their checkpoint's chat template, rendered and tokenized by
+    api_server.chat exactly as /v1/chat/completions does (transformers' apply_chat_template
+    ids); the default template's text for the built-in tiny model."""
     from api_server.chat import ChatTemplate, TemplateError
 
-    card = asyncio.run(client.status(socket_path)).model_card
     if card is None:
         raise ChatUnavailable("the prefill daemon names no model (a pdkv of another version?)")
     model_dir = Path(card.path) if card.path else None
