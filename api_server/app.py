@@ -28,13 +28,14 @@ from api_server.config import (
     MAX_BODY_BYTES,
     ApiConfig,
 )
-from api_server.daemons import Daemons, link_problem
+from api_server.daemons import Daemons
 from api_server.errors import ApiError, bad_field, model_not_found, too_large
 from api_server.logprobs import Echo, LogprobFormat
 from api_server.metrics import CONTENT_TYPE, Metrics
 from api_server.model import ServedModel
 from api_server.prompts import Prompt, check_context, prompts_of
 from api_server.sse import json_response
+from common.health import link_problem
 from common.protocol import StatusReply
 
 log = structlog.get_logger(__name__)
@@ -215,6 +216,7 @@ class Api:
             started=started,
             created=int(time.time()),
             choices=len(jobs),
+            n=req.n or 1,
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             fmt=None if jobs[0].sampling.logprobs is None else LogprobFormat(model.counter),
             echoes=echoes,
@@ -251,7 +253,7 @@ class Api:
         for role, st in statuses.items():
             if not role.startswith("prefill") or not isinstance(st, StatusReply):
                 continue
-            if why := link_problem(st):
+            if why := link_problem(st.links):
                 reasons.append(why)
             else:
                 serving += 1

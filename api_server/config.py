@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.daemon.rundir import StartupError, child_pids, read_pid
+from common.model_dir import model_dir_problem
 from common.settings import instance_name, opt
 
 #: max_tokens of a request that sets none: OpenAI's default for /v1/completions, and for chat
@@ -148,8 +149,8 @@ class ApiConfig:
                 f"--host {self.host} is not a loopback address: set --api-key (or PDKV_API_KEY) so "
                 "that only clients holding the key can generate"
             )
-        if self.model is not None and not self.model.is_dir():
-            raise StartupError(f"--model {self.model} is not a directory")
+        if self.model is not None and (why := model_dir_problem(self.model)):
+            raise StartupError(why)
 
     @property
     def instance_name(self) -> str:

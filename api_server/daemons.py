@@ -33,6 +33,7 @@ from api_server.model import ServedModel, Unservable, served_model
 from common import client
 from common.daemon.rundir import StartupError
 from common.errors import PdkvError
+from common.health import link_problem
 from common.protocol import ModelCard, StatusReply
 
 log = structlog.get_logger(__name__)
@@ -44,14 +45,6 @@ ROUTE_SLACK = 8
 AFFINITY_TOKENS = 64
 AFFINITY_CHARS = 256
 T = TypeVar("T")
-
-
-def link_problem(st: StatusReply) -> str | None:
-    """Why no link of the prefill to a decode is up, or None when one is."""
-    if any(link.get("state") == "up" for link in st.links):
-        return None
-    why = "; ".join(link.get("last_error") or "not connected yet" for link in st.links)
-    return f"the prefill daemon's link to the decode daemon is down ({why or 'no link'})"
 
 
 def check_at_start(cfg: ApiConfig) -> None:
@@ -199,7 +192,7 @@ class Daemons:
         the model is learned from the first prefill that answers."""
         p = prefill or self.prefills[0]
         p.status, p.at, p.connects = st, time.monotonic(), p.conn.connects
-        p.problem = link_problem(st)
+        p.problem = link_problem(st.links)
         others = [q.status for q in self.prefills if q is not p and q.status is not None]
         if st.model_card != self._card and any(o.model_card == self._card for o in others):
             # the others' model was learned first: this prefill is left out, and named
@@ -284,4 +277,4 @@ def _not_answering(p: Prefill, exc: BaseException) -> str:
     return f"the prefill daemon at {p.path} is not answering ({type(exc).__name__}: {exc})"
 
 
-__all__ = ["Daemons", "Prefill", "check_at_start", "link_problem"]
+__all__ = ["Daemons", "Prefill", "check_at_start"]

@@ -1,7 +1,7 @@
 """OpenAI's response shapes for /v1/completions and /v1/chat/completions, whole or streamed.
 
 A request has n choices per prompt (choice i*n + j is prompt i's j-th), each with its `index`;
-`usage` sums them. Streamed, the choices' chunks interleave as their text comes, each chunk
+`usage` counts each prompt once (as OpenAI does, whatever n) and every choice's completion. Streamed, the choices' chunks interleave as their text comes, each chunk
 carrying one choice and the logprobs of its tokens when asked (api_server.logprobs); with `echo`
 a choice's first chunk is its prompt.
 
@@ -83,6 +83,7 @@ class Reply:
     started: float
     created: int
     choices: int = 1
+    n: int = 1  # choices per prompt: choice i * n + j is prompt i's j-th
     include_usage: bool = False
     fmt: LogprobFormat | None = None  # when the request asked for logprobs
     echoes: list[Echo] | None = None  # completions with echo: each choice's prompt
@@ -112,17 +113,21 @@ class Reply:
         }
 
 
-def usage(dones: list[Done]) -> dict[str, Any]:
-    """OpenAI's usage of a request: its prompts' counts summed; `prompt_tokens_details`'s
-    `cached_tokens` are the prompt tokens the prefill's prefix cache supplied (0 for a prompt the
-    API ended at a stop string before its FINISH)."""
-    prompt = sum(d.prompt_tokens for d in dones)
+def usage(dones: list[Done], n: int = 1) -> dict[str, Any]:
+    """OpenAI's usage of a request whose `dones` are in choice order, `n` per prompt: each
+    prompt's tokens counted once (its n choices each prefilled it, but OpenAI bills a prompt
+    once), every choice's completion tokens. `prompt_tokens_details`'s `cached_tokens` are the
+    prompt tokens the prefill's prefix cache supplied, the most any of the prompt's choices got
+    (0 for a choice the API ended at a stop string before its FINISH)."""
+    per_prompt = [dones[i : i + n] for i in range(0, len(dones), n)]
+    prompt = sum(max(d.prompt_tokens for d in choices) for choices in per_prompt)
+    cached = sum(max(d.cached_tokens for d in choices) for choices in per_prompt)
     completion = sum(d.completion_tokens for d in dones)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(d.cached_tokens for d in dones)},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -148,7 +153,7 @@ async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
         text = (echo.text if echo else "") + "".join(parts[i])
         logprobs = reply.logprobs(i, lps[i], with_echo=True)
         choices.append(reply.shape.whole(i, text, done.finish_reason, logprobs))
-    return json_response(reply.body(reply.shape.object, choices, usage=usage(ended)))
+    return json_response(reply.body(reply.shape.object, choices, usage=usage(ended, reply.n)))
 
 
 async def streamed(reply: Reply, events: Events, metrics: Metrics) -> Response:
@@ -171,7 +176,7 @@ async def _sse(
     shape, obj = reply.shape, reply.shape.chunk_object
     extra = {"usage": None} if reply.include_usage else {}
     outcome = "client_disconnect"
-    dones: list[Done] = []
+    dones: dict[int, Done] = {}
     choices = [_StreamedChoice() for _ in range(reply.choices)]
     try:
         async with contextlib.aclosing(events):
@@ -189,13 +194,14 @@ async def _sse(
                 for choice in _chunks(reply, index, item, choices[index]):
                     yield event(reply.body(obj, [choice], **extra))
                 if isinstance(item, Done):
-                    dones.append(item)
+                    dones[index] = item
                     if len(dones) == reply.choices:
                         break
                 index, item = await anext(events)
+            ended = [dones[i] for i in range(reply.choices)]
             if reply.include_usage:
-                yield event(reply.body(obj, [], usage=usage(dones)))
-            _count_tokens(metrics, dones)
+                yield event(reply.body(obj, [], usage=usage(ended, reply.n)))
+            _count_tokens(metrics, ended)
             outcome = "ok"
             yield DONE
     except ApiError as exc:

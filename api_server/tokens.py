@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from api_server.token_bytes import TokenBytes
+
 _BYTE_BOS = 256  # common.model.config.TINY_BOS (not imported: it imports torch)
 _BYTE_SPECIALS = {256: "<s>", 257: "</s>", 258: "<pad>"}
 
@@ -22,10 +24,12 @@ class PromptCounter:
     def __init__(self, model_dir: Path | None) -> None:
         path = model_dir / "tokenizer.json" if model_dir is not None else None
         self._tok = None
+        self._bytes: TokenBytes | None = None
         if path is not None and path.is_file():
             from tokenizers import Tokenizer
 
             self._tok = Tokenizer.from_file(str(path))
+            self._bytes = TokenBytes(self._tok)
 
     def count(self, prompt: str | None, prompt_tokens: list[int] | None) -> int:
         """Tokens the daemons made of this prompt (ids are counted as given)."""
@@ -47,13 +51,14 @@ class PromptCounter:
         return self._tok.decode(ids, skip_special_tokens=True)
 
     def token(self, token_id: int) -> tuple[str, list[int]]:
-        """One token as logprobs show it: its text (special tokens by name; a byte that is not
-        whole UTF-8 as U+FFFD) and its bytes."""
+        """One token as logprobs show it: its text (special tokens by name; a part of a
+        character as U+FFFD) and its own bytes (api_server.token_bytes), the part included."""
         if self._tok is None:
             if 0 <= token_id < 256:
                 raw = bytes([token_id])
                 return raw.decode("utf-8", errors="replace"), list(raw)
             text = _BYTE_SPECIALS.get(token_id, f"<|{token_id}|>")
             return text, list(text.encode())
+        assert self._bytes is not None
         text = self._tok.decode([token_id], skip_special_tokens=False)
-        return text, list(text.encode("utf-8"))
+        return text, list(self._bytes(token_id))

@@ -128,11 +128,13 @@ def status(
 ) -> None:
     """Show each daemon's model, pool use, requests and throughput, and the link between them.
 
-    Exit 0 only when both daemons answer and the prefill's link to the decode is up; 1 otherwise
-    (a daemon down, or the link down, e.g. mismatched --block-size): usable as a health check.
+    Exit 0 only when the daemons whose sockets are in the runtime dir (one at least) answer and
+    are linked to the other kind: the prefill's link to a decode up (that decode's socket may
+    be elsewhere, --decode), the decode linked from a prefill. 1 otherwise (a daemon down, or
+    the link down, e.g. mismatched --block-size): usable as a health check.
 
     With DIRS (runtime dirs: one per daemon in a deployment of several), every daemon whose
-    socket is in one of them; exit 0 only when each answers and each prefill has a link up.
+    socket is in one of them; exit 0 only when each dir passes the same rule.
     """
     if dirs:
         raise SystemExit(client_commands.status_of_dirs(list(dirs), as_json=as_json))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,8 @@ import msgspec
 
 from common import client
 from common.errors import PdkvError
-from common.protocol import ConnectionClosed
+from common.health import daemons_healthy, link_problem
+from common.protocol import ConnectionClosed, ModelCard, StatusReply
 from common.sampling_params import SamplingParams
 from pdkv.commands import EXIT_FAIL, EXIT_OK, Globals
 
@@ -26,17 +28,13 @@ def status(
     link_socket: Path | None = None,
     as_json: bool = False,
 ) -> int:
-    """Print each daemon's state; exit 0 only when both answer and the prefill's link is up."""
+    """Print each daemon's state; the exit code is `pdkv status RUNTIME_DIR`'s (healthy): a
+    socket given as an option counts as found even where it is missing."""
     targets = {
-        "prefill": client_socket or g.runtime_dir / "prefill.sock",
-        "decode": link_socket or g.runtime_dir / "decode.sock",
+        "prefill": (client_socket or g.runtime_dir / "prefill.sock", client_socket is not None),
+        "decode": (link_socket or g.runtime_dir / "decode.sock", link_socket is not None),
     }
-    out: dict[str, Any] = {}
-    for role, path in targets.items():
-        try:
-            out[role] = msgspec.to_builtins(asyncio.run(client.status(str(path))))
-        except (OSError, TimeoutError, PdkvError) as exc:
-            out[role] = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+    out = {role: _ask(role, path, named=named) for role, (path, named) in targets.items()}
     apis = _apis(g.runtime_dir)  # optional: not part of the exit code
     if as_json:
         click.echo(json.dumps({**out, **({"apis": apis} if apis else {})}, indent=2))
@@ -46,38 +44,50 @@ def status(
         for api in apis:
             workers = f"  ({api['workers']} workers)" if api.get("workers") else ""
             click.echo(f"{'api':8} up    pid {api['pid']}  {api.get('url', '?')}/v1{workers}")
-    return EXIT_OK if healthy(out) else EXIT_FAIL
+    return EXIT_OK if healthy(out.values()) else EXIT_FAIL
 
 
 def status_of_dirs(dirs: list[Path], *, as_json: bool = False) -> int:
     """`pdkv status DIR...`: every daemon of several runtime dirs (one per daemon in an XpYd
     deployment: a dir may hold a prefill, a decode or both). Exit 0 only when every dir holds a
-    daemon's socket, every socket answers, and every prefill has a decode link up."""
+    daemon's socket and the daemons are healthy (healthy)."""
     found: list[dict[str, Any]] = []
+    ok = True
     for d in dirs:
-        sockets = [
-            (r, d / f"{r}.sock") for r in ("prefill", "decode") if (d / f"{r}.sock").exists()
-        ]
-        if not sockets:  # a daemon stopped cleanly removes its socket: the dir is named, down
+        here = [_ask(r, d / f"{r}.sock", named=False) for r in ("prefill", "decode")]
+        here = [st for st in here if not st.get("absent")]
+        if not here:  # a daemon stopped cleanly removes its socket: the dir is named, down
             why = "no daemon: neither prefill.sock nor decode.sock here"
-            found.append({"runtime_dir": str(d), "role": "daemon", "down": why, "socket": str(d)})
-        for role, path in sockets:
-            try:
-                st = msgspec.to_builtins(asyncio.run(client.status(str(path))))
-            except (OSError, TimeoutError, PdkvError) as exc:
-                st = {"role": role, "down": why_down(role, exc), "socket": str(path)}
-            found.append({"runtime_dir": str(d), **st})
-    ok = all(
-        "down" not in st
-        and (st["role"] != "prefill" or any(lk.get("state") == "up" for lk in st["links"]))
-        for st in found
-    )
+            here = [{"role": "daemon", "down": why, "socket": str(d)}]
+        ok = healthy(here) and ok
+        found += [{"runtime_dir": str(d), **st} for st in here]
     if as_json:
         click.echo(json.dumps({"daemons": found, "healthy": ok}, indent=2))
     else:
         for st in found:
             click.echo(f"[{st['runtime_dir']}]\n{_status_line(st['role'], st)}")
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def healthy(daemons: Iterable[dict[str, Any]]) -> bool:
+    """The one rule of `pdkv status` and `pdkv status DIR...`, over one runtime dir's daemons:
+    those whose socket is there (or was named) count; the dir is healthy when it holds one and
+    each answers and is linked to the other kind (common.health). A daemon whose socket is not
+    there is left out: a prefill's decode may live in another dir (`--decode`), and a missing
+    counterpart shows in the link of the daemon that is there."""
+    return daemons_healthy(st for st in daemons if not st.get("absent"))
+
+
+def _ask(role: str, path: Path, *, named: bool) -> dict[str, Any]:
+    """The STATUS of the daemon at `path` as a dict, or one whose `down` says why it did not
+    answer (`absent` too when there is no socket there and it was not named)."""
+    try:
+        return msgspec.to_builtins(asyncio.run(client.status(str(path))))
+    except (OSError, TimeoutError, PdkvError) as exc:
+        st = {"role": role, "down": why_down(role, exc), "socket": str(path)}
+        if not named and not path.exists():
+            st["absent"] = True
+        return st
 
 
 def why_down(role: str, exc: BaseException) -> str:
@@ -106,13 +116,6 @@ def _apis(runtime_dir: Path) -> list[dict[str, Any]]:
         }
         for a in running_apis(runtime_dir)
     ]
-
-
-def healthy(out: dict[str, Any]) -> bool:
-    """Both daemons answered, and a link of the prefill to a decode is up."""
-    if any("down" in st for st in out.values()):
-        return False
-    return any(link.get("state") == "up" for link in out["prefill"].get("links") or [])
 
 
 def _prefix_cache_text(cache: dict[str, int]) -> str:
@@ -214,9 +217,12 @@ def generate(
         return result
 
     try:
+        st = ready(path)
         if chat:
-            prompt, prompt_tokens = chat_prompt(path, prompt, system=system)
+            prompt, prompt_tokens = chat_prompt(st.model_card, prompt, system=system)
         result = asyncio.run(run())
+    except LinkDown as exc:
+        return _generate_failed(as_json, None, "LINK_DOWN", str(exc), newline=False)
     except ChatUnavailable as exc:
         return _generate_failed(as_json, None, "CHAT_TEMPLATE", str(exc), newline=False)
     except client.RequestFailed as exc:
@@ -247,20 +253,35 @@ def generate(
     return EXIT_OK
 
 
+class LinkDown(PdkvError):
+    """The prefill daemon answers but has no link to a decode up: the request is not sent."""
+
+
+def ready(path: str) -> StatusReply:
+    """The STATUS of the prefill daemon at `path` once it can take a request; LinkDown, with
+    the reason the HTTP API's 503 gives (common.health), when no link of it to a decode is up.
+    Sent anyway, the request would wait in the prefill up to its --handoff-timeout for a decode
+    that may not come back. A link that drops after this STATUS is waited for by the prefill,
+    as for the API's requests."""
+    st = asyncio.run(client.status(path))
+    if why := link_problem(st.links):
+        raise LinkDown(f"{why}; the request was not sent (pdkv status shows the link)")
+    return st
+
+
 class ChatUnavailable(PdkvError):
     """`generate --chat` cannot build the chat prompt; the message says why."""
 
 
 def chat_prompt(
-    socket_path: str, text: str, *, system: str | None = None
+    card: ModelCard | None, text: str, *, system: str | None = None
 ) -> tuple[str | None, list[int] | None]:
-    """(prompt, prompt_tokens) of the chat `[system,] user: text` for the daemons at
-    `socket_path`: their checkpoint's chat template (from their STATUS's model card), rendered
-    and tokenized by api_server.chat exactly as /v1/chat/completions does (transformers'
-    apply_chat_template ids); the default template's text for the built-in tiny model."""
+    """(prompt, prompt_tokens) of the chat `[system,] user: text` for the daemons whose STATUS
+    has the model card `card`: their checkpoint's chat template, rendered and tokenized by
+    api_server.chat exactly as /v1/chat/completions does (transformers' apply_chat_template
+    ids); the default template's text for the built-in tiny model."""
     from api_server.chat import ChatTemplate, TemplateError
 
-    card = asyncio.run(client.status(socket_path)).model_card
     if card is None:
         raise ChatUnavailable("the prefill daemon names no model (a pdkv of another version?)")
     model_dir = Path(card.path) if card.path else None

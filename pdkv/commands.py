@@ -19,7 +19,7 @@ import click
 
 from common import client, settings
 from common.daemon import logs
-from common.daemon.rundir import StartupError, ensure_runtime_dir, read_pid, remove_file
+from common.daemon.rundir import StartupError, ensure_runtime_dir, pid_alive, read_pid, remove_file
 from common.errors import PdkvError
 from decode_server.config import DecodeConfig
 from prefill_server.config import PrefillConfig
@@ -197,19 +197,13 @@ def _stop_one(g: Globals, name: str, pidfile: Path, timeout: float, log: Path | 
 
 
 def _alive(pid: int) -> bool:
-    """True while `pid` runs; a zombie (exited, not yet reaped by its parent) counts as gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
-    except OSError:
+    """True while `pid` runs (rundir.pid_alive: a zombie counts as gone, and is reaped here if
+    it is our child)."""
+    if pid_alive(pid):
         return True
-    if state == b"Z":
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
-        return False
-    return True
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return False
 
 
 def start_api(g: Globals, **opts: Any) -> int:

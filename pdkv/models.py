@@ -57,8 +57,9 @@ MODELS = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 #: The files a finished checkpoint directory holds (it is renamed into place only when complete).
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-#: Imported for the conversion, besides transformers (a test dependency of pdkv).
-CONVERTER_MODULES = ("gguf", "accelerate")
+#: Imported for the conversion (transformers reads the GGUF with gguf, loads with accelerate):
+#: none is a dependency of pdkv, so `make demo` leaves them out and the README's line names them.
+CONVERTER_MODULES = ("transformers", "gguf", "accelerate")
 
 
 class MissingPackage(PdkvError):
@@ -99,20 +100,21 @@ def ensure(
     target = root / model.name
     if is_complete(target):
         return target
-    gguf = gguf_path(model)
-    missing = [m for m in CONVERTER_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise MissingPackage(
-            f"converting {model.title} needs {', '.join(missing)}; install with: "
-            f"{install_command(model)}"
-        )
+    gguf = check_installed(model)
     say = progress or (lambda line: None)
     say(f"pdkv: converting {model.title} ({gguf.name}, {model.package}) into {target} ...")
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{model.name}.", dir=root))
     try:
         with _redraws_as_lines():
-            convert(gguf, tmp)
+            try:
+                convert(gguf, tmp)
+            except ModuleNotFoundError as exc:  # a dependency of theirs, missing here
+                raise MissingPackage(
+                    f"converting {model.title} needs the module {exc.name}, which is not "
+                    f"installed: install the package that provides it, then retry (what the "
+                    f"conversion needs: {install_command(model)})"
+                ) from None
         try:
             tmp.rename(target)
         except OSError:
@@ -124,15 +126,20 @@ def ensure(
     return target
 
 
-def gguf_path(model: PackagedModel) -> Path:
-    """The GGUF file in `model.package`'s installed files (its code is never imported)."""
+def check_installed(model: PackagedModel) -> Path:
+    """The GGUF file of `model`, once its wheel and every converter module are found;
+    MissingPackage naming all that is missing, with the pip command, otherwise."""
+    missing = [m for m in CONVERTER_MODULES if not _importable(m)]
     try:
         dist = importlib.metadata.distribution(model.package)
     except importlib.metadata.PackageNotFoundError:
+        missing.insert(0, model.package)
+    if missing:
+        which = "which is" if len(missing) == 1 else "which are"
         raise MissingPackage(
-            f"{model.title} comes from the {model.package} package, which is not installed; "
-            f"install with: {install_command(model)}"
-        ) from None
+            f"making {model.title}'s checkpoint needs {', '.join(missing)}, {which} not "
+            f"installed; install with: {install_command(model)}"
+        )
     for file in dist.files or ():
         if file.name == model.gguf:
             path = Path(str(dist.locate_file(file)))
@@ -142,6 +149,14 @@ def gguf_path(model: PackagedModel) -> Path:
         f"{model.package} {dist.version} has no {model.gguf}; reinstall with: "
         f"{install_command(model)}"
     )
+
+
+def _importable(module: str) -> bool:
+    """Whether `module` can be found (without importing it: transformers takes seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # a finder that refuses it, or a broken parent package
+        return False
 
 
 @contextlib.contextmanager

@@ -75,6 +75,7 @@ def _all_changed(role: str, tmp_path: Path) -> dict[str, Any]:
     values = {s.name: _changed(s, tmp_path) for s in declared(CLASSES[role])}
     if role == "api":
         (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text("{}")  # --model must look like one
         values.update(host="127.0.0.2", model=tmp_path / "model")  # loopback: no key needed
     return values
 

@@ -38,11 +38,24 @@ def ensure_runtime_dir(path: Path) -> Path:
 
 
 def pid_alive(pid: int) -> bool:
+    """True while process `pid` runs. A zombie (it exited or was killed, and its parent, a
+    supervisor say, has not reaped it yet) is gone: signal 0 still reaches it, its state is Z."""
     try:
         os.kill(pid, 0)
     except OSError as exc:
-        return exc.errno == errno.EPERM
-    return True
+        if exc.errno != errno.EPERM:
+            return False
+    return _state(pid) != b"Z"
+
+
+def _state(pid: int) -> bytes | None:
+    """The state letter in /proc/PID/stat (after the command name, which may hold ")"), or None
+    when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def child_pids(pid: int) -> list[int]:

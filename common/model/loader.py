@@ -19,6 +19,7 @@ from common.errors import ModelError
 from common.model.config import BYTE_VOCAB, LlamaConfig
 from common.model.llama import LayerWeights, LlamaModel, LlamaWeights
 from common.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from common.model_dir import model_dir_problem
 
 log = structlog.get_logger(__name__)
 
@@ -130,11 +131,9 @@ def tiny_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
 
 def read_config(model_dir: Path) -> LlamaConfig:
     """LlamaConfig from `model_dir`/config.json; ModelError when absent, malformed or unsupported."""
+    if why := model_dir_problem(model_dir):
+        raise ModelError(why)
     path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelError(
-            f"{model_dir} has no config.json (pass a Hugging Face checkpoint directory)"
-        )
     try:
         raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:

@@ -184,11 +184,18 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 async def connect(path: str) -> FrameChannel:
-    """Connect to a Unix socket at `path` and wrap it in a FrameChannel."""
+    """Connect to a Unix socket at `path` and wrap it in a FrameChannel. An OSError of the
+    connect (no socket there, nothing listening, not allowed) names `path`, as open() would:
+    the same class, `filename` set."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
         await asyncio.get_running_loop().sock_connect(sock, path)
+    except OSError as exc:
+        sock.close()
+        if exc.errno is None or exc.filename is not None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, path) from None
     except BaseException:
         sock.close()
         raise

@@ -3,13 +3,16 @@ standard input, no control bytes on the terminal, no traceback when the prefill 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
@@ -24,9 +27,13 @@ def tiny():  # type: ignore[no-untyped-def]
     return load_model(None)
 
 
-def _generate(pair: Pair, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+def _generate(
+    pair: Pair, *args: str, stdin: str | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess:
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(pair.runtime), "generate"]
-    return subprocess.run([*argv, *args], input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [*argv, *args], input=stdin, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_json_from_stdin_has_ids_text_reason_and_timings(pair: Pair, tiny) -> None:  # type: ignore[no-untyped-def]
@@ -88,3 +95,24 @@ def test_prefill_dying_mid_stream_is_a_message_not_a_traceback(pair: Pair) -> No
     assert gen.returncode == 1, text
     assert "Traceback" not in text, text
     assert "closed the connection" in text, text
+
+
+def test_decode_down_fails_at_once_with_the_apis_reason(pair: Pair) -> None:
+    """The decode restarting (stopped, its link down): `pdkv generate` refuses in seconds, as the
+    API's 503 does, instead of waiting the prefill's --handoff-timeout (30 s) for it."""
+    pair.daemons["decode"].stop()
+    deadline = time.monotonic() + 30
+    while asyncio.run(client.status(pair.client_socket)).links[0]["state"] == "up":
+        assert time.monotonic() < deadline, "the link stayed up"
+        time.sleep(0.05)
+    started = time.monotonic()
+    proc = _generate(pair, "hello", "--json", timeout=25)
+    took = time.monotonic() - started
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    error = json.loads(proc.stdout)["error"]
+    assert error["code"] == "LINK_DOWN", error
+    assert "link to the decode daemon is down" in error["message"], error
+    assert took < 10, f"took {took:.1f} s"
+    plain = _generate(pair, "hello", timeout=25)
+    assert plain.returncode == 1 and "link to the decode daemon is down" in plain.stderr
+    assert "Traceback" not in plain.stderr, plain.stderr

@@ -106,3 +106,21 @@ def test_a_refused_prefill_retrying_is_logged_once_a_minute(pair_factory: Pair) 
     refusals = [ln for ln in decode.log_text().splitlines() if '"handshake_refused"' in ln]
     assert len(refusals) == 1, refusals
     assert "INCOMPATIBLE" in refusals[0] and '"not_logged_since": 0' in refusals[0]
+
+
+def test_a_missing_decode_socket_is_named_in_the_links_last_error(pair_factory: Pair) -> None:
+    """The prefill started before its decode: `pdkv status` shows the link's last error with
+    the socket it tried, not a bare "[Errno 2] No such file or directory"."""
+    prefill = pair_factory.start("prefill", wait=False)
+    wait_ready(prefill)
+    deadline = time.monotonic() + 30
+    while not (link := asyncio.run(client.status(pair_factory.client_socket)).links[0])[
+        "last_error"
+    ]:
+        assert time.monotonic() < deadline, "no connection attempt failed"
+        time.sleep(0.05)
+    assert "FileNotFoundError" in link["last_error"], link
+    assert pair_factory.link_socket in link["last_error"], link
+    proc = _status(pair_factory)
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("prefill"))
+    assert "last error: FileNotFoundError" in line and pair_factory.link_socket in line, line

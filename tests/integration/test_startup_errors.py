@@ -77,5 +77,33 @@ def test_background_start_shows_only_this_starts_log_lines(runtime_dir: Path) ->
     (runtime_dir / "decode.log").write_text("".join(f"stale line {i}\n" for i in range(40)))
     proc = _start(runtime_dir, "--background", "--device", "cpu", "--model", "/nonexistent")
     assert proc.returncode == 3, proc.stderr
-    assert "has no config.json" in proc.stderr, proc.stderr
+    assert "--model /nonexistent is not a directory" in proc.stderr, proc.stderr
     assert "stale line" not in proc.stderr, proc.stderr
+
+
+def _api_start(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(runtime), "api", "start"]
+    return subprocess.run([*argv, "--port", "0", *args], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("case", ["missing", "a-file", "no-config"])
+def test_a_bad_model_dir_is_one_message_on_the_daemons_and_the_api(
+    runtime_dir: Path, tmp_path: Path, case: str
+) -> None:
+    """`--model` naming nothing or a file: "is not a directory"; a directory without
+    config.json: "has no config.json"; the same words from `pdkv decode start` and `pdkv api
+    start`, each exiting 3."""
+    path = tmp_path / "checkpoint"
+    if case == "a-file":
+        path.write_text("")
+    elif case == "no-config":
+        path.mkdir()
+    says = f"--model {path} " + (
+        "has no config.json" if case == "no-config" else "is not a directory"
+    )
+    daemon = _start(runtime_dir, "--device", "cpu", "--model", str(path))
+    api = _api_start(runtime_dir, "--model", str(path))
+    for proc in (daemon, api):
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        assert says in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr + proc.stdout
