@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import client
-from tests.api.conftest import MODEL, start_api
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.api import MODEL, start_api
+from tests.support.daemons import Pair, wait_ready
 
 
 def _dir(factory: pytest.TempPathFactory, name: str) -> Path:

@@ -17,7 +17,7 @@ from common.protocol import PushFailed, decode
 from common.transfer.interface import AFTER_DONE, PullPlan
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError
 from common.transfer.nixl_sides import byte_runs
-from tests.crosshost.nixl_peer import LAYOUT, Link, pattern
+from tests.support.nixl_peer import LAYOUT, Link, pattern
 
 SEED = 3
 # one prefill process per transfer mode for the whole module: starting one costs seconds

@@ -13,9 +13,7 @@ from common.model import reference
 from common.protocol import Finish, KvReady, Tokens
 from decode_server.requests import DecodeRequests
 from decode_server.warm import warm_wait
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_deferred_pull import PROMPT
-from tests.decode.test_early_handoff import GREEDY, early
+from tests.support.decode import GREEDY, PROMPT, FakeLink, Side, early
 
 
 def _torch_thread_busy(rt) -> bool:  # type: ignore[no-untyped-def]
