@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.daemons import Pair
+from tests.support.daemons import Pair, short_dir
 
 
 @pytest.fixture
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # AF_UNIX paths are limited to 108 bytes: keep the runtime dir short.
-    path = Path(tmp_path_factory.mktemp("rt", numbered=True))
-    os.chmod(path, 0o700)
-    return path
+    return short_dir(tmp_path_factory)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from common import client
-from tests.support.daemons import Pair
+from tests.support.daemons import Pair, short_dir
 
 openai = pytest.importorskip("openai")
 
@@ -137,9 +137,7 @@ class Stack:
 
 
 def short_runtime(factory: pytest.TempPathFactory) -> Path:
-    path = Path(factory.mktemp("api", numbered=True))
-    os.chmod(path, 0o700)
-    return path
+    return short_dir(factory, "api")
 
 
 @contextlib.contextmanager

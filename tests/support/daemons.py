@@ -170,8 +170,13 @@ def assert_pair_free(pair: Pair) -> None:
             poll(lambda s=sock: all_free(s), timeout=15, what=f"{role} pool all free")
 
 
+def short_dir(factory: pytest.TempPathFactory, name: str = "rt") -> Path:
+    """A fresh 0700 runtime dir, its path short: AF_UNIX paths are limited to 108 bytes."""
+    path = Path(factory.mktemp(name, numbered=True))
+    os.chmod(path, 0o700)
+    return path
+
+
 def new_pair(tmp_path_factory: pytest.TempPathFactory, name: str) -> FaultPair:
     """A FaultPair on a fresh 0700 runtime dir (no daemon started yet)."""
-    path = Path(tmp_path_factory.mktemp(name, numbered=True))
-    os.chmod(path, 0o700)
-    return FaultPair(path)
+    return FaultPair(short_dir(tmp_path_factory, name))
