@@ -132,6 +132,18 @@ async def soak(supervisor: int, log: Path, url: str, args: argparse.Namespace) -
     return {"ok": ok, "failures": failures, "wrong": wrong, "kills": len(kills), "wall_s": wall}
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
+    ap.add_argument("--out", type=Path)
+    return ap.parse_args(argv)
+
+
 def held(status: dict) -> dict[str, dict[str, int]]:
     """What each daemon holds, from `pdkv status --json`: blocks OWNED and LEASED, requests."""
     return {
@@ -145,16 +157,9 @@ def total(holdings: dict[str, dict[str, int]]) -> int:
     return sum(v for d in holdings.values() for v in d.values())
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--requests", type=int, default=4000)
-    ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+def run(args: argparse.Namespace) -> dict:
+    """The pair and the API started in a fresh runtime dir, the soak, the daemons' holdings, the
+    API stopped; the result (`clean` its verdict), printed and written to --out if given."""
     rt = Path(tempfile.mkdtemp(prefix="pdkv-apisoak-"))
     os.chmod(rt, 0o700)
     try:
@@ -201,7 +206,11 @@ def main() -> int:
     )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2) + "\n")
-    return 0 if res["clean"] else 1
+    return res
+
+
+def main() -> int:
+    return 0 if run(parse_args())["clean"] else 1
 
 
 if __name__ == "__main__":
