@@ -65,8 +65,8 @@ async def test_frames_switch_to_the_inbox_while_the_client_is_behind_and_back(cf
     step(14)
     step(15)  # behind: to the inbox, the task's send waits for the client
     assert relayed == {"direct": 2, "queued": 3}
-    await asyncio.sleep(0.05)
-    assert req.waiting is None and not task.done()  # in its send, waiting for the client
+    await s.until(lambda: req.waiting is None)  # the task took them from its inbox
+    assert not task.done()  # in its send, waiting for the client
 
     peer = FrameChannel(theirs, max_fds=0)
     frames: list = []
