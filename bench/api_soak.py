@@ -6,8 +6,13 @@ completions (`ignore_eos`, 16 tokens, half of them streamed) over fresh connecti
 `--concurrency` at once, 40 distinct prompts in turn. Clean when: every request that succeeds
 gives the text every other request with its prompt got; every failure is a connection that broke
 (a killed worker's); the API is still up at the end and stops cleanly; and neither daemon holds
-a block (OWNED or LEASED) or a request afterwards (each killed worker's requests were aborted).
-Exit 0 when clean.
+a block (OWNED or LEASED) or a request afterwards (each killed worker's requests were aborted),
+and both stop cleanly. Exit 0 when clean.
+
+Only a worker that has begun to serve (its `api_worker_serving` line in the API's log) is killed:
+the supervisor ends the API after MAX_EXITS_BEFORE_SERVING workers in a row exit before they
+serve (a worker that fails at start, every time), and a kill a second on a loaded machine, where
+a worker takes longer than that to start, made that happen.
 
     .venv/bin/python bench/api_soak.py [--requests 4000] [--workers 2] [--kill-every 3]
 """
@@ -38,6 +43,25 @@ TOKENS = 16
 BROKEN = {"RemoteProtocolError", "ReadError", "WriteError", "ConnectError"}
 
 
+def serving_workers(log: Path, supervisor: int) -> list[int]:
+    """Pids of the API's live workers that have begun to serve: each `api_worker_started` line
+    (the supervisor's: worker index, pid) then that worker's `api_worker_serving` line."""
+    pid_of: dict[int, int] = {}
+    serving: set[int] = set()
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:  # a line still being written
+            continue
+        if event.get("event") == "api_worker_started":
+            pid_of[event["worker"]] = event["pid"]
+        elif event.get("event") == "api_worker_serving" and event.get("worker") in pid_of:
+            serving.add(pid_of[event["worker"]])
+    return sorted(serving.intersection(child_pids(supervisor)))
+
+
 def cli(rt: Path, *args: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(rt), *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -65,7 +89,7 @@ async def one(http: httpx.AsyncClient, url: str, prompt: str, stream: bool) -> s
     return text
 
 
-async def soak(supervisor: int, url: str, args: argparse.Namespace) -> dict:
+async def soak(supervisor: int, log: Path, url: str, args: argparse.Namespace) -> dict:
     prompts = [f"prompt {i} " * (1 + i % 7) for i in range(40)]
     texts: dict[str, str] = {}
     failures: dict[str, int] = {}
@@ -77,7 +101,7 @@ async def soak(supervisor: int, url: str, args: argparse.Namespace) -> dict:
         while not done.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(done.wait(), args.kill_every)
-            if not done.is_set() and (pids := child_pids(supervisor)):
+            if not done.is_set() and (pids := serving_workers(log, supervisor)):
                 pid = random.choice(pids)
                 os.kill(pid, signal.SIGKILL)
                 kills.append(pid)
@@ -108,7 +132,7 @@ async def soak(supervisor: int, url: str, args: argparse.Namespace) -> dict:
     return {"ok": ok, "failures": failures, "wrong": wrong, "kills": len(kills), "wall_s": wall}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -117,7 +141,25 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between kills")
     ap.add_argument("--out", type=Path)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def held(status: dict) -> dict[str, dict[str, int]]:
+    """What each daemon holds, from `pdkv status --json`: blocks OWNED and LEASED, requests."""
+    return {
+        r: {k: status[r]["pool"][k] for k in ("owned", "leased")}
+        | {"requests": status[r]["inflight"]}
+        for r in ("prefill", "decode")
+    }
+
+
+def total(holdings: dict[str, dict[str, int]]) -> int:
+    return sum(v for d in holdings.values() for v in d.values())
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The pair and the API started in a fresh runtime dir, the soak, the daemons' holdings, the
+    API stopped; the result (`clean` its verdict), printed and written to --out if given."""
     rt = Path(tempfile.mkdtemp(prefix="pdkv-apisoak-"))
     os.chmod(rt, 0o700)
     try:
@@ -130,34 +172,45 @@ def main() -> int:
         assert started.returncode == 0, started.stderr
         url = re.search(r"(http://\S+)/v1", started.stdout).group(1)
         supervisor = int(re.search(r"pid (\d+)", started.stdout).group(1))
-        res = asyncio.run(soak(supervisor, url, args))
-        time.sleep(1.0)  # the killed workers' aborts reach the daemons
-        status = json.loads(cli(rt, "status", "--json").stdout)
+        log = Path(re.search(r"log (\S+)", started.stdout).group(1))
+        res = asyncio.run(soak(supervisor, log, url, args))
+        deadline = time.monotonic() + 10.0
+        while True:  # until the killed workers' aborts have reached the daemons
+            status = json.loads(cli(rt, "status", "--json").stdout)
+            res["held"] = held(status)
+            if not total(res["held"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         res["api_up"] = bool(status.get("apis"))
-        res["held"] = {
-            r: {k: status[r]["pool"][k] for k in ("owned", "leased")}
-            | {"requests": status[r]["inflight"]}
-            for r in ("prefill", "decode")
-        }
         res["api_stopped"] = cli(rt, "stop", "api").returncode == 0
+        res["daemons_stopped"] = cli(rt, "stop").returncode == 0
     finally:
-        cli(rt, "stop")
+        cli(rt, "stop")  # what still runs after a failure on the way
         shutil.rmtree(rt, ignore_errors=True)
     failures_ok = all(k.split(":")[0] in BROKEN for k in res["failures"])
-    held = sum(v for d in res["held"].values() for v in d.values())
     res["clean"] = bool(
-        not res["wrong"] and failures_ok and res["api_up"] and res["api_stopped"] and not held
+        not res["wrong"]
+        and failures_ok
+        and res["api_up"]
+        and res["api_stopped"]
+        and res["daemons_stopped"]
+        and not total(res["held"])
     )
     print(
         f"{args.requests} requests in {res['wall_s']:.0f} s through {args.workers} workers, "
         f"{res['kills']} killed: {res['ok']} ok, failed {res['failures'] or 0}, "
         f"{len(res['wrong'])} with another text, held afterwards {res['held']}, "
-        f"API up {res['api_up']}, stopped cleanly {res['api_stopped']}: "
+        f"API up {res['api_up']}, stopped cleanly {res['api_stopped']}, "
+        f"daemons stopped cleanly {res['daemons_stopped']}: "
         + ("clean" if res["clean"] else "NOT CLEAN")
     )
     if args.out:
         args.out.write_text(json.dumps(res, indent=2) + "\n")
-    return 0 if res["clean"] else 1
+    return res
+
+
+def main() -> int:
+    return 0 if run(parse_args())["clean"] else 1
 
 
 if __name__ == "__main__":

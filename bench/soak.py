@@ -50,12 +50,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from common import client
 from common.model.sampling import SamplingParams
 from common.protocol import ConnectionClosed, ErrorCode, Tokens
+
+if TYPE_CHECKING:
+    from common.model import LlamaModel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,8 +81,8 @@ def start(runtime: Path, role: str, *args: str, level: str = "WARNING") -> subpr
         "cpu",
         *args,
     ]
-    log = open(runtime / f"{role}.log", "ab")  # noqa: SIM115 - lives as long as the process
-    return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    with open(runtime / f"{role}.log", "ab") as log:  # the daemon writes to its own copy
+        return subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
 
 
 async def wait_up(sock: Path, links: int = 0, timeout: float = 120) -> None:
@@ -223,6 +227,9 @@ async def run_one(
         if faults:
             raise Lost(got, exc) from exc
         raise
+    finally:
+        if own is not conn:  # its own connection, however the request ended
+            own.close()
     return run
 
 
@@ -248,10 +255,21 @@ def check_tokens(outputs: dict[tuple, list[Run]]) -> tuple[list[dict], list[dict
     and the ties."""
     import torch
 
-    from common.model import load_model, reference
+    from common.model import load_model
 
+    before = torch.get_num_threads()  # the soak may run inside a test session: put it back
     torch.set_num_threads(1)
-    model, _ = load_model(None)
+    try:
+        return _check_tokens(load_model(None)[0], outputs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_tokens(
+    model: LlamaModel, outputs: dict[tuple, list[Run]]
+) -> tuple[list[dict], list[dict]]:
+    from common.model import reference
+
     bad, ties = [], []
     for (prompt, params), runs in outputs.items():
         want = reference.generate(model, list(prompt), params)
@@ -470,7 +488,7 @@ async def _soak(
     }
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -493,9 +511,16 @@ def main() -> int:
         "--kill-every", type=float, default=0, help="--mix: SIGKILL and restart a daemon this often"
     )
     ap.add_argument("--out", type=Path, default=Path("soak.json"))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.kill_every and not args.mix:
         ap.error("--kill-every needs --mix")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The soak in a fresh runtime dir (short: it holds the sockets), its result written to --out
+    and its figures printed; the result. Where a request does not match, the daemons' logs are
+    kept beside --out (`result["logs"]`)."""
     with tempfile.TemporaryDirectory(prefix="pdkv-soak-") as tmp:
         os.chmod(tmp, 0o700)
         result = asyncio.run(soak(args, Path(tmp)))
@@ -507,6 +532,20 @@ def main() -> int:
                 shutil.copyfile(log, dest)
             result["logs"] = str(logs)
     args.out.write_text(json.dumps(result, indent=2))
+    report(result, args)
+    return result
+
+
+def clean(result: dict) -> bool:
+    """Every pool all free, no daemon holding a block or a request or mapping more shared memory
+    than at its start, no error, no mismatch, every daemon stopped with exit 0."""
+    ok = result["all_free"] and not any(result["held_at_end"].values())
+    ok = ok and result["shm_mib_at_end"] == result["shm_mib_at_start"]
+    ok = ok and not result["errors"] and not result["mismatch_count"]
+    return ok and set(result["exit_codes"].values()) == {0}
+
+
+def report(result: dict, args: argparse.Namespace) -> None:
     first, last = result["samples"][0], result["samples"][-1]
     print(
         f"\n{result['requests']} requests, {result['errors']} errors, {result['elapsed_s']} s, "
@@ -534,12 +573,11 @@ def main() -> int:
             f"{result['lost']}  shared memory mapped, MiB, at start {result['shm_mib_at_start']}"
             f"  at end {result['shm_mib_at_end']}"
         )
-    ok = result["all_free"] and not any(result["held_at_end"].values())
-    ok = ok and result["shm_mib_at_end"] == result["shm_mib_at_start"]
-    ok = ok and not result["errors"] and not result["mismatch_count"]
-    ok = ok and set(result["exit_codes"].values()) == {0}
-    print(f"{'clean' if ok else 'NOT CLEAN'} -> {args.out}")
-    return 0 if ok else 1
+    print(f"{'clean' if clean(result) else 'NOT CLEAN'} -> {args.out}")
+
+
+def main() -> int:
+    return 0 if clean(run(parse_args())) else 1
 
 
 if __name__ == "__main__":

@@ -188,11 +188,12 @@ def test_transfer_cache_async_copies_layer_by_layer_as_the_synchronizer_allows(o
     local = owner.local_pool()
     gate = Gate(LAYOUT.num_layers)
     task = mgr.transfer_cache_async(remote_blocks, local, [2, 6], [10, 11], gate)
-    time.sleep(0.1)
+    _wait(lambda: gate.asked)  # at layer 0's gate: nothing copied before it
+    assert gate.asked == [0]
     assert task.layers_done == 0 and _layer_values(local.blocks(), 10) == [0, 0, 0]
     gate.open[0].set()
-    _wait(lambda: task.layers_done == 1)
-    assert _layer_values(local.blocks(), 10) == [200, 0, 0]  # layer 1 still waits
+    _wait(lambda: task.layers_done == 1 and len(gate.asked) == 2)  # at layer 1's gate
+    assert gate.asked == [0, 1] and _layer_values(local.blocks(), 10) == [200, 0, 0]
     gate.open[1].set()
     gate.open[2].set()
     task.synchronize(10)

@@ -19,6 +19,7 @@ import pytest
 
 from common import client
 from common.protocol import Abort, Finish, Generate, Tokens, Usage, decode, encode, join_queued
+from tests.support.wait import until
 
 TIMEOUT = 0.4
 SEEN: list[tuple[str, str]] = []  # (frame type, request id) as the scripted prefill read them
@@ -162,7 +163,7 @@ async def test_a_timed_out_request_is_aborted_at_the_daemon(tmp_path: Path) -> N
     async with _prefill(tmp_path) as path, client.Connection(path) as conn:
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(_tokens(conn, STALL, "silent"), 10 * TIMEOUT)
-        await asyncio.sleep(0.05)
+        await until(lambda: len(SEEN) >= 2, timeout=5, what="a second frame at the daemon")
         assert SEEN == [("Generate", "silent"), ("Abort", "silent")]
 
 
@@ -183,9 +184,12 @@ async def test_a_short_timeout_beside_a_long_one_and_none_is_kept(tmp_path: Path
         for task in (long, endless):
             task.cancel()
         await asyncio.gather(long, endless, return_exceptions=True)
-        await asyncio.sleep(0.05)
-        aborted = {rid for kind, rid in SEEN if kind == Abort.__name__}
-        assert aborted == {"short", "long", "endless"}  # cancelled ones are aborted too
+
+        def aborted() -> set[str]:
+            return {rid for kind, rid in SEEN if kind == Abort.__name__}
+
+        await until(lambda: len(aborted()) >= 3, timeout=5, what="three ABORTs at the daemon")
+        assert aborted() == {"short", "long", "endless"}  # cancelled ones are aborted too
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, math.nan])

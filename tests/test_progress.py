@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import os
 import pty
+import select
+import time
 
 from pdkv.progress import Progress
 
@@ -41,9 +43,25 @@ def test_on_a_terminal_the_line_is_redrawn_then_ended() -> None:
             progress.advance()
             progress.close()
             progress.close()  # idempotent: one line end only
-            written = os.read(screen.fileno(), 4096)
+            tty.write(MARK)  # what came before it is all that Progress wrote
+            tty.flush()
+            written = _read_until(screen.fileno(), MARK.encode())
     finally:
         os.close(leader)
         os.close(follower)
     # the terminal turns "\n" into "\r\n" on output (onlcr)
-    assert written == b"\r  1/2 done\r  2/2 done\r\n"
+    assert written == b"\r  1/2 done\r  2/2 done\r\n" + MARK.encode()
+
+
+MARK = "#end"
+
+
+def _read_until(fd: int, end: bytes, timeout: float = 5.0) -> bytes:
+    """What the terminal shows until `end`: its output reaches the other side in pieces."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    while not got.endswith(end):
+        left = deadline - time.monotonic()
+        assert left > 0 and select.select([fd], [], [], left)[0], f"only {got!r} in {timeout} s"
+        got += os.read(fd, 4096)
+    return got

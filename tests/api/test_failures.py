@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import (
+from tests.support.api import (
     MODEL,
     Stack,
     free_port,
@@ -23,7 +23,7 @@ from tests.api.conftest import (
     short_runtime,
     start_api,
 )
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,10 @@ import time
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from common import client
 from common.sampling_params import SamplingParams
-from tests.api.conftest import MODEL, Stack, openai
+from tests.support.api import MODEL, Stack, metrics, openai, samples
 
 PROMPT = "The quick brown fox"
 
@@ -35,24 +33,6 @@ async def areference_text(stack: Stack, prompt: str, max_tokens: int) -> str:
 
 def reference_text(stack: Stack, prompt: str, max_tokens: int) -> str:
     return asyncio.run(areference_text(stack, prompt, max_tokens))
-
-
-def samples(stack: Stack) -> list[Sample]:
-    """Every sample of the API's /metrics; each one names its process (`pdkv_instance`)."""
-    status, _, body = stack.api.get("/metrics")
-    assert status == 200
-    out = [s for family in text_string_to_metric_families(body.decode()) for s in family.samples]
-    assert all(s.labels.get("pdkv_instance") for s in out), [s for s in out if not s.labels]
-    return out
-
-
-def metrics(stack: Stack) -> dict[str, float]:
-    """name{label=value,...} → value, the labels but `pdkv_instance` (samples() checks it)."""
-    out = {}
-    for s in samples(stack):
-        labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "pdkv_instance")
-        out[f"{s.name}{{{labels}}}"] = s.value
-    return out
 
 
 def test_greedy_completion_equals_pdkv_generate(stack: Stack) -> None:

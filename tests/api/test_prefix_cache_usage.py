@@ -3,8 +3,7 @@ the daemons' prefix-cache counters on /metrics."""
 
 from __future__ import annotations
 
-from tests.api.conftest import MODEL, Stack
-from tests.api.test_openai import metrics
+from tests.support.api import MODEL, Stack, metrics
 
 PROMPT = "A system prompt every request of this service starts with, then a question."  # 75 bytes
 

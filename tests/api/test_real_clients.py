@@ -18,9 +18,9 @@ import pytest
 
 from common import client
 from common.sampling_params import SamplingParams
-from tests.api.checkpoint import write_checkpoint
-from tests.api.conftest import Stack, openai, short_runtime, start_api
-from tests.integration.conftest import Pair
+from tests.support.api import Stack, openai, short_runtime, start_api
+from tests.support.checkpoints import write_checkpoint
+from tests.support.daemons import Pair
 
 MAX_POSITIONS = 64
 PROMPTS = ["the quick brown fox", "a lazy dog sleeps", "over the warm sun and then"]

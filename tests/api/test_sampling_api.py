@@ -16,7 +16,7 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.tokenizer import ByteTokenizer
 from common.sampling_params import SamplingParams
-from tests.api.conftest import MODEL, Stack, openai
+from tests.support.api import MODEL, Stack, openai
 
 TOL = 1e-4
 PROMPTS = [[256, *b"The quick brown fox"], [256, *b"Paged attention"]]

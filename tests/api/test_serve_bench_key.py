@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import Stack, running_stack
+from tests.support.api import Stack, running_stack
 
 SERVE = Path(__file__).resolve().parents[2] / "bench" / "serve.py"
 

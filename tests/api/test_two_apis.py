@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.conftest import MODEL, free_port, openai, short_runtime
-from tests.integration.conftest import Pair
+from tests.support.api import MODEL, free_port, openai, short_runtime
+from tests.support.daemons import Pair
 
 
 def _cli(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:

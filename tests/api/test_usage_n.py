@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.api.conftest import MODEL, Stack
+from tests.support.api import MODEL, Stack
 
 MAX_TOKENS = 3
 FIXED = {"max_tokens": MAX_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}

@@ -22,10 +22,10 @@ from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
-from tests.crosshost.netns import Hosts, netns_skip_reason
-from tests.faults.conftest import all_free, poll
-from tests.faults.load import Load
-from tests.integration.conftest import Daemon, wait_ready
+from tests.support.daemons import Daemon, all_free, wait_ready
+from tests.support.load import Load
+from tests.support.netns import Hosts, netns_skip_reason
+from tests.support.wait import poll
 
 _why_not = netns_skip_reason()
 pytestmark = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")

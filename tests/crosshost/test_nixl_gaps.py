@@ -20,7 +20,7 @@ from common.kv.pool import KVPool, PoolLayout
 from common.protocol import Message, Push, Registered, decode
 from common.transfer.nixl_agent import NixlAgent
 from common.transfer.nixl_sides import NixlProducer
-from tests.crosshost.nixl_peer import LAYOUT, Child, Link, pattern, serve_decode
+from tests.support.nixl_peer import LAYOUT, Child, Link, pattern, serve_decode
 
 SEED = 4
 LAST = LAYOUT.num_blocks - 1

@@ -17,7 +17,7 @@ from common.protocol import PushFailed, decode
 from common.transfer.interface import AFTER_DONE, PullPlan
 from common.transfer.nixl_agent import NixlAgent, NixlTransferError
 from common.transfer.nixl_sides import byte_runs
-from tests.crosshost.nixl_peer import LAYOUT, Link, pattern
+from tests.support.nixl_peer import LAYOUT, Link, pattern
 
 SEED = 3
 # one prefill process per transfer mode for the whole module: starting one costs seconds
@@ -242,6 +242,7 @@ async def test_an_early_push_waits_for_its_kv_then_lands(link: Link, monkeypatch
     hurried: list[None] = []
     real_hurry = consumer.agent.hurry
     monkeypatch.setattr(consumer.agent, "hurry", lambda: (hurried.append(None), real_hurry()))
+    writes = await _ask(link, "writes", None)
     ids = await _ask(link, "allocate", "early-1")
     plan = consumer.early(consumer.plan(ids, [dst], -1), "early-1")  # type: ignore[arg-type]
     assert plan.tag is not None and consumer.pulls_in_flight == 1
@@ -250,15 +251,15 @@ async def test_an_early_push_waits_for_its_kv_then_lands(link: Link, monkeypatch
     assert hurried == []
     assert consumer.start(plan, done.append) is AFTER_DONE
     assert hurried == [None]
-    await asyncio.sleep(0.5)  # a WRITE sent at once would have landed by now
+    # the prefill answers after it took the PUSH: held, neither written nor refused
+    assert await _ask(link, "writes", None) == writes
     assert done == [] and torch.equal(link.local.tensor[dst], before)
-    assert not link.child.conn.poll()  # held, not refused
     await _ask(link, "lease", "early-1")  # due: written once the first token went out
-    await asyncio.sleep(0.3)
+    assert await _ask(link, "writes", None) == writes
     assert done == [] and torch.equal(link.local.tensor[dst], before)
     await _ask(link, "flush", "early-1")
     await _until(lambda: done, "the held push to land")
-    assert done == [None]
+    assert done == [None] and await _ask(link, "writes", None) == writes + 1
     assert torch.equal(link.local.tensor[dst], pattern(LAYOUT, SEED)[ids[0]])  # type: ignore[index]
     await _ask(link, "end", "early-1")
 
@@ -295,10 +296,11 @@ async def test_an_early_push_of_a_request_that_ended_is_never_written(link: Link
     assert consumer.discard(plan, done.append, may_land=False) is False
     assert consumer.pulls_in_flight == 0
     before = link.local.tensor[dst].clone()
+    writes = await _ask(link, "writes", None)
     assert await _ask(link, "allocate", "early-3b") == ids  # the same block, another request
     await _ask(link, "lease", "early-3b")
     await _ask(link, "flush", "early-3b")
-    await asyncio.sleep(0.5)
+    assert await _ask(link, "writes", None) == writes  # the old PUSH was not posted: never lands
     assert done == [] and torch.equal(link.local.tensor[dst], before)
     await _ask(link, "end", "early-3b")
 

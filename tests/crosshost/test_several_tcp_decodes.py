@@ -21,8 +21,8 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode
-from tests.faults.conftest import all_free, poll, status
-from tests.integration.conftest import Daemon, Pair, wait_ready
+from tests.support.daemons import Daemon, Pair, all_free, status, wait_ready
+from tests.support.wait import poll
 
 BLOCK = 16
 KEY = "7d1e4c2b9a8f6e5d4c3b2a1908f7e6d5c4b3a29180f7e6d5"

@@ -12,7 +12,7 @@ from common.kv.pool import KVPool, PoolLayout
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode, Handoff, Register
 from common.transfer import KVConsumer, TransferRefused
-from tests.decode.conftest import Side, open_consumer
+from tests.support.decode import Side, open_consumer
 
 
 def _handoff(block_ids: list[int], num_tokens: int, **kw) -> Handoff:  # type: ignore[no-untyped-def]

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+import torch
+
 from common import client
 from common.model import reference
+from common.model.loader import load_model
 from common.model.sampling import SamplingParams
-from tests.prefill.conftest import BLOCK, new_pair, prompts, runtime_dir, tiny
-
-__all__ = ["new_pair", "runtime_dir", "tiny"]  # fixtures of the prefill tests, used here
-from tests.prefill.test_prefix_cache import _expected_hit
+from tests.support.daemons import BLOCK
+from tests.support.prefill import expected_hit, prompts
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    return load_model(None)
 
 
 def _run(sock: str, prompt: list[int]) -> list[int]:
@@ -24,9 +32,9 @@ def _run(sock: str, prompt: list[int]) -> list[int]:
     return result.tokens
 
 
-def test_the_decode_pulls_only_the_blocks_it_lacks(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_the_decode_pulls_only_the_blocks_it_lacks(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode")
     pair.start("prefill", "--no-prefix-cache")
     a, b = prompts(2, [45, 20], seed=31)
@@ -37,16 +45,16 @@ def test_the_decode_pulls_only_the_blocks_it_lacks(new_pair, tiny) -> None:  # t
         assert _run(pair.client_socket, prompt) == reference.generate(
             model, prompt, GREEDY, block_size=BLOCK
         )
-        hit += _expected_hit(history, prompt)
-        pulled += -(-len(prompt) // BLOCK) - _expected_hit(history, prompt) // BLOCK
+        hit += expected_hit(history, prompt)
+        pulled += -(-len(prompt) // BLOCK) - expected_hit(history, prompt) // BLOCK
         queried += len(prompt)
         history.append(prompt)
     for turn in prompts(3, [9, 14, 21], seed=33):  # multi-turn: the conversation re-sent
         conv = conv + turn
         tokens = _run(pair.client_socket, conv)
         assert tokens == reference.generate(model, conv, GREEDY, block_size=BLOCK)
-        hit += _expected_hit(history, conv)
-        pulled += -(-len(conv) // BLOCK) - _expected_hit(history, conv) // BLOCK
+        hit += expected_hit(history, conv)
+        pulled += -(-len(conv) // BLOCK) - expected_hit(history, conv) // BLOCK
         queried += len(conv)
         history.append(conv)
         conv = conv + tokens
@@ -61,11 +69,13 @@ def test_the_decode_pulls_only_the_blocks_it_lacks(new_pair, tiny) -> None:  # t
     assert pair.stop_all() == {"prefill": 0, "decode": 0}
 
 
-def test_decode_eviction_under_pressure_with_concurrent_identical_prompts(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_decode_eviction_under_pressure_with_concurrent_identical_prompts(
+    pair_factory, tiny
+) -> None:  # type: ignore[no-untyped-def]
     """A 12-block decode pool, rounds of identical and distinct prompts at once: the decode
     evicts and reuses its cached blocks, and every request gets the reference's tokens."""
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode", "--num-blocks", "12")
     pair.start("prefill")
     shared = prompts(1, [40], seed=41)[0]

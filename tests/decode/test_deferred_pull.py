@@ -17,11 +17,9 @@ from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Release, Tokens
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, LaterConsumer, Side
-from tests.decode.test_requests import decode_until
+from tests.support.decode import PROMPT, FakeLink, LaterConsumer, Side, decode_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-PROMPT = [5, 17, 99, 3, 42, 8, 250]
 
 
 async def _until(cond) -> None:  # type: ignore[no-untyped-def]

@@ -10,22 +10,13 @@ pool opened through a KVConsumer; the one fake is the CUDA event of a pull still
 
 from __future__ import annotations
 
-import msgspec
-
 from common.model import reference
 from common.model.sampling import SamplingParams
-from common.protocol import Error, ErrorCode, Finish, Handoff, KvLaunched, KvReady, Release, Tokens
+from common.protocol import Error, ErrorCode, Finish, KvLaunched, KvReady, Release, Tokens
 from decode_server.phase import Phase
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_deferred_pull import PROMPT
-from tests.decode.test_requests import decode_until
+from tests.support.decode import PROMPT, FakeLink, Side, decode_until, early
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-
-
-def early(h: Handoff) -> Handoff:
-    """The HANDOFF as the prefill sends it early: the same, without its first token."""
-    return msgspec.structs.replace(h, first_token=None)
 
 
 async def test_an_early_handoff_joins_on_its_first_token_and_decodes_to_the_reference(

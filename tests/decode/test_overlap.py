@@ -14,8 +14,7 @@ from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Finish, Tokens
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_requests import decode_until
+from tests.support.decode import FakeLink, Side, decode_until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 3, 42], [8, 250, 7], [1, 2, 3, 4, 5, 6], [77, 66]]
@@ -164,7 +163,7 @@ async def test_no_step_runs_ahead_while_a_prefill_computes_an_early_handoff(
     the GPU) steps are launched and read in one go, leaving the gaps between them to that
     forward; once its KV_READY came, steps run ahead again. `always` does not hold."""
     from common.protocol import KvReady
-    from tests.decode.test_early_handoff import early
+    from tests.support.decode import early
 
     running = side.prefill("run", PROMPTS[0], GREEDY)
     table.handoff(link, running)

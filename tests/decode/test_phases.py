@@ -18,9 +18,7 @@ from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Handoff, KvReady, Release, Tokens
 from decode_server.phase import Phase
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, LaterConsumer, Side
-from tests.decode.test_deferred_pull import PROMPT
-from tests.decode.test_requests import decode_until
+from tests.support.decode import PROMPT, FakeLink, LaterConsumer, Side, decode_until
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 #: the decode's FINISH timings of a request handed off late, on one host

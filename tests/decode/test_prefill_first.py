@@ -19,9 +19,7 @@ from common.transfer import KVConsumer
 from decode_server.config import DecodeConfig
 from decode_server.prefill_first import PrefillFirst
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_deferred_pull import PROMPT
-from tests.decode.test_early_handoff import GREEDY, early
+from tests.support.decode import GREEDY, PROMPT, FakeLink, Side, early
 
 OTHER = [9, 33, 71, 2, 140]
 

@@ -13,7 +13,7 @@ from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Finish, Release, Tokens
 from decode_server.requests import DecodeRequests
-from tests.decode.conftest import FakeLink, Side, open_consumer
+from tests.support.decode import FakeLink, Side, decode_until, open_consumer
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -23,20 +23,6 @@ def table(rt):  # type: ignore[no-untyped-def]
     requests = DecodeRequests(rt, max_batch=8)
     yield requests
     assert rt.allocator.num_free == rt.allocator.total, "a test left decode blocks owned"
-
-
-async def decode_until(table: DecodeRequests, done) -> None:  # type: ignore[no-untyped-def]
-    """Run the decode loop until done() holds; a failing step fails the test."""
-    loop = asyncio.create_task(table.run())
-    try:
-        async with asyncio.timeout(30):
-            while not done():
-                assert not loop.done(), loop.exception()
-                await asyncio.sleep(0.01)
-    finally:
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
 
 
 def _errors(link: FakeLink) -> list[tuple[str, str | None]]:

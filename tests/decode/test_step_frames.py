@@ -1,7 +1,7 @@
 """The decode's answers to a step (v10): one STEP_TOKENS per link per step carrying every one of
 that link's sequences, logprobs only where asked, each FINISH in the frame of its last token;
 a step of more than MAX_STEP_ENTRIES of a link's sequences goes in several frames. Real forward
-passes through the fake links of tests.decode.conftest."""
+passes through the fake links of tests.support.decode."""
 
 from __future__ import annotations
 
@@ -12,8 +12,7 @@ from common.model.sampling import SamplingParams
 from common.protocol import MAX_STEP_ENTRIES, Finish, StepTokens, Tokens, Usage
 from common.sampling_params import TokenLogprob
 from decode_server.answers import Outbox
-from tests.decode.conftest import FakeLink, Side, open_consumer
-from tests.decode.test_requests import decode_until
+from tests.support.decode import FakeLink, Side, decode_until, open_consumer
 
 GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 

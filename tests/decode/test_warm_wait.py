@@ -13,9 +13,7 @@ from common.model import reference
 from common.protocol import Finish, KvReady, Tokens
 from decode_server.requests import DecodeRequests
 from decode_server.warm import warm_wait
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_deferred_pull import PROMPT
-from tests.decode.test_early_handoff import GREEDY, early
+from tests.support.decode import GREEDY, PROMPT, FakeLink, Side, early
 
 
 def _torch_thread_busy(rt) -> bool:  # type: ignore[no-untyped-def]
@@ -59,8 +57,9 @@ async def test_the_torch_thread_stays_awake_for_an_early_handoff_and_decodes_the
 async def test_a_warm_wait_frees_the_thread_once_work_comes(rt):  # type: ignore[no-untyped-def]
     work = asyncio.Event()
     waiting = asyncio.create_task(warm_wait(work, rt.executor, max_s=30.0))
-    await asyncio.sleep(0.02)
-    assert await asyncio.to_thread(_torch_thread_busy, rt)
+    async with asyncio.timeout(10):  # until its job holds the thread
+        while not await asyncio.to_thread(_torch_thread_busy, rt):
+            assert not waiting.done(), waiting
     work.set()
     async with asyncio.timeout(5):
         await waiting  # it returned on the work, long before its 30 s

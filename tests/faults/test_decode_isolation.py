@@ -4,7 +4,7 @@ daemon (non-zero, logged) instead of leaving it alive and deaf; `pdkv stop` tell
 Real daemons throughout. The per-sequence failure is real too: the decode daemon loads a copy of
 the prefill's checkpoint whose embedding row of one token is NaN (same fingerprint: same config,
 same file size), so a sequence that feeds that token to the decode gets NaN logits, and no other.
-Only the failure of the step itself is injected (tests/faults/wrapped_daemon.py): nothing from
+Only the failure of the step itself is injected (tests/support/wrapped_daemon.py): nothing from
 outside makes the forward pass raise.
 """
 
@@ -25,10 +25,11 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode
-from tests.faults.conftest import BLOCK, FaultPair, all_free, new_pair, poll, status
+from tests.support.daemons import BLOCK, FaultPair, all_free, new_pair, status
+from tests.support.wait import poll
 
 pytest.importorskip("transformers")
-from tests.model.test_hf_checkpoint import save_hf_llama
+from tests.support.checkpoints import save_hf_llama
 
 HOT = SamplingParams(max_tokens=24, temperature=0.7, seed=11, ignore_eos=True)
 
@@ -100,7 +101,7 @@ def test_a_failed_decode_step_ends_the_daemon_nonzero_and_answers_the_clients(tm
     pair = new_pair(tmp_path_factory, "fatal")
     try:
         decode = pair.start(
-            "decode", module="tests.faults.wrapped_daemon", env={"PDKVTEST_FAIL_STEP": "3"}
+            "decode", module="tests.support.wrapped_daemon", env={"PDKVTEST_FAIL_STEP": "3"}
         )
         pair.start("prefill")
         params = SamplingParams(max_tokens=16, ignore_eos=True)

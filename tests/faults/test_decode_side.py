@@ -19,8 +19,9 @@ import pytest
 
 from common.model.sampling import SamplingParams
 from common.protocol import ConnectionClosed, Finish, Handoff, StepTokens, Tokens
-from tests.faults.conftest import FaultPair, all_free, poll, status
-from tests.faults.fakes import FakePrefill
+from tests.support.daemons import FaultPair, all_free, status
+from tests.support.fakes import FakePrefill
+from tests.support.wait import poll
 
 NOBODY = 65534
 

@@ -15,8 +15,9 @@ import pytest
 from common import client
 from common.model.sampling import SamplingParams
 from common.protocol import Finish, Release, Tokens, Usage
-from tests.faults.conftest import Daemon, FaultPair, all_free, poll, pool_of, status, wait_ready
-from tests.faults.fakes import FakeDecode
+from tests.support.daemons import Daemon, FaultPair, all_free, pool_of, status, wait_ready
+from tests.support.fakes import FakeDecode
+from tests.support.wait import poll
 
 
 def _fake_pair(

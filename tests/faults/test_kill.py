@@ -13,8 +13,9 @@ import pytest
 
 from common import client
 from common.model.sampling import SamplingParams
-from tests.faults.conftest import FaultPair, all_free, assert_pair_free, new_pair, poll, status
-from tests.faults.load import Load
+from tests.support.daemons import FaultPair, all_free, assert_pair_free, new_pair, status
+from tests.support.load import Load
+from tests.support.wait import poll
 
 
 @pytest.fixture  # one pair per test: a scenario that fails must not leave the next a dead daemon

@@ -12,8 +12,9 @@ import sys
 
 from common import client
 from common.model.sampling import SamplingParams
-from tests.faults.conftest import FaultPair, all_free, assert_pair_free, poll, status
-from tests.faults.load import Load
+from tests.support.daemons import FaultPair, all_free, assert_pair_free, status
+from tests.support.load import Load
+from tests.support.wait import poll
 
 
 def _files_gone(pair: FaultPair, role: str) -> None:

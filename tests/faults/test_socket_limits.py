@@ -30,8 +30,9 @@ from common.protocol import (
     decode,
     encode,
 )
-from tests.faults.conftest import FaultPair, all_free, new_pair, poll, status
-from tests.faults.fakes import FakePrefill
+from tests.support.daemons import FaultPair, all_free, new_pair, status
+from tests.support.fakes import FakePrefill
+from tests.support.wait import poll
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -100,7 +101,7 @@ def test_accept_survives_running_out_of_fds(tmp_path_factory):
     try:
         pair.start("decode")
         prefill = pair.start(
-            "prefill", module="tests.faults.wrapped_daemon", env={"PDKVTEST_NOFILE": "256"}
+            "prefill", module="tests.support.wrapped_daemon", env={"PDKVTEST_NOFILE": "256"}
         )
         held += [connect(pair.client_socket) for _ in range(300)]  # more than its fd limit
         poll(lambda: "accept_failed" in prefill.log_text(), what="EMFILE logged")

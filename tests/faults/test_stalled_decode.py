@@ -13,8 +13,9 @@ import pytest
 
 from common import client
 from common.model.sampling import SamplingParams
-from tests.faults.conftest import FaultPair, all_free, poll, status, wait_ready
-from tests.faults.fakes import FakeDecode
+from tests.support.daemons import FaultPair, all_free, status, wait_ready
+from tests.support.fakes import FakeDecode
+from tests.support.wait import poll
 
 PROMPT_TOKENS = 8000  # each HANDOFF carries ~32 KB of prompt ids: a few fill the socket
 REQUESTS = 16

@@ -22,7 +22,8 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import ErrorCode
-from tests.faults.conftest import BLOCK, FaultPair, all_free, new_pair, poll
+from tests.support.daemons import BLOCK, FaultPair, all_free, new_pair
+from tests.support.wait import poll
 
 MAX_PROMPT = 64
 CANARY = [7, 8, 9, 10]

@@ -1,4 +1,4 @@
-"""Over 10,000 bad frames on real sockets against running daemons, from many connections at once.
+"""Over 10,000 bad bad_frames on real sockets against running daemons, from many connections at once.
 
 Afterwards both daemons are alive, no block is leaked, their fd counts are back where they were
 and a valid request still equals the single-process reference. Seeded: a failure replays.
@@ -21,9 +21,10 @@ from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
 from common.protocol import PROTOCOL_VERSION, Error, Hello, Register, decode, encode
-from tests.faults.conftest import FaultPair, all_free, new_pair, poll
-from tests.faults.fakes import FakePrefill
-from tests.fuzz import frames
+from tests.support import bad_frames
+from tests.support.daemons import FaultPair, all_free, new_pair
+from tests.support.fakes import FakePrefill
+from tests.support.wait import poll
 
 SEED = 20261130
 CONCURRENCY = 12
@@ -48,7 +49,7 @@ def fd_count(pid: int) -> int:
 
 
 class Fuzzer:
-    """Writes frame lists on fresh connections; counts frames written and connections closed."""
+    """Writes frame lists on fresh connections; counts bad_frames written and connections closed."""
 
     def __init__(self, pair: FaultPair, fake: FakePrefill) -> None:
         self.pair = pair
@@ -110,7 +111,7 @@ class Fuzzer:
         )
 
     async def linked(self, rng: random.Random, n: int) -> None:
-        """A real HELLO + REGISTER (memfd attached), then `n` frames of bad meaning, then garbage."""
+        """A real HELLO + REGISTER (memfd attached), then `n` bad_frames of bad meaning, then garbage."""
         path = self.pair.link_socket
         async with self.sem:
             loop = asyncio.get_running_loop()
@@ -130,8 +131,8 @@ class Fuzzer:
                     os.close(fd)
                 await _read_frame(loop, sock)
                 self.frames += 2
-                body = frames.link_after_handshake(rng, n, self.fake.layout.num_blocks)
-                body.append(frames.terminal(rng, link=True))
+                body = bad_frames.link_after_handshake(rng, n, self.fake.layout.num_blocks)
+                body.append(bad_frames.terminal(rng, link=True))
                 for chunk in body:
                     await loop.sock_sendall(sock, chunk)
                     self.frames += 1
@@ -151,7 +152,7 @@ class Fuzzer:
 async def _read_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> bytes:
     buf = b""
     async with asyncio.timeout(EOF_TIMEOUT):
-        while len(buf) < 20 or len(buf) < 20 + sum(frames.HDR.unpack(buf[:20])[3:]):
+        while len(buf) < 20 or len(buf) < 20 + sum(bad_frames.HDR.unpack(buf[:20])[3:]):
             data = await loop.sock_recv(sock, 65536)
             if not data:
                 raise ConnectionResetError("closed during the handshake")
@@ -169,20 +170,20 @@ async def _fuzz(fz: Fuzzer) -> None:
     cs, ls = fz.pair.client_socket, fz.pair.link_socket
     jobs = []
     for i in range(2600):  # client socket: one bad frame ends the connection
-        pre = [frames.encode(frames.Status())] if i % 5 == 0 else []
+        pre = [bad_frames.encode(bad_frames.Status())] if i % 5 == 0 else []
         fds = _fd_pair() if i % 17 == 0 else None
-        jobs.append(fz.session(cs, [*pre, frames.terminal(rng, link=False)], fds=fds, what="c"))
+        jobs.append(fz.session(cs, [*pre, bad_frames.terminal(rng, link=False)], fds=fds, what="c"))
     for _ in range(100):  # client socket: answered, and the connection stays open
-        body = [*frames.client_keepalive(rng, 30), frames.terminal(rng, link=False)]
+        body = [*bad_frames.client_keepalive(rng, 30), bad_frames.terminal(rng, link=False)]
         jobs.append(fz.session(cs, body, what="client-keepalive"))
     for i in range(2400):  # link socket before or during the handshake
         r = i % 6
         if r == 0:  # valid HELLO, then a bad frame
-            chunks = [fz.hello(), frames.terminal(rng, link=True)]
+            chunks = [fz.hello(), bad_frames.terminal(rng, link=True)]
         elif r == 1:  # out-of-order: HANDOFF or REGISTER before HELLO, REGISTER twice
-            chunks = [frames.encode(frames._handoff(rng))] if i % 2 else [fz.register()] * 2
+            chunks = [bad_frames.encode(bad_frames._handoff(rng))] if i % 2 else [fz.register()] * 2
         else:
-            chunks = [frames.terminal(rng, link=True)]
+            chunks = [bad_frames.terminal(rng, link=True)]
         fds = _fd_pair() if i % 13 == 0 else None
         jobs.append(fz.session(ls, chunks, fds=fds, what="l"))
     for _ in range(160):

@@ -1,18 +1,14 @@
-"""GPU tests: skipped cleanly where CUDA is unavailable; children are spawned (never forked)."""
+"""GPU tests: skipped cleanly where CUDA is unavailable; children are spawned (never forked), their
+entry points in tests.support.gpu_procs."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from common.cuda import cuda_available
-
-# Spawned children import their entry points from gpu_procs by plain name.
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -25,8 +25,7 @@ from common.transfer import KVConsumer, KVProducer
 from decode_server.config import DecodeConfig
 from decode_server.requests import DecodeRequests
 from decode_server.startup import load_runtime
-from tests.decode.conftest import FakeLink, Side
-from tests.decode.test_requests import decode_until
+from tests.support.decode import FakeLink, Side, decode_until
 
 pytestmark = pytest.mark.gpu
 

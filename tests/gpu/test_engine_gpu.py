@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from common.cuda import cuda_available
 from common.model import SamplingParams, load_model, reference, slots_for, tiny_model
 from common.model.prefill import prefill_many
+from tests.support.checkpoints import save_hf_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,13 +74,7 @@ def test_graph_runner_bf16_logits_within_tolerance_of_fp32() -> None:
 
 
 def test_kernel_path_greedy_equals_transformers_on_the_gpu(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    path = Path(__file__).parents[1] / "model" / "test_hf_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("hf_checkpoint_helpers", path)
-    helpers = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(helpers)
-
-    hf = helpers.save_hf_llama(tmp_path).to("cuda")
+    hf = save_hf_llama(tmp_path).to("cuda")
     model, _ = load_model(tmp_path, device="cuda", dtype=torch.float32, allow_byte_tokenizer=True)
     assert model.use_kernels
     prompt = [1, 17, 250, 3, 99, 42, 7, 128, 64, 5, 11, 290, 33]

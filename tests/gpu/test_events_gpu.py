@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
-import gpu_procs
 import pytest
 import torch
+
+from tests.support import gpu_procs
 
 pytestmark = pytest.mark.gpu
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 import gc
 import time
 
-import gpu_procs
 import pytest
 import torch
 
 from common import cuda
 from common.ipc.backends import backend_for
+from tests.support import gpu_procs
 
 pytestmark = pytest.mark.gpu
 

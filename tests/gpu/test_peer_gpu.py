@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-import gpu_procs
 import pytest
 import torch
 
@@ -14,6 +13,7 @@ from common.ipc.events import imported_event_ring
 from common.kv.blockcopy import copy_blocks
 from common.kv.pool import KVPool, PoolLayout
 from common.transfer.regions import open_region
+from tests.support import gpu_procs
 
 pytestmark = pytest.mark.gpu
 

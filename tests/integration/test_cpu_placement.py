@@ -16,7 +16,7 @@ import pytest
 from common import client
 from common.daemon import sched
 from common.sampling_params import SamplingParams
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.daemons import Pair, wait_ready
 
 REQUESTS = 12
 

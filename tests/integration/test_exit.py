@@ -16,7 +16,7 @@ from datetime import datetime
 
 import pytest
 
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 STOPPED_TO_EXIT_S = 0.5
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from common.daemon.server import FD_HEADROOM
-from tests.integration.conftest import Daemon, wait_ready
+from tests.support.daemons import Daemon, wait_ready
 
 
 def soft_nofile(pid: int) -> int:

@@ -16,7 +16,7 @@ from common import client
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 CONTROL = {chr(c) for c in [*range(32), 127, *range(0x80, 0xA0)]} - {"\n", "\t"}
 

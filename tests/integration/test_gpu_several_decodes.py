@@ -22,7 +22,7 @@ from common.cuda import cuda_available
 from common.model import reference
 from common.model.loader import load_model
 from common.model.sampling import SamplingParams
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.daemons import Pair, wait_ready
 
 pytestmark = [
     pytest.mark.gpu,

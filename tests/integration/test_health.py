@@ -14,7 +14,7 @@ import pytest
 
 from common import client
 from common.model.sampling import SamplingParams
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.daemons import Pair, wait_ready
 
 
 def _status(pair: Pair, *args: str) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ from common.daemon import kernel_cache
 from common.settings import declared
 from decode_server.config import DecodeConfig
 from prefill_server.config import PrefillConfig
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 STAND_IN = """\
 import os

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -14,7 +14,7 @@ import pytest
 
 from common import client
 from common.daemon.notify import notify
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.daemons import Pair, wait_ready
 
 
 @pytest.fixture

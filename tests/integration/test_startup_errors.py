@@ -11,7 +11,7 @@ import pytest
 
 from common.daemon.runtime import ModelRuntime
 from decode_server.config import DecodeConfig
-from tests.model.test_hf_checkpoint import save_hf_llama
+from tests.support.checkpoints import save_hf_llama
 
 
 def _start(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from common import client
-from tests.integration.conftest import Pair, wait_ready
+from tests.support.daemons import Pair, wait_ready
 
 
 @pytest.fixture

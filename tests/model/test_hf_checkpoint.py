@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from common.errors import ModelError
 from common.model import SamplingParams, generate, load_model
 from common.model.tokenizer import ByteTokenizer
+from tests.support.checkpoints import save_hf_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,28 +26,6 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
 }
-
-
-def save_hf_llama(path: Path, *, tie: bool = False, rope: dict | None = None, **kw) -> object:
-    """A small random GQA LlamaForCausalLM saved as safetensors under `path`; returns the model."""
-    config = transformers.LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        initializer_range=0.2,  # wide logits: greedy argmax must not hinge on 1e-7 differences
-        bos_token_id=1,
-        eos_token_id=2,
-        **({"rope_parameters": rope} if rope else {}),
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(path, **kw)
-    return model
 
 
 @pytest.mark.parametrize(

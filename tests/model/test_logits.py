@@ -16,7 +16,7 @@ from common.model.paged import slots_for
 from common.model.prefill import prefill_many, split_rows
 from common.model.sampling import draw, make_generator
 from common.sampling_params import SamplingParams, SamplingParamsError
-from tests.model.test_hf_checkpoint import save_hf_llama
+from tests.support.checkpoints import save_hf_llama
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ import torch
 from common import client
 from common.sampling_params import SamplingParams
 from pdkv import models
-from tests.integration.conftest import Pair
+from tests.support.daemons import Pair
 
 transformers = pytest.importorskip("transformers")
 
@@ -164,7 +164,7 @@ def test_daemons_greedy_tokens_equal_transformers(pair: Pair, hf_model, hf_token
 def test_api_chat_answer_equals_transformers(
     pair: Pair, checkpoint: Path, hf_model, hf_tokenizer
 ) -> None:  # type: ignore[no-untyped-def]
-    from tests.api.conftest import start_api
+    from tests.support.api import start_api
 
     api = start_api(pair.runtime, "--model", str(checkpoint))
     try:
@@ -185,7 +185,7 @@ def test_api_echo_prompt_logprobs_equal_transformers(
     """lm-evaluation-harness's log-likelihood request (token-id prompts, echo, logprobs,
     max_tokens 0 and 1) on the real checkpoint: the prompt's logprobs are transformers'
     log_softmax at each position, the first one null."""
-    from tests.api.conftest import start_api
+    from tests.support.api import start_api
 
     prompts = [hf_tokenizer.encode(p) for p in PROMPTS[:2]]
     api = start_api(pair.runtime, "--model", str(checkpoint))

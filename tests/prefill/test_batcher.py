@@ -20,7 +20,8 @@ from common.timings import Marks
 from common.transfer import KVProducer
 from prefill_server.batcher import PrefillBatcher
 from prefill_server.request import RequestFailed
-from tests.prefill.conftest import BLOCK, prompts
+from tests.support.daemons import BLOCK
+from tests.support.prefill import prompts
 
 GREEDY = SamplingParams(max_tokens=1)
 

@@ -1,6 +1,7 @@
 """A prefill linked to several decodes: each request goes to the least loaded one that is up, and
 a decode's NO_CAPACITY moves the request to another at once, its blocks' lease with it. The real
-pipeline, model and batcher; the links are the fakes of pipeline_parts (they record frames)."""
+pipeline, model and batcher; the links are the fakes of tests.support.prefill_pipeline (they
+record frames)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from common.protocol import (
     make_error,
 )
 from prefill_server.phase import Phase
-from tests.prefill.pipeline_parts import Setup
+from tests.support.prefill_pipeline import Setup
 
 
 def _finish(rid: str) -> Finish:

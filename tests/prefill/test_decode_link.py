@@ -61,7 +61,7 @@ async def test_a_frame_the_handler_fails_on_drops_the_link_and_it_reconnects(tmp
     that holds blocks but no lease) must not end the link's task: the prefill would stay up,
     its link shown up, and never hand anything off again."""
     from common.protocol import Release
-    from tests.faults.fakes import FakeDecode
+    from tests.support.fakes import FakeDecode
 
     fake = FakeDecode(tmp_path / "d.sock").start()
     link = _link(tmp_path, str(fake.path))

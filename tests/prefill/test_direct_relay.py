@@ -1,5 +1,5 @@
 """The direct relay (prefill_server/relay.py's Relay.direct) on the real pipeline and a real ClientWriter
-on a Unix socket pair (tests.prefill.pipeline_parts; the link is the one fake): while the
+on a Unix socket pair (tests.support.prefill_pipeline; the link is the one fake): while the
 request's task waits for its inbox and the client keeps up, the decode's TOKENS go to the client
 from the read callback; once the client falls behind they take the inbox and the task's waiting
 send, and once it has caught up they go direct again, every frame in order, FINISH last."""
@@ -27,9 +27,10 @@ from common.protocol import (
 )
 from common.wire.channel import FrameChannel
 from prefill_server.client_writer import ClientWriter
-from tests.faults.conftest import poll, status
-from tests.prefill.conftest import BLOCK, events, prompts
-from tests.prefill.pipeline_parts import Setup
+from tests.support.daemons import BLOCK, status
+from tests.support.prefill import events, prompts
+from tests.support.prefill_pipeline import Setup
+from tests.support.wait import poll
 
 FILLER = Tokens(request_id="other", tokens=[1], text="f" * 16_000)  # another request's frame
 
@@ -64,8 +65,8 @@ async def test_frames_switch_to_the_inbox_while_the_client_is_behind_and_back(cf
     step(14)
     step(15)  # behind: to the inbox, the task's send waits for the client
     assert relayed == {"direct": 2, "queued": 3}
-    await asyncio.sleep(0.05)
-    assert req.waiting is None and not task.done()  # in its send, waiting for the client
+    await s.until(lambda: req.waiting is None)  # the task took them from its inbox
+    assert not task.done()  # in its send, waiting for the client
 
     peer = FrameChannel(theirs, max_fds=0)
     frames: list = []
@@ -129,14 +130,16 @@ async def test_a_request_being_cancelled_gets_no_direct_frame(cfg_rt) -> None:  
 
 
 # ---- through real daemons ------------------------------------------------------------------------
-def test_concurrent_streams_equal_the_reference_and_mostly_skip_the_inbox(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_streams_equal_the_reference_and_mostly_skip_the_inbox(
+    pair_factory, tiny
+) -> None:  # type: ignore[no-untyped-def]
     """48 streaming requests at once, half on one shared connection (as the API keeps one):
     greedy tokens equal the single-process reference, every request's frames are TOKENS then
     FINISH, their text is the tokens' text; the decode's TOKENS went to the clients from the
     read callback for most of them, and every one of them is counted once."""
     model, tok = tiny
-    new_pair.start("decode")
-    new_pair.start("prefill")
+    pair_factory.start("decode")
+    pair_factory.start("prefill")
     greedy = [SamplingParams(max_tokens=10 + i % 9, ignore_eos=True) for i in range(48)]
     cases = list(zip(prompts(48, [3, 15, 17, 40]), greedy, strict=True))
 
@@ -145,10 +148,10 @@ def test_concurrent_streams_equal_the_reference_and_mostly_skip_the_inbox(new_pa
             p, sp = cases[i]
             kw = {"prompt_tokens": p, "sampling": sp, "request_id": f"r{i}", "text_deltas": True}
             if conn is None:
-                return [m async for m in client.stream(new_pair.client_socket, **kw)]
+                return [m async for m in client.stream(pair_factory.client_socket, **kw)]
             return [m async for m in conn.stream(**kw)]
 
-        async with client.Connection(new_pair.client_socket) as shared:
+        async with client.Connection(pair_factory.client_socket) as shared:
             return await asyncio.gather(
                 *(one(shared if i % 2 else None, i) for i in range(len(cases)))
             )
@@ -161,12 +164,12 @@ def test_concurrent_streams_equal_the_reference_and_mostly_skip_the_inbox(new_pa
         assert isinstance(frames[-1], client.Finish), f"request {i}"
         assert frames[-1].usage.completion_tokens == sp.max_tokens
         assert "".join(f.text for f in frames) == tok.decode(tokens), f"request {i}"
-    assert new_pair.stop_all() == {"prefill": 0, "decode": 0}
-    finished = {e["request_id"]: e for e in events(new_pair, "request_finished")}
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+    finished = {e["request_id"]: e for e in events(pair_factory, "request_finished")}
     assert len(finished) == len(cases)
     direct = sum(e["direct_frames"] for e in finished.values())
     assert sum(e["direct_frames"] > 0 for e in finished.values()) >= len(cases) // 2, finished
-    (stopped,) = events(new_pair, "prefill_stopped")
+    (stopped,) = events(pair_factory, "prefill_stopped")
     assert stopped["relayed_direct"] == direct > stopped["relayed_queued"]
     # the decode sends every token but the first (the prefill's) in one TOKENS frame
     decoded = sum(sp.max_tokens - 1 for _, sp in cases)
@@ -198,19 +201,19 @@ class _RawClient:
 
 
 def test_a_client_that_stops_reading_mid_stream_stalls_no_one_and_keeps_its_order(  # type: ignore[no-untyped-def]
-    new_pair, tiny
+    pair_factory, tiny
 ) -> None:
     """A client reads its streams' first frames, then nothing while another client's requests
     run, then the rest: the other client is served meanwhile; the stalled one's frames went
     direct, then (its writer past its high-water mark) through the inbox, and arrive in order,
     equal to the reference, FINISH last."""
     model, tok = tiny
-    new_pair.start("decode")
-    new_pair.start("prefill")
+    pair_factory.start("decode")
+    pair_factory.start("prefill")
     # ~350 bytes a token with 20 logprobs: far more than the socket and the writer's 256 KiB
     slow_sp = SamplingParams(max_tokens=160, ignore_eos=True, logprobs=20)
     slow = {f"slow{i}": p for i, p in enumerate(prompts(16, [5, 20], seed=5))}
-    raw = _RawClient(new_pair.client_socket)
+    raw = _RawClient(pair_factory.client_socket)
     try:
         gens = [Generate(sampling=slow_sp, prompt_tokens=p, request_id=r) for r, p in slow.items()]
         raw.sock.sendall(b"".join(encode(g) for g in gens))
@@ -223,7 +226,7 @@ def test_a_client_that_stops_reading_mid_stream_stalls_no_one_and_keeps_its_orde
             return await asyncio.gather(
                 *(
                     client.generate(
-                        new_pair.client_socket, prompt_tokens=p, sampling=sp, timeout=30
+                        pair_factory.client_socket, prompt_tokens=p, sampling=sp, timeout=30
                     )
                     for p, sp in fast
                 )
@@ -232,7 +235,7 @@ def test_a_client_that_stops_reading_mid_stream_stalls_no_one_and_keeps_its_orde
         for (p, sp), res in zip(fast, asyncio.run(others()), strict=True):
             assert res.tokens == reference.generate(model, p, sp, block_size=BLOCK)
         # every slow token is at the prefill now: in the writer, or in its requests' inboxes
-        poll(lambda: status(new_pair.link_socket).inflight == 0, what="decode done")
+        poll(lambda: status(pair_factory.link_socket).inflight == 0, what="decode done")
         raw.read_until(lambda: all(isinstance(f[-1], Finish) for f in raw.frames.values()))
     finally:
         raw.sock.close()
@@ -243,8 +246,8 @@ def test_a_client_that_stops_reading_mid_stream_stalls_no_one_and_keeps_its_orde
         assert all(len(f.logprobs) == len(f.tokens) for f in frames[:-1]), rid
         assert frames[-1].usage.completion_tokens == slow_sp.max_tokens
         assert "".join(f.text for f in frames) == tok.decode(tokens), rid
-    assert new_pair.stop_all() == {"prefill": 0, "decode": 0}
-    finished = {e["request_id"]: e for e in events(new_pair, "request_finished")}
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+    finished = {e["request_id"]: e for e in events(pair_factory, "request_finished")}
     direct = [finished[rid]["direct_frames"] for rid in slow]
     # direct while it read, through the inbox once it fell behind (the decode sent 159 each)
     assert all(0 < d < slow_sp.max_tokens - 2 for d in direct), direct

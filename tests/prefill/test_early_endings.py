@@ -17,7 +17,7 @@ import pytest
 
 from common.protocol import Abort, Error, ErrorCode, Handoff, KvReady, Release
 from prefill_server.request import RequestFailed
-from tests.prefill.pipeline_parts import SLOTS, Setup, cancelled
+from tests.support.prefill_pipeline import SLOTS, Setup, cancelled
 
 
 async def test_a_refused_early_handoff_then_the_client_leaving_gets_no_abort_and_no_quarantine(

@@ -24,7 +24,8 @@ from prefill_server.forward import (
     launches_early,
     run_prefill_batch,
 )
-from tests.prefill.conftest import BLOCK, prompts
+from tests.support.daemons import BLOCK
+from tests.support.prefill import prompts
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 BUDGET = 8192

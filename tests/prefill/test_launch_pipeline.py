@@ -3,7 +3,7 @@ HANDOFF and KV_READY, only for a plain greedy request that is all the daemon has
 every way such a request ends: its slot quarantined while the decode may wait on it, its blocks
 its own until KV_READY (a link lost in between sends it to another decode).
 
-Real parts as in test_early_endings (tests.prefill.pipeline_parts): the tiny model on CPU, the
+Real parts as in test_early_endings (tests.support.prefill_pipeline): the tiny model on CPU, the
 pipeline and batcher, a producer with an event ring's slot bookkeeping; the producer's mailbox is
 a CPU tensor standing in for the GPU block a CUDA daemon reserves. The one fake is the link.
 """
@@ -18,7 +18,7 @@ import torch
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Abort, Finish, Generate, Handoff, KvLaunched, KvReady, Release, Usage
-from tests.prefill.pipeline_parts import SLOTS, Setup
+from tests.support.prefill_pipeline import SLOTS, Setup
 
 PROMPT = [3] * 20
 

@@ -1,6 +1,6 @@
 """A batched prefill forward that raises fails the requests of that batch with INTERNAL, and no
 other; the daemon goes on serving and frees every block. The failure is injected
-(tests/faults/wrapped_daemon.py: a forward over a prompt holding the poison token raises), since
+(tests/support/wrapped_daemon.py: a forward over a prompt holding the poison token raises), since
 nothing from outside makes the forward fail."""
 
 from __future__ import annotations
@@ -11,21 +11,22 @@ from common import client
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Generate
-from tests.faults.conftest import all_free, poll
-from tests.prefill.conftest import BLOCK, burst, events, prompts
+from tests.support.daemons import BLOCK, all_free
+from tests.support.prefill import burst, events, prompts
+from tests.support.wait import poll
 
 POISON = 7
 
 
-def test_a_failed_forward_fails_its_batch_only_and_the_daemon_goes_on(new_pair, tiny):  # type: ignore[no-untyped-def]
+def test_a_failed_forward_fails_its_batch_only_and_the_daemon_goes_on(pair_factory, tiny):  # type: ignore[no-untyped-def]
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode")
     prefill = pair.start(
         "prefill",
         "--max-prefill-tokens",
         "8192",  # batching on (the CPU default is one prompt a forward)
-        module="tests.faults.wrapped_daemon",
+        module="tests.support.wrapped_daemon",
         env={"PDKVTEST_FAIL_PREFILL_TOKEN": str(POISON)},
     )
     params = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -13,8 +13,8 @@ import asyncio
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Error, ErrorCode, Generate
-from tests.integration.conftest import Pair
-from tests.prefill.conftest import BLOCK, burst, events, prompts
+from tests.support.daemons import BLOCK, Pair
+from tests.support.prefill import burst, events, prompts
 
 BATCHING = ("--max-prefill-tokens", "8192")  # batching on: the CPU default is 1
 
@@ -29,11 +29,11 @@ def _gen(i: int, prompt: list[int], params: SamplingParams) -> Generate:
     return Generate(sampling=params, prompt_tokens=prompt, request_id=f"b{i}", stream=False)
 
 
-def test_a_burst_shares_forwards_and_equals_the_reference(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_a_burst_shares_forwards_and_equals_the_reference(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """24 requests at once, greedy and seeded sampling mixed: fewer forwards than requests, and
     every request's tokens are the reference's (the same as one at a time)."""
     model, _ = tiny
-    pair = _start(new_pair, *BATCHING)
+    pair = _start(pair_factory, *BATCHING)
     n = 24
     texts = prompts(n, [1, 15, 16, 17, 33, 47, 64, 90])
     params = [
@@ -56,9 +56,9 @@ def test_a_burst_shares_forwards_and_equals_the_reference(new_pair, tiny) -> Non
     assert pair.stop_all() == {"prefill": 0, "decode": 0}
 
 
-def test_a_batch_keeps_within_the_token_budget_and_a_long_prompt_runs_in_chunks(new_pair, tiny):  # type: ignore[no-untyped-def]
+def test_a_batch_keeps_within_the_token_budget_and_a_long_prompt_runs_in_chunks(pair_factory, tiny):  # type: ignore[no-untyped-def]
     model, _ = tiny
-    pair = _start(new_pair, "--max-prefill-tokens", "64")
+    pair = _start(pair_factory, "--max-prefill-tokens", "64")
     lengths = [20, 30, 100, 25, 40, 10, 64, 33, 17, 12]
     texts = prompts(len(lengths), lengths, seed=5)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -73,11 +73,11 @@ def test_a_batch_keeps_within_the_token_budget_and_a_long_prompt_runs_in_chunks(
     assert all(b["request_ids"] for b in batches)
 
 
-def test_invalid_requests_in_a_burst_fail_alone(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_requests_in_a_burst_fail_alone(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """Prompts that fail validation (token id past the vocab, empty, too long for the pool,
     sampling out of range) get BAD_REQUEST and never reach a batch; their neighbours are served."""
     model, _ = tiny
-    pair = _start(new_pair, *BATCHING)
+    pair = _start(pair_factory, *BATCHING)
     good = prompts(6, [9, 40, 16, 70, 3, 33], seed=11)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     gens = [_gen(i, p, params) for i, p in enumerate(good)]
@@ -102,11 +102,11 @@ def test_invalid_requests_in_a_burst_fail_alone(new_pair, tiny) -> None:  # type
     assert not any(rid in b["request_ids"] for b in batches for rid in bad)
 
 
-def test_on_cpu_the_default_is_one_prompt_a_forward(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_on_cpu_the_default_is_one_prompt_a_forward(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """Without --max-prefill-tokens a CPU prefill runs each prompt in its own forward (a CPU
     forward costs about its tokens: sharing one only delays the first tokens)."""
     model, _ = tiny
-    pair = _start(new_pair)
+    pair = _start(pair_factory)
     texts = prompts(8, [12, 30, 45, 9], seed=2)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     got = asyncio.run(burst(pair.client_socket, [_gen(i, p, params) for i, p in enumerate(texts)]))

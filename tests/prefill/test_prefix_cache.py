@@ -22,8 +22,8 @@ from common import client
 from common.model import reference
 from common.model.sampling import SamplingParams
 from common.protocol import Tokens
-from tests.integration.conftest import Pair
-from tests.prefill.conftest import BLOCK, prompts
+from tests.support.daemons import BLOCK, Pair
+from tests.support.prefill import expected_hit, prompts
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -47,18 +47,6 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[bool, Pair]
 
 def _run(pair: Pair, prompt: list[int], params: SamplingParams = GREEDY) -> client.Result:
     return asyncio.run(client.generate(pair.client_socket, prompt_tokens=prompt, sampling=params))
-
-
-def _expected_hit(history: list[list[int]], prompt: list[int]) -> int:
-    """Cached tokens the rule predicts: full blocks shared with an earlier prompt, from the
-    start, not the block of the last token."""
-    best = 0
-    for old in history:
-        same = 0
-        while same < min(len(old), len(prompt)) and old[same] == prompt[same]:
-            same += 1
-        best = max(best, same // BLOCK)
-    return min(best, (len(prompt) - 1) // BLOCK) * BLOCK
 
 
 def test_cache_on_equals_cache_off_and_the_reference(pairs: dict[bool, Pair], tiny) -> None:  # type: ignore[no-untyped-def]
@@ -90,7 +78,7 @@ def test_cache_on_equals_cache_off_and_the_reference(pairs: dict[bool, Pair], ti
         assert got[True].tokens == got[False].tokens == want, f"turn {turn}"
         assert got[False].finish is not None and got[False].finish.usage.cached_tokens == 0
         usage = got[True].finish.usage  # type: ignore[union-attr]
-        assert usage.cached_tokens == _expected_hit(history, prompt), f"turn {turn}"
+        assert usage.cached_tokens == expected_hit(history, prompt), f"turn {turn}"
         assert usage.prompt_tokens == len(prompt)
         queried += len(prompt)
         hit += usage.cached_tokens
@@ -111,11 +99,11 @@ def test_cache_on_equals_cache_off_and_the_reference(pairs: dict[bool, Pair], ti
     }
 
 
-def test_eviction_under_pressure_with_concurrent_identical_prompts(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_eviction_under_pressure_with_concurrent_identical_prompts(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """A 10-block prefill pool, rounds of identical and distinct 40-token prompts at once: blocks
     are evicted and reused, and every request still gets the reference's tokens."""
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode")
     pair.start("prefill", "--num-blocks", "10")
     shared = prompts(1, [40], seed=1)[0]
@@ -147,11 +135,11 @@ def test_eviction_under_pressure_with_concurrent_identical_prompts(new_pair, tin
     assert pair.stop_all() == {"prefill": 0, "decode": 0}
 
 
-def test_a_request_aborted_while_another_shares_its_blocks(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_a_request_aborted_while_another_shares_its_blocks(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """Two long generations of one prompt; the first's client goes away after its first token.
     The second, sharing the first's cached blocks, still gets the reference's tokens."""
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode")
     pair.start("prefill")
     prompt = prompts(1, [50], seed=8)[0]
@@ -178,13 +166,13 @@ def test_a_request_aborted_while_another_shares_its_blocks(new_pair, tiny) -> No
     assert pair.stop_all() == {"prefill": 0, "decode": 0}
 
 
-def test_prompt_logprobs_get_no_cached_prefix_and_no_chunks(new_pair, tiny) -> None:  # type: ignore[no-untyped-def]
+def test_prompt_logprobs_get_no_cached_prefix_and_no_chunks(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
     """A request that asks for prompt logprobs needs the logits at every prompt position: it takes
     no cached block (cached_tokens 0, a repeat scores the same) and is not chunked (chunks of 16
     here, a 50-token prompt); its blocks are cached after all, so a request without prompt
     logprobs still hits them. The hit rate counts only the requests that looked."""
     model, _ = tiny
-    pair = new_pair
+    pair = pair_factory
     pair.start("decode")
     pair.start("prefill", "--max-prefill-tokens", "16")
     prompt = prompts(1, [50], seed=31)[0]

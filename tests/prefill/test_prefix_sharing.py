@@ -9,7 +9,7 @@ import asyncio
 
 from common.kv.allocator import BlockState
 from common.protocol import Abort, Finish, Handoff, KvReady, Release, Usage
-from tests.prefill.pipeline_parts import Setup, cancelled
+from tests.support.prefill_pipeline import Setup, cancelled
 
 PROMPT = [(11 * i + 5) % 256 for i in range(40)]  # 2 full blocks of 16, and a partial one
 

@@ -1,5 +1,5 @@
-"""The decode's frames as events of a request's phase, on the real pipeline (tests.prefill.
-pipeline_parts): a frame the phase cannot take is logged with the request id and changes
+"""The decode's frames as events of a request's phase, on the real pipeline (tests.support.
+prefill_pipeline): a frame the phase cannot take is logged with the request id and changes
 nothing; a RELEASE after the decode's FINISH still counts; a refused offer goes again through
 the one send path; FINISH carries the prefill's timings under their keys."""
 
@@ -20,7 +20,7 @@ from common.protocol import (
     Usage,
 )
 from prefill_server.phase import Phase
-from tests.prefill.pipeline_parts import Setup
+from tests.support.prefill_pipeline import Setup
 
 PREFILL_KEYS = [
     "ttft_ms",

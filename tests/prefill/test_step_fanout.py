@@ -1,4 +1,4 @@
-"""STEP_TOKENS (v10) on the real pipeline (tests.prefill.pipeline_parts): one frame with several
+"""STEP_TOKENS (v10) on the real pipeline (tests.support.prefill_pipeline): one frame with several
 requests' tokens, logprobs and FINISHes reaches each request as the TOKENS and FINISH frames it
 stands for, in order; a frame naming a request the prefill does not hold changes nothing else;
 steps queued before a request's task runs go to its client as one TOKENS frame."""
@@ -9,7 +9,7 @@ import structlog
 
 from common.protocol import Finish, Handoff, KvReady, Release, StepTokens, Tokens, Usage
 from common.sampling_params import TokenLogprob
-from tests.prefill.pipeline_parts import Setup
+from tests.support.prefill_pipeline import Setup
 
 
 def _finish(rid: str, n: int) -> Finish:

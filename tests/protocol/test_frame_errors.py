@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from protocol_strategies import header, raw_frame, read_one, reader_of
 
 from common.errors import PdkvError, ProtocolError
 from common.protocol import (
@@ -23,6 +22,7 @@ from common.protocol import (
     encode,
     read_frame,
 )
+from tests.support.protocol_strategies import header, raw_frame, read_one, reader_of
 
 PING = int(MsgType.PING)
 REGISTER = int(MsgType.REGISTER)

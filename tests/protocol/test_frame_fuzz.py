@@ -10,7 +10,6 @@ import struct
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import HEADER, messages, reader_of
 
 from common.errors import ProtocolError
 from common.protocol import (
@@ -29,6 +28,7 @@ from common.protocol import (
     split_frame,
 )
 from common.protocol.messages import BY_TYPE
+from tests.support.protocol_strategies import HEADER, messages, reader_of
 
 MAX_BODY = MAX_META_BYTES + MAX_MEM_BYTES + MAX_EVENT_BYTES
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -7,7 +7,6 @@ import asyncio
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import MESSAGES, feed_in_chunks, messages, reader_of, vector_script
 
 from common.protocol import (
     HEADER_SIZE,
@@ -26,6 +25,13 @@ from common.protocol import (
 )
 from common.protocol.frame import HEADER
 from common.protocol.messages import BY_TYPE
+from tests.support.protocol_strategies import (
+    MESSAGES,
+    feed_in_chunks,
+    messages,
+    reader_of,
+    vector_script,
+)
 
 
 def test_every_msg_type_has_a_class_and_a_strategy() -> None:

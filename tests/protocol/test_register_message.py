@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from protocol_strategies import raw_frame, region_descriptors
 
 from common.ipc.base import RegionDescriptor, contiguous_strides
 from common.protocol import MsgType, Register, decode, encode
+from tests.support.protocol_strategies import raw_frame, region_descriptors
 
 LAYOUT: dict[str, int | str] = {"num_blocks": 8, "block_size": 16, "dtype": "float16"}
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 import pytest
-from protocol_strategies import vector_script
 
 from common.protocol import Message, MsgType, decode, encode
+from tests.support.protocol_strategies import vector_script
 
 gen = vector_script()
 DOC = gen.DOC.read_text()

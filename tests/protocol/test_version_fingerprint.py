@@ -5,10 +5,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from protocol_strategies import ROOT
 
 from common.protocol import HISTORY, PROTOCOL_VERSION, MsgType, fingerprint
 from common.protocol.version import MAGIC, SUPPORTED_VERSIONS
+from tests.support.protocol_strategies import ROOT
 
 DOC = (ROOT / "docs" / "protocol.md").read_text()
 LAYOUT = {

@@ -5,7 +5,10 @@ processes, CPU pools), driven over a multiprocessing pipe:
   connected as link LINK, with blocks 0..N-3 leased to LINK, block N-2 leased to another link
   and block N-1 free (what a PUSH may name and what it may not). "allocate", "lease", "flush"
   and "end" play one request of an early handoff on block N-1: its forward runs, its KV is
-  written (KV_READY), its first token went to the client, it ended.
+  written (KV_READY), its first token went to the client, it ended. "writes" answers how many
+  WRITEs the producer has posted: the child takes commands and PUSH frames in order, so the
+  answer covers every PUSH sent before it (a WRITE not posted by then was held, or refused with
+  a PUSH_FAILED that comes back first).
 - `serve_decode`: a decode's pool and NixlAgent, the target of a prefill's WRITEs.
 
 `Link` is the decode's end of one link to a `serve` process: a NixlConsumer here, PUSH frames
@@ -53,6 +56,15 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
     pool.tensor.copy_(pattern(layout, seed))
     alloc = BlockAllocator(layout.num_blocks)
     producer = NixlProducer(pool, alloc, transfer=transfer, loop=loop)
+    writes = 0
+    transfer_now = producer.agent.transfer
+
+    def counted(op: str, *args: Any) -> None:
+        nonlocal writes
+        writes += op == "WRITE"
+        transfer_now(op, *args)
+
+    producer.agent.transfer = counted  # type: ignore[method-assign]
     alloc.allocate("mine", layout.num_blocks - 2)
     producer.lease("mine", LINK, float("inf"))
     alloc.allocate("theirs", 1)
@@ -83,6 +95,8 @@ async def _serve(conn: Connection, transfer: str, seed: int, layout: PoolLayout)
             elif cmd == "flush":  # its first token went to the client
                 producer.flush(arg)
                 conn.send(("ok", None))
+            elif cmd == "writes":  # the WRITEs posted so far
+                conn.send(("ok", writes))
             elif cmd == "end":  # it ended: forgotten, its blocks ours again
                 producer.forget(arg)
                 alloc.free(arg)

@@ -1,9 +1,14 @@
-"""A small real checkpoint directory for the daemons: config.json, model.safetensors and a
-tokenizer.json, written without transformers.
+"""Checkpoints written for the tests.
+
+`write_checkpoint`: a small real checkpoint directory for the daemons: config.json,
+model.safetensors and a tokenizer.json, written without transformers.
 
 The weights are the tiny model's (`tiny_weights`, deterministic) under Hugging Face's tensor
 names; the tokenizer is a word-level one over WORDS that puts BOS (`<s>`) first. What the tests
 vary is the context length (`max_position_embeddings`) and the vocabulary sizes.
+
+`save_hf_llama`: a small random LlamaForCausalLM saved by transformers itself, for what loads
+Hugging Face's checkpoints.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import tokenizers
+import torch
 from safetensors.torch import save_file
 
 from common.model import LlamaConfig
@@ -107,3 +114,27 @@ def _hf_tensors(config: LlamaConfig) -> dict:
             p + "mlp.down_proj.weight": layer.down,
         }
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def save_hf_llama(path: Path, *, tie: bool = False, rope: dict | None = None, **kw) -> object:
+    """A small random GQA LlamaForCausalLM saved as safetensors under `path`; returns the model.
+    Skips the test where transformers is not installed."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        initializer_range=0.2,  # wide logits: greedy argmax must not hinge on 1e-7 differences
+        bos_token_id=1,
+        eos_token_id=2,
+        **({"rope_parameters": rope} if rope else {}),
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(path, **kw)
+    return model

@@ -1,4 +1,4 @@
-"""`python -m tests.faults.wrapped_daemon ARGS`: the pdkv CLI with a fault armed from the
+"""`python -m tests.support.wrapped_daemon ARGS`: the pdkv CLI with a fault armed from the
 environment, for faults a test cannot cause from outside the process.
 
 PDKVTEST_NOFILE=N      the process may hold at most N fds (RLIMIT_NOFILE), to reach EMFILE
