@@ -66,6 +66,7 @@ AWAIT_KV_SPIN_S = 0.05
 class DecodeServer(DaemonServer):
     role = "decode"
     in_flight_name = "sequences"
+    peer_name = "link"
 
     def __init__(self, cfg: DecodeConfig, rt: ModelRuntime, stop: lifecycle.StopFlag) -> None:
         super().__init__(cfg, rt, cfg.link_path, stop)

@@ -54,6 +54,7 @@ log = structlog.get_logger(__name__)
 class PrefillServer(DaemonServer):
     role = "prefill"
     in_flight_name = "requests"
+    peer_name = "client"
 
     def __init__(self, cfg: PrefillConfig, rt: ModelRuntime, stop: lifecycle.StopFlag) -> None:
         super().__init__(cfg, rt, cfg.client_path, stop)

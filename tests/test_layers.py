@@ -174,3 +174,23 @@ def test_the_daemons_reach_the_transfer_only_through_its_interface():
             d for d in graph[name] if d.startswith("common.transfer") and d not in TRANSFER_FACE
         }
         assert not inner, f"{name} imports {inner}: use common.transfer's interface and registry"
+
+
+def test_shared_code_has_no_role_branches():
+    """What differs between the daemons lives in each daemon (its config, its warm-up, its
+    server's class attributes): no module of common/ compares a `.role` or `role` to a name."""
+    found = []
+    for path in sorted((ROOT / "common").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            names = {
+                s.attr if isinstance(s, ast.Attribute) else getattr(s, "id", None) for s in sides
+            }
+            literal = any(
+                isinstance(s, ast.Constant) and s.value in ("prefill", "decode") for s in sides
+            )
+            if "role" in names and literal:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert found == []

@@ -40,6 +40,7 @@ FD_HEADROOM = 256
 class DaemonServer:
     role: ClassVar[str]
     in_flight_name: ClassVar[str]  # what in_flight() counts, for the draining log line
+    peer_name: ClassVar[str]  # who connects to the socket, for the accept loop's log lines
 
     def __init__(
         self, cfg: DaemonConfig, rt: ModelRuntime, socket_path: Path, stop: lifecycle.StopFlag
@@ -103,7 +104,7 @@ class DaemonServer:
             self.cfg.uids(),
             self.serve_connection,
             self._tasks,
-            name="client" if self.role == "prefill" else "link",
+            name=self.peer_name,
             max_connections=self.cfg.max_connections,
         )
         self.spawn(accept, f"{self.role}-accept")
