@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import enum
 
-from common.errors import PdkvError
+from common.phases import IllegalEvent, PhaseTable
 
 
 class Phase(enum.Enum):
@@ -127,27 +127,9 @@ _MOVES: dict[Event, dict[Phase, Phase]] = {
 }
 
 
-class IllegalEvent(PdkvError):
-    """An event that cannot happen in the request's phase (a peer's mistake, or a bug here)."""
-
-    def __init__(self, request_id: str, phase: Phase, event: Event) -> None:
-        super().__init__(f"request {request_id}: {event.name} cannot happen in phase {phase.name}")
-        self.request_id = request_id
-        self.phase = phase
-        self.event = event
-
-
-def accepts(phase: Phase, event: Event) -> bool:
-    """True if `event` may happen in `phase`."""
-    return phase in _MOVES[event]
-
-
-def next_phase(request_id: str, phase: Phase, event: Event) -> Phase:
-    """The phase `event` moves a request in `phase` to; IllegalEvent if it cannot happen there."""
-    to = _MOVES[event].get(phase)
-    if to is None:
-        raise IllegalEvent(request_id, phase, event)
-    return to
+_TABLE = PhaseTable(_MOVES)
+accepts = _TABLE.accepts
+next_phase = _TABLE.next_phase
 
 
 __all__ = ["Event", "IllegalEvent", "Phase", "accepts", "next_phase"]
