@@ -130,6 +130,8 @@ _HF_CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
 }
 
+_WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
+
 
 def save_hf_model(
     path: Path, family: str = "llama", *, tie: bool = False, rope: dict | None = None, **kw
@@ -139,7 +141,9 @@ def save_hf_model(
     the rest go to save_pretrained. Skips the test where transformers is not installed."""
     transformers = pytest.importorskip("transformers")
     config_cls, model_cls = (getattr(transformers, n) for n in _HF_CLASSES[family])
-    fields = {k: kw.pop(k) for k in list(kw) if k in ("sliding_window", "use_sliding_window")}
+    # Mistral's default window (4096) would be refused: none unless the test asks for one
+    fields: dict = {"sliding_window": None} if family == "mistral" else {}
+    fields |= {k: kw.pop(k) for k in list(kw) if k in _WINDOW_FIELDS}
     config = config_cls(
         vocab_size=300,
         intermediate_size=96,
@@ -150,7 +154,6 @@ def save_hf_model(
         bos_token_id=1,
         eos_token_id=2,
         **HF_FAMILIES[family],
-        **({"sliding_window": None} if family == "mistral" else {}),
         **fields,
         **({"rope_parameters": rope} if rope else {}),
     )
