@@ -1,4 +1,4 @@
-"""Qwen2 and Qwen3 checkpoints served by the real daemons: greedy tokens equal transformers'.
+"""Qwen2, Qwen3 and Mistral checkpoints served by the real daemons: greedy tokens equal transformers'.
 
 Each family's random checkpoint (saved by transformers, tests/support/checkpoints.py) is served by
 a prefill and a decode daemon on the CPU; two concurrent requests (a batch at the decode, prompts
@@ -33,7 +33,7 @@ def _hf_greedy(hf, prompt: list[int]) -> list[int]:  # type: ignore[no-untyped-d
     return ids[len(prompt) :]
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_greedy_tokens_through_the_daemons_equal_transformers(
     pair_factory: Pair, tmp_path: Path, family: str
 ) -> None:

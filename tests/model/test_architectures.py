@@ -63,7 +63,9 @@ def test_torch_path_equals_transformers(tmp_path: Path, family: str, tie: bool) 
 
 
 @KERNELS
-@pytest.mark.parametrize(("family", "tie"), [("qwen2", True), ("qwen3", False)], ids=str)
+@pytest.mark.parametrize(
+    ("family", "tie"), [("qwen2", True), ("qwen3", False), ("mistral", False)], ids=str
+)
 def test_kernel_path_equals_transformers(tmp_path: Path, family: str, tie: bool) -> None:
     hf = save_hf_model(tmp_path, family, tie=tie)
     model, _ = load_model(tmp_path, allow_byte_tokenizer=True)
