@@ -151,3 +151,38 @@ def test_qwen3_attention_bias_is_refused(tmp_path: Path) -> None:
     raw = json.loads((tmp_path / "config.json").read_text())
     with pytest.raises(ModelError, match=r"attention_bias=true .*Qwen3ForCausalLM"):
         LlamaConfig.from_hf({**raw, "attention_bias": True})
+
+
+# Qwen2.5's config.json as older transformers wrote it: no layer_types, so the switch decides
+QWEN25 = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "use_sliding_window": False,
+    "max_window_layers": 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("changes", "refused"),
+    [
+        ({}, False),
+        ({"use_sliding_window": True}, True),
+        ({"use_sliding_window": True, "max_window_layers": 4}, False),
+    ],
+    ids=["switch-off", "layers-2-3-slide", "no-layer-slides"],
+)
+def test_qwen_window_without_layer_types_follows_the_switch(changes: dict, refused: bool) -> None:
+    raw = {**QWEN25, **changes}
+    if refused:
+        with pytest.raises(ModelError, match="sliding_window=4096, below max_position_embeddings"):
+            LlamaConfig.from_hf(raw)
+    else:
+        config = LlamaConfig.from_hf(raw)
+        assert (config.qkv_bias, config.qk_norm) == (True, False)
