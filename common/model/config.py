@@ -2,9 +2,10 @@
 
 `LlamaConfig.tiny()` is the built-in default (byte vocabulary, deterministic random weights from a
 fixed seed), so the demo and the tests never download anything. `from_hf()` accepts the config.json
-of a `LlamaForCausalLM` checkpoint and refuses, with a ModelError that names the field, every feature
-this implementation does not compute (attention/MLP bias, activations other than SiLU, RoPE variants
-other than default/linear/llama3).
+of a checkpoint of every architecture in `common.model.architectures` (Llama, Mistral, Qwen2,
+Qwen3), sets the switches that architecture declares (`qkv_bias`, `qk_norm`), and refuses, with a
+ModelError that names the field, every feature this implementation does not compute (o/MLP bias,
+activations other than SiLU, RoPE variants other than default/linear/llama3, a sliding window).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 import msgspec
 
 from common.errors import ModelError
+from common.model.architectures import architecture_of, refuse_unsupported
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Byte tokenizer layout of the tiny model: ids 0..255 are bytes, then the specials.
@@ -29,6 +30,9 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     `eos_token_id` is the primary end-of-sequence id; `extra_eos_token_ids` holds the rest when a
     checkpoint lists several (Llama 3 instruct does). `stop_token_ids` is their union.
+    `architecture` is the Hugging Face name the config came from (part of the digest, so two
+    architectures never fingerprint alike); `qkv_bias` adds a bias to the q/k/v projections,
+    `qk_norm` a per-head RMSNorm on q and k before RoPE.
     """
 
     vocab_size: int
@@ -51,6 +55,9 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
     name: str = "llama"
+    architecture: str = "LlamaForCausalLM"
+    qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -99,15 +106,11 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any], *, name: str = "llama") -> LlamaConfig:
-        """Parse a Hugging Face LlamaForCausalLM config.json dict; ModelError on what is unsupported."""
-        archs = raw.get("architectures") or []
-        if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-            raise ModelError(
-                f"config.json architectures is {archs!r}; pdkv implements only "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)} (pick a Llama-family checkpoint)"
-            )
-        _refuse_unsupported(raw)
+        """Parse a Hugging Face config.json dict of a supported architecture; ModelError on what
+        is unsupported."""
+        arch_name, arch = architecture_of(raw)
         try:
+            refuse_unsupported(arch_name, arch, raw)
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             eos = raw.get("eos_token_id")
             eos_list = list(eos) if isinstance(eos, list) else ([] if eos is None else [eos])
@@ -126,6 +129,9 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 eos_token_id=eos_list[0] if eos_list else None,
                 extra_eos_token_ids=tuple(int(e) for e in eos_list[1:]),
                 name=name,
+                architecture=arch_name,
+                qkv_bias=arch.qkv_bias,
+                qk_norm=arch.qk_norm,
                 **_rope_fields(raw),
             )
         except KeyError as exc:
@@ -139,16 +145,6 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Short sha256 of the canonical JSON of this config (16 hex digits)."""
         blob = msgspec.json.encode(self.to_wire(), order="sorted")
         return hashlib.sha256(blob).hexdigest()[:16]
-
-
-def _refuse_unsupported(raw: dict[str, Any]) -> None:
-    if raw.get("attention_bias"):
-        raise ModelError("config.json sets attention_bias=true; pdkv's Llama has no attention bias")
-    if raw.get("mlp_bias"):
-        raise ModelError("config.json sets mlp_bias=true; pdkv's Llama has no MLP bias")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelError(f"config.json hidden_act is {act!r}; pdkv implements only 'silu' (SwiGLU)")
 
 
 def _rope_fields(raw: dict[str, Any]) -> dict[str, Any]:

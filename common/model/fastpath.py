@@ -1,8 +1,10 @@
 """The model's forward passes through the Triton kernels (`common.model.kernels`).
 
 Same arithmetic as `LlamaModel._run_layers` with the torch path's attention, in ten launches a
-layer: RMSNorm fused with the residual add, the qkv matmul, RoPE fused with the KV store, attention
-(paged decode or varlen causal prefill), the o matmul, RMSNorm, gate_up, SiLU·up, down. Nothing here
+layer: RMSNorm fused with the residual add, the qkv matmul (with its bias, Qwen2), RoPE fused with
+the KV store, attention (paged decode or varlen causal prefill), the o matmul, RMSNorm, gate_up,
+SiLU·up, down; a model with `qk_norm` (Qwen3) adds two launches, the per-head RMSNorm of q and k
+in place before RoPE. Nothing here
 synchronizes with the host or depends on host values other than shapes, so a decode forward can be
 captured in a CUDA graph.
 """
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from common.model.kernels.attention import paged_decode_attention
 from common.model.kernels.context_attention import varlen_context_attention
-from common.model.kernels.fused import rms_norm, rope_and_store, silu_mul
+from common.model.kernels.fused import qk_head_norm, rms_norm, rope_and_store, silu_mul
 from common.model.kernels.varlen_attention import varlen_causal_attention
 
 # common.model.llama.LlamaModel, which calls into this module: typed loosely here so that the two
@@ -50,7 +52,9 @@ def _layers(
             x = rms_norm(residual, lw.input_norm, c.rms_norm_eps)
         else:
             x = rms_norm(delta, lw.input_norm, c.rms_norm_eps, residual)
-        qkv = F.linear(x, lw.qkv)
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+        if lw.q_norm is not None:
+            qk_head_norm(qkv, lw.q_norm, lw.k_norm, c.rms_norm_eps, c.num_heads, c.num_kv_heads)
         rope_and_store(qkv, positions, cos, sin, c.num_heads, c.num_kv_heads, kv, index, slots)
         q, k, v = qkv.split([model._q_size, model._kv_size, model._kv_size], -1)
         attn = attend(

@@ -26,7 +26,11 @@ from common.model.paged import context_attention, paged_attention, scatter_kv
 
 @dataclass
 class LayerWeights:
-    """One decoder layer; `qkv` rows are [q heads | k heads | v heads], `gate_up` is [gate | up]."""
+    """One decoder layer; `qkv` rows are [q heads | k heads | v heads], `gate_up` is [gate | up].
+
+    `qkv_bias` is present exactly when the config's `qkv_bias` is set, `q_norm`/`k_norm` exactly
+    when its `qk_norm` is (None otherwise).
+    """
 
     input_norm: torch.Tensor  # [hidden]
     qkv: torch.Tensor  # [(Hq + 2*Hkv) * D, hidden]
@@ -34,6 +38,9 @@ class LayerWeights:
     post_norm: torch.Tensor  # [hidden]
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2*Hkv) * D]
+    q_norm: torch.Tensor | None = None  # [D], one RMSNorm shared by every q head
+    k_norm: torch.Tensor | None = None  # [D], one RMSNorm shared by every k head
 
 
 @dataclass
@@ -279,9 +286,13 @@ class LlamaModel:
         n = tokens.numel()
         for index, lw in enumerate(self.weights.layers):
             x = rms_norm(h, lw.input_norm, c.rms_norm_eps)
-            q, k, v = F.linear(x, lw.qkv).split([self._q_size, self._kv_size, self._kv_size], -1)
-            q = self._apply_rope(q.view(n, c.num_heads, c.head_dim), cos, sin)
-            k = self._apply_rope(k.view(n, c.num_kv_heads, c.head_dim), cos, sin)
+            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], -1)
+            q, k = q.view(n, c.num_heads, c.head_dim), k.view(n, c.num_kv_heads, c.head_dim)
+            if lw.q_norm is not None:  # Qwen3: RMSNorm of each head before RoPE
+                q = rms_norm(q, lw.q_norm, c.rms_norm_eps)
+                k = rms_norm(k, lw.k_norm, c.rms_norm_eps)
+            q, k = self._apply_rope(q, cos, sin), self._apply_rope(k, cos, sin)
             v = v.reshape(n, c.num_kv_heads, c.head_dim)
             h = h + F.linear(attend(q, k, v, index).reshape(n, self._q_size), lw.o)
             x = rms_norm(h, lw.post_norm, c.rms_norm_eps)

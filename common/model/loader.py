@@ -1,4 +1,5 @@
-"""load_model: the built-in tiny model, or a Hugging Face LlamaForCausalLM safetensors checkpoint.
+"""load_model: the built-in tiny model, or a Hugging Face safetensors checkpoint of an architecture in
+`common.model.architectures` (Llama, Mistral, Qwen2, Qwen3).
 
 The tiny model's weights are a pure function of (config, seed), drawn on the CPU in fp32 and then
 moved, so every process and every device builds the same model without a download. Its lm_head is
@@ -64,7 +65,7 @@ def load_model(
 ) -> tuple[LlamaModel, Tokenizer]:
     """(model, tokenizer) for `model_dir`, or the tiny built-in model (seeded by `seed`) for None.
 
-    A checkpoint directory needs config.json (architectures LlamaForCausalLM), *.safetensors
+    A checkpoint directory needs config.json (a supported architecture), *.safetensors
     (one file or shards) and tokenizer.json; without tokenizer.json it loads only with
     `allow_byte_tokenizer` (then the byte tokenizer, whose text is garbage for a real model).
     Raises ModelError for anything missing, unreadable or unsupported, naming it.
@@ -112,15 +113,20 @@ def tiny_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
     def normal(rows: int, cols: int, std: float) -> torch.Tensor:
         return torch.randn(rows, cols, generator=g) * std
 
-    h, i = c.hidden_size, c.intermediate_size
+    h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
+    qkv_rows = (c.num_heads + 2 * c.num_kv_heads) * d
     layers = [
         LayerWeights(
             input_norm=torch.ones(h),
-            qkv=normal((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, h, h**-0.5),
-            o=normal(h, c.num_heads * c.head_dim, (c.num_heads * c.head_dim) ** -0.5),
+            qkv=normal(qkv_rows, h, h**-0.5),
+            o=normal(h, c.num_heads * d, (c.num_heads * d) ** -0.5),
             post_norm=torch.ones(h),
             gate_up=normal(2 * i, h, h**-0.5),
             down=normal(h, i, i**-0.5),
+            # drawn after the rest, so a config without them keeps the weights it always had
+            qkv_bias=normal(1, qkv_rows, 0.1)[0] if c.qkv_bias else None,
+            q_norm=1 + normal(1, d, 0.1)[0] if c.qk_norm else None,
+            k_norm=1 + normal(1, d, 0.1)[0] if c.qk_norm else None,
         )
         for _ in range(c.num_layers)
     ]
@@ -142,7 +148,8 @@ def read_config(model_dir: Path) -> LlamaConfig:
 
 
 def _hf_names(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> expected shape for a LlamaForCausalLM checkpoint of `config`."""
+    """Tensor name -> expected shape for a checkpoint of `config` (Hugging Face's Llama names, plus
+    the q/k/v biases when `qkv_bias`, the per-head q/k norms when `qk_norm`)."""
     c = config
     h, i, d = c.hidden_size, c.intermediate_size, c.head_dim
     names: dict[str, tuple[int, ...]] = {
@@ -163,6 +170,14 @@ def _hf_names(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
             p + "mlp.up_proj.weight": (i, h),
             p + "mlp.down_proj.weight": (h, i),
         }
+        if c.qkv_bias:
+            names |= {
+                p + "self_attn.q_proj.bias": (c.num_heads * d,),
+                p + "self_attn.k_proj.bias": (c.num_kv_heads * d,),
+                p + "self_attn.v_proj.bias": (c.num_kv_heads * d,),
+            }
+        if c.qk_norm:
+            names |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
     return names
 
 
@@ -222,6 +237,7 @@ def _assemble(config: LlamaConfig, t: dict[str, torch.Tensor]) -> LlamaWeights:
         p = f"model.layers.{n}."
         qkv = [t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
         gate_up = [t.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
+        bias = [t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if config.qkv_bias else None
         layers.append(
             LayerWeights(
                 input_norm=t[p + "input_layernorm.weight"],
@@ -230,6 +246,9 @@ def _assemble(config: LlamaConfig, t: dict[str, torch.Tensor]) -> LlamaWeights:
                 post_norm=t[p + "post_attention_layernorm.weight"],
                 gate_up=torch.cat(gate_up, dim=0),
                 down=t[p + "mlp.down_proj.weight"],
+                qkv_bias=torch.cat(bias) if bias else None,
+                q_norm=t.get(p + "self_attn.q_norm.weight"),
+                k_norm=t.get(p + "self_attn.k_norm.weight"),
             )
         )
     return LlamaWeights(
@@ -241,8 +260,8 @@ def _assemble(config: LlamaConfig, t: dict[str, torch.Tensor]) -> LlamaWeights:
 
 
 def _cast(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
-    def mv(x: torch.Tensor) -> torch.Tensor:
-        return x.to(device=device, dtype=dtype)
+    def mv(x: torch.Tensor | None) -> torch.Tensor | None:
+        return None if x is None else x.to(device=device, dtype=dtype)
 
     embed = mv(w.embed)
     layers = [

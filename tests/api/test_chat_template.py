@@ -131,3 +131,51 @@ def test_named_templates_and_jinja_file(tmp_path: Path) -> None:
     assert ChatTemplate.for_model(tmp_path).render(MESSAGES) == "D"
     (tmp_path / "chat_template.jinja").write_text("{{ messages | length }}")
     assert ChatTemplate.for_model(tmp_path).render(MESSAGES) == "4"
+
+
+# Qwen2.5's ChatML template (its tools branch cut to a refusal): a default system message when the
+# conversation has none, no BOS, <|im_end|> closing each turn.
+QWEN_CHATML = (
+    "{%- if tools %}{{ raise_exception('no tools here') }}{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+    "assistant.<|im_end|>\\n' }}"
+    "{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_qwen_chatml_template_with_a_default_system_renders_as_transformers(
+    tmp_path: Path,
+) -> None:
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words = ["system", "user", "assistant", "You", "are", "Qwen", "hello", "Bonjour", "<unk>"]
+    vocab = {t: i for i, t in enumerate([*specials, *words])}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(specials)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    config = {
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "chat_template": QWEN_CHATML,
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for messages in (MESSAGES, MESSAGES[1:3]):
+        theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ChatTemplate.for_model(tmp_path).render(messages) == theirs
+        prompt, ids = ChatTemplate.for_model(tmp_path).prompt(messages)
+        assert prompt is None
+        assert ids == hf_chat_ids(hf, messages)
+    assert theirs.startswith("<|im_start|>system\nYou are Qwen")  # the default system message
+    assert ids.count(vocab["<|im_start|>"]) == 4 and ids[-1] != vocab["<|im_end|>"]

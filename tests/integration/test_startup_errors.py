@@ -11,7 +11,7 @@ import pytest
 
 from common.daemon.runtime import ModelRuntime
 from decode_server.config import DecodeConfig
-from tests.support.checkpoints import save_hf_llama
+from tests.support.checkpoints import save_hf_llama, save_hf_model
 
 
 def _start(runtime: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -36,8 +36,19 @@ def _corrupt_checkpoint(path: Path) -> Path:
         (["--dtype", "foo"], "'foo' is not one pdkv's model runs in"),
         (["--model", "CORRUPT"], "cannot read"),
         (["--model", "NO_TOKENIZER"], "--allow-byte-tokenizer"),
+        (["--model", "WINDOW"], "sliding_window=16, below max_position_embeddings=256"),
+        (["--model", "GEMMA"], "architectures is ['GemmaForCausalLM']; pdkv implements only"),
     ],
-    ids=["device-gpu", "device-cuda", "dtype-int8", "dtype-foo", "corrupt-model", "no-tokenizer"],
+    ids=[
+        "device-gpu",
+        "device-cuda",
+        "dtype-int8",
+        "dtype-foo",
+        "corrupt-model",
+        "no-tokenizer",
+        "sliding-window",
+        "unknown-architecture",
+    ],
 )
 def test_bad_setting_exits_3_with_one_clear_line(
     runtime_dir: Path, tmp_path: Path, args: list[str], says: str
@@ -47,6 +58,14 @@ def test_bad_setting_exits_3_with_one_clear_line(
     elif "NO_TOKENIZER" in args:
         save_hf_llama(tmp_path / "bare")
         args = ["--model", str(tmp_path / "bare"), "--device", "cpu"]
+    elif "WINDOW" in args:
+        save_hf_model(tmp_path / "mistral", "mistral", sliding_window=16)
+        args = ["--model", str(tmp_path / "mistral"), "--device", "cpu", "--allow-byte-tokenizer"]
+    elif "GEMMA" in args:
+        save_hf_llama(tmp_path / "gemma")
+        config = tmp_path / "gemma" / "config.json"
+        config.write_text(config.read_text().replace("LlamaForCausalLM", "GemmaForCausalLM"))
+        args = ["--model", str(tmp_path / "gemma"), "--device", "cpu", "--allow-byte-tokenizer"]
     elif "--dtype" in args:
         args = [*args, "--device", "cpu"]
     proc = _start(runtime_dir, *args)

@@ -98,7 +98,7 @@ def _edit_config(path: Path, **changes) -> None:
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"architectures": ["MistralForCausalLM"]}, "MistralForCausalLM"),
+        ({"architectures": ["GemmaForCausalLM"]}, r"GemmaForCausalLM.*only LlamaForCausalLM"),
         ({"attention_bias": True}, "attention_bias"),
         ({"hidden_act": "gelu"}, "gelu"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "yarn"),

@@ -195,9 +195,33 @@ def test_varlen_causal_matches_per_sequence_sdpa(dtype, hq: int, hkv: int, d: in
         assert _rel(out[a:b], ref) < TOL[dtype]
 
 
-def test_kernel_forward_matches_torch_path() -> None:
+# the tiny model as it is, and with Qwen2's q/k/v bias and Qwen3's per-head q/k norm switched on
+SWITCHES = [{}, {"qkv_bias": True, "qk_norm": True}]
+SWITCH_IDS = ["llama", "bias-qknorm"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_head_norm_matches_torch(dtype) -> None:
+    from common.model.kernels.fused import qk_head_norm
+
+    gen = torch.Generator().manual_seed(4)
+    hq, hkv, d = 6, 2, 32
+    qkv = torch.randn((5, (hq + 2 * hkv) * d), generator=gen).to(DEVICE, dtype) * 3
+    qw, kw = (torch.rand(d, generator=gen).to(DEVICE, dtype) + 0.5 for _ in range(2))
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+    want_q = rms_norm(q.reshape(5, hq, d), qw, 1e-6).reshape(5, -1)
+    want_k = rms_norm(k.reshape(5, hkv, d), kw, 1e-6).reshape(5, -1)
+    v_before = v.clone()
+    qk_head_norm(qkv, qw, kw, 1e-6, hq, hkv)
+    assert _rel(q, want_q) < TOL[dtype] / 4
+    assert _rel(k, want_k) < TOL[dtype] / 4
+    assert torch.equal(v, v_before)
+
+
+@pytest.mark.parametrize("switches", SWITCHES, ids=SWITCH_IDS)
+def test_kernel_forward_matches_torch_path(switches: dict) -> None:
     """The tiny model's decode and varlen prefill through the kernels equal the torch path's."""
-    model = tiny_model(device=DEVICE, dtype=torch.float32)
+    model = tiny_model(LlamaConfig.tiny(**switches), device=DEVICE, dtype=torch.float32)
     assert model.use_kernels
     gen = torch.Generator().manual_seed(11)
     lengths = (9, 40, 17)
@@ -247,10 +271,11 @@ def test_varlen_context_matches_torch_context_attention(
         assert not out[a:b].isnan().any()
 
 
-def test_kernel_context_prefill_matches_torch_path() -> None:
+@pytest.mark.parametrize("switches", SWITCHES, ids=SWITCH_IDS)
+def test_kernel_context_prefill_matches_torch_path(switches: dict) -> None:
     """The model's prefill over a cached context (and in chunks) through the kernels equals the
     torch path's, logits and the K/V it writes."""
-    model = tiny_model(device=DEVICE, dtype=torch.float32)
+    model = tiny_model(LlamaConfig.tiny(**switches), device=DEVICE, dtype=torch.float32)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 256, (n,), generator=gen) for n in (40, 23, 70)]
     starts = [32, 0, 17]

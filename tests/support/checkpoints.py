@@ -7,8 +7,8 @@ The weights are the tiny model's (`tiny_weights`, deterministic) under Hugging F
 names; the tokenizer is a word-level one over WORDS that puts BOS (`<s>`) first. What the tests
 vary is the context length (`max_position_embeddings`) and the vocabulary sizes.
 
-`save_hf_llama`: a small random LlamaForCausalLM saved by transformers itself, for what loads
-Hugging Face's checkpoints.
+`save_hf_model`: a small random checkpoint of one architecture (llama, mistral, qwen2, qwen3) saved
+by transformers itself, for what loads Hugging Face's checkpoints; `save_hf_llama` is its Llama.
 """
 
 from __future__ import annotations
@@ -116,25 +116,59 @@ def _hf_tensors(config: LlamaConfig) -> dict:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def save_hf_llama(path: Path, *, tie: bool = False, rope: dict | None = None, **kw) -> object:
-    """A small random GQA LlamaForCausalLM saved as safetensors under `path`; returns the model.
-    Skips the test where transformers is not installed."""
+# Each family's shape: odd on purpose (GQA 3:1 or 2:1; Qwen3's head_dim is not hidden/heads).
+HF_FAMILIES: dict[str, dict] = {
+    "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2),
+    "mistral": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16),
+    "qwen2": dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=2),
+    "qwen3": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=32),
+}
+_HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+_WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
+
+
+def save_hf_model(
+    path: Path, family: str = "llama", *, tie: bool = False, rope: dict | None = None, **kw
+) -> object:
+    """A small random fp32 `family` model (a key of HF_FAMILIES) saved as safetensors under
+    `path`; returns the model. Keywords that name a config field set it (e.g. sliding_window);
+    the rest go to save_pretrained. Skips the test where transformers is not installed."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    config_cls, model_cls = (getattr(transformers, n) for n in _HF_CLASSES[family])
+    # Mistral's default window (4096) would be refused: none unless the test asks for one
+    fields: dict = {"sliding_window": None} if family == "mistral" else {}
+    fields |= {k: kw.pop(k) for k in list(kw) if k in _WINDOW_FIELDS}
+    config = config_cls(
         vocab_size=300,
-        hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         tie_word_embeddings=tie,
         initializer_range=0.2,  # wide logits: greedy argmax must not hinge on 1e-7 differences
         bos_token_id=1,
         eos_token_id=2,
+        **HF_FAMILIES[family],
+        **fields,
         **({"rope_parameters": rope} if rope else {}),
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
+    if family in ("qwen2", "qwen3"):  # transformers starts biases at 0 and norms at 1: move them
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("proj.bias", "q_norm.weight", "k_norm.weight")):
+                    p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path, **kw)
     return model
+
+
+def save_hf_llama(path: Path, *, tie: bool = False, rope: dict | None = None, **kw) -> object:
+    """A small random GQA LlamaForCausalLM saved as safetensors under `path`; returns the model.
+    Skips the test where transformers is not installed."""
+    return save_hf_model(path, "llama", tie=tie, rope=rope, **kw)

@@ -1,7 +1,7 @@
 """Triton kernels of the fast path: paged-decode attention (attention.py), varlen causal prefill
 attention (varlen_attention.py) and its paged-context form (context_attention.py, launching
-context_kernels.py), the fused RoPE + KV store by slot mapping, RMSNorm with the residual add, and
-SiLU·up (fused.py).
+context_kernels.py), the fused RoPE + KV store by slot mapping, RMSNorm with the residual add, the
+per-head RMSNorm of q and k, and SiLU·up (fused.py).
 
 Every kernel computes what a function of the torch path computes (`common.model.llama`,
 `common.model.paged`), which stays the reference; tests compare the two on random inputs. Triton

@@ -1,5 +1,5 @@
-"""Fused elementwise kernels: RoPE + KV store by slot mapping, RMSNorm (with the residual add), and
-SiLU(gate)·up. Each rounds where the torch path rounds (fp32 inside, the model's dtype at the
+"""Fused elementwise kernels: RoPE + KV store by slot mapping, RMSNorm (with the residual add), the
+per-head RMSNorm of q and k (Qwen3), and SiLU(gate)·up. Each rounds where the torch path rounds (fp32 inside, the model's dtype at the
 points where `common.model.llama` casts), so only the order of a reduction differs.
 """
 
@@ -177,6 +177,48 @@ def rms_norm(
         num_warps=4 if hidden <= 4096 else 8,
     )
     return out
+
+
+@triton.jit
+def _head_rms_norm(
+    qkv_ptr, w_ptr, eps, stride_qkv, first, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr
+):
+    tok = tl.program_id(0).to(tl.int64)
+    head = first + tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HEAD_DIM
+    ptr = qkv_ptr + tok * stride_qkv + head * HEAD_DIM + offs
+    dtype = qkv_ptr.dtype.element_ty
+    xf = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / HEAD_DIM + eps)
+    y = (xf * rstd).to(dtype)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    tl.store(ptr, (w.to(tl.float32) * y.to(tl.float32)).to(dtype), mask=mask)
+
+
+def qk_head_norm(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """`llama.rms_norm` of each q head (weight `q_weight` [D]) and each k head (`k_weight`) of
+    `qkv` [N, (Hq + 2*Hkv) * D], in place; v is left alone. Rows may be strided, heads not."""
+    n = qkv.shape[0]
+    d = q_weight.shape[0]
+    for first, heads, weight in ((0, num_heads, q_weight), (num_heads, num_kv_heads, k_weight)):
+        _head_rms_norm[(n, heads)](
+            qkv,
+            weight,
+            eps,
+            qkv.stride(0),
+            first,
+            HEAD_DIM=d,
+            BLOCK=triton.next_power_of_2(d),
+            num_warps=1 if d <= 256 else 4,
+        )
 
 
 @triton.jit
