@@ -1,13 +1,19 @@
-"""pdkv's engine against HF transformers at TinyLlama-1.1B's shape, one GPU, one run.
+"""pdkv's engine against HF transformers at a model's shape, one GPU, one run.
 
-Builds a random-weight LlamaForCausalLM of that shape with transformers (on the GPU, bf16, nothing
-downloaded), saves it with `save_pretrained`, loads it with pdkv's loader, then measures both:
+Builds a random-weight checkpoint of that shape with transformers (on the GPU, bf16, nothing
+downloaded; `--shape`: TinyLlama-1.1B's by default, or Llama-3-8B's or Qwen3-8B's), saves it with
+`save_pretrained`, loads it with pdkv's loader, then measures both:
 TTFT of a 2048-token prompt; 16 × 512-token prompts prefilled together; the decode step at batch 1,
 16 and 64 (context 512); 16 × (512 prompt + 128 new) greedy; nano-vllm's shape (256 sequences,
 prompt and output lengths random in 100–1024, seed 0) in output tokens/s; and the weight-bandwidth
 floor of a step. Prints a JSON line per figure and writes them all to --out.
 
     python3 bench/engine.py --out results.json [--profile profile.txt]
+    python3 bench/engine.py --shape qwen3-8b --out qwen3.json   # 64 rows, no HF side by default
+
+At the 8B shapes the pool holds 64 rows (--rows; 2 GiB of KV a row at 2,048 tokens would not fit
+256 beside the weights), so nano-vllm's 256-sequence burst is skipped, and the HF side (a second
+copy of the weights) only runs with --hf.
 """
 
 from __future__ import annotations
@@ -28,15 +34,53 @@ from common.model import load_model, slots_for
 from common.model.prefill import prefill_many
 from common.model.runner import DecodeRunner
 
-SHAPE = {
-    "vocab_size": 32000,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 22,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 2048,
+#: name -> (transformers config class, model class, config fields)
+SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "tinyllama-1.1b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 22,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 4,
+            "max_position_embeddings": 2048,
+        },
+    ),
+    "llama3-8b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "max_position_embeddings": 8192,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "qwen3-8b": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        {
+            "vocab_size": 151936,
+            "hidden_size": 4096,
+            "intermediate_size": 12288,
+            "num_hidden_layers": 36,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "max_position_embeddings": 8192,
+            "rope_theta": 1000000.0,
+            "tie_word_embeddings": False,
+        },
+    ),
 }
+SHAPE = dict(SHAPES["tinyllama-1.1b"][2])  # the shape measured: main() sets it from --shape
 BLOCK = 16
 MAX_BLOCKS = 2048 // BLOCK
 RESULTS: dict[str, float] = {}
@@ -61,13 +105,14 @@ def timed(fn: Callable[[], object], reps: int, warm: int = 2) -> float:
     return statistics.median(times)
 
 
-def build_checkpoint(path: Path):
+def build_checkpoint(path: Path, shape: str = "tinyllama-1.1b"):
     import transformers
 
-    config = transformers.LlamaConfig(**SHAPE, bos_token_id=1, eos_token_id=2)
+    config_cls, model_cls, fields = SHAPES[shape]
+    config = getattr(transformers, config_cls)(**fields, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device("cuda:0"):
-        hf = transformers.LlamaForCausalLM(config)
+        hf = getattr(transformers, model_cls)(config)
     hf = hf.to(torch.bfloat16).eval()
     hf.save_pretrained(path)
     return hf
@@ -126,10 +171,10 @@ def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def bench_prefill(pd: Pdkv, hf) -> None:
     prompt = random_prompts(1, 2048, 1)
     report("pdkv TTFT 2048", timed(lambda: pd.prefill(prompt), 10), "ms")
-    ids = torch.tensor(prompt, device="cuda")
-    report(
-        "HF TTFT 2048", timed(lambda: hf(ids, logits_to_keep=1).logits.argmax(-1).item(), 10), "ms"
-    )
+    if hf is not None:
+        ids = torch.tensor(prompt, device="cuda")
+        hf_ms = timed(lambda: hf(ids, logits_to_keep=1).logits.argmax(-1).item(), 10)
+        report("HF TTFT 2048", hf_ms, "ms")
     many = random_prompts(16, 512, 2)
     report("pdkv 16x512 prefill together", timed(lambda: pd.prefill(many), 10), "ms")
     same_total = random_prompts(16, 128, 2)
@@ -180,24 +225,29 @@ def eager_step_ms(pd: Pdkv, b: int, kernels: bool) -> float:
 def bench_steps(pd: Pdkv, hf) -> None:
     for b in (1, 16, 64):
         report(f"pdkv decode step b={b} ctx~512", pdkv_step_ms(pd, b), "ms")
-        report(f"HF decode step b={b} ctx~512", hf_step_ms(hf, b), "ms")
+        if hf is not None:
+            report(f"HF decode step b={b} ctx~512", hf_step_ms(hf, b), "ms")
     report("pdkv decode step b=16, kernels without graphs", eager_step_ms(pd, 16, True), "ms")
     report("pdkv decode step b=16, torch path (before)", eager_step_ms(pd, 16, False), "ms")
 
 
-def bench_throughput(pd: Pdkv, hf) -> None:
+def bench_throughput(pd: Pdkv, hf, rows: int) -> None:
     prompts = random_prompts(16, 512, 4)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     n = pd.generate(prompts, [128] * 16)
     report("pdkv 16x(512+128) greedy", n / (time.perf_counter() - t0), "tok/s")
-    ids = torch.tensor(prompts, device="cuda")
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = hf.generate(ids, do_sample=False, max_new_tokens=128, min_new_tokens=128, pad_token_id=0)
-    torch.cuda.synchronize()
-    n_hf = (out.shape[1] - 512) * out.shape[0]
-    report("HF 16x(512+128) greedy", n_hf / (time.perf_counter() - t0), "tok/s")
+    if hf is not None:
+        ids = torch.tensor(prompts, device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        gen = dict(do_sample=False, max_new_tokens=128, min_new_tokens=128, pad_token_id=0)
+        out = hf.generate(ids, **gen)
+        torch.cuda.synchronize()
+        n_hf = (out.shape[1] - 512) * out.shape[0]
+        report("HF 16x(512+128) greedy", n_hf / (time.perf_counter() - t0), "tok/s")
+    if rows < 256:  # nano-vllm's burst needs a row a sequence
+        return
 
     rng = random.Random(0)
     lens = [(rng.randint(100, 1024), rng.randint(100, 1024)) for _ in range(256)]
@@ -272,20 +322,37 @@ def main() -> None:
         metavar="DIR",
         help="write the random checkpoint here and keep it (e.g. for bench/serve.py --model DIR)",
     )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
+    ap.add_argument("--rows", type=int, default=None, help="pool rows (default 256, 64 at 8B)")
+    ap.add_argument(
+        "--hf",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure HF transformers too (default: at the 1.1B shape only)",
+    )
     args = ap.parse_args()
+    small = args.shape == "tinyllama-1.1b"
+    rows = args.rows or (256 if small else 64)
+    with_hf = small if args.hf is None else args.hf
+    SHAPE.clear()
+    SHAPE.update(SHAPES[args.shape][2])
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         ckpt = args.save_checkpoint or Path(tmp)
         t0 = time.perf_counter()
-        hf = build_checkpoint(ckpt)
+        hf = build_checkpoint(ckpt, args.shape)
         report("build + save checkpoint", time.perf_counter() - t0, "s")
-        pd = Pdkv(ckpt, 256)
+        if not with_hf:
+            del hf  # its weights leave the GPU before pdkv loads its own
+            hf = None
+            torch.cuda.empty_cache()
+        pd = Pdkv(ckpt, rows)
         bench_floor(pd)
         bench_prefill(pd, hf)
         bench_steps(pd, hf)
-        bench_throughput(pd, hf)
+        bench_throughput(pd, hf, rows)
         if args.profile:
             profile(pd, args.profile)
-    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    meta = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": args.shape}
     args.out.write_text(json.dumps({"meta": meta, "results": RESULTS}, indent=1))
 
 

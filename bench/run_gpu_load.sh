@@ -31,6 +31,8 @@
 #           CPU per output token and busiest process's share of a core the bench prints (is one
 #           API process enough at the pair's ~44k tokens/s?), once per --workers in $API_WORKERS
 #           (default "1 4")
+#   shapes  (not in the default STEPS) bench/engine.py at the 8B shapes, one process, no HF side:
+#           --shape llama3-8b, then qwen3-8b ($SHAPES), 64 rows each (issue 41)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -62,6 +64,14 @@ if want tests; then
     tests/model/test_kernels.py tests/gpu/test_prefill_graphs_gpu.py} 2>&1 \
     | tail -40 | tee -a "$log" > "$R/tests.log"
   pack
+fi
+if want shapes; then
+  for s in ${SHAPES:-llama3-8b qwen3-8b}; do
+    step "shapes $s"
+    timeout 420 "$PY" bench/engine.py --shape "$s" --out "$R/engine_$s.json" 2>&1 | tail -30 \
+      | tee -a "$log"
+    pack
+  done
 fi
 if want engine; then
   step engine
