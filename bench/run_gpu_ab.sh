@@ -5,6 +5,7 @@
 # tree installed editable in turn (its extension built by its own CMake). The local engine runs
 # once, with this checkout. JSON per run under $OUT (default ./gpu-results), the tables in
 # $OUT/ab.log (REQUESTS per run, default 16); `bench/ab_summary.py $OUT/ab_*.json` prints the 2nd token and the decode's stages.
+# CASE=nano runs nano-vllm's burst instead (256 sequences, `bench/serve.py --nano`; no local run).
 #   bench/run_gpu_ab.sh OLD_DIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,14 +25,15 @@ install() {  # $1: tree
 }
 long() {  # $1: tree, $2: tag, $3: target
   echo "== $2 ($3)" | tee -a "$log"
-  (cd "$1" && timeout 150 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 --num-blocks 4096 \
-    --requests "${REQUESTS:-16}" --rate 2 --prompt-len 2000:2000 --output-len 8:8 --target "$3" --progress 30 \
-    --json "$OUT/ab_$2.json") 2>&1 | tee -a "$log"
+  local work=(--num-blocks 4096 --requests "${REQUESTS:-16}" --rate 2 --prompt-len 2000:2000 --output-len 8:8)
+  [ "${CASE:-long}" = nano ] && work=(--nano)
+  (cd "$1" && timeout 170 "$PY" bench/serve.py --model "$CKPT" --device cuda:0 "${work[@]}" \
+    --target "$3" --progress 30 --json "$OUT/ab_$2.json") 2>&1 | tee -a "$log"
 }
 status=0
 for i in $(seq 1 "${ROUNDS:-2}"); do
   install "$ROOT" || status=1
-  if [ "$i" = 1 ]; then long "$ROOT" local local || status=1; fi
+  if [ "$i" = 1 ] && [ "${CASE:-long}" != nano ]; then long "$ROOT" local local || status=1; fi
   long "$ROOT" "new$i" daemons || status=1
   install "$OLD" || status=1
   long "$OLD" "old$i" daemons || status=1
