@@ -131,12 +131,12 @@ class SequenceTable:
         elif seq.phase is Phase.DECODING:  # joined inside `start`: the copy is done (CPU)
             seq.marks.stamp("usable", enqueued)
         elif seq.phase is Phase.PULLING and ready is not AFTER_DONE and not seq.finish_reason:
-            self._move(seq, Event.JOIN)
             self._join(seq, ready)
 
     def _join(self, seq: Sequence, ready: Any) -> None:
-        """Into the batch at the next step; `ready`: what its first step waits on."""
-        if seq.phase is Phase.PULLED:
+        """Into the batch at the next step (JOIN, unless it started in it: FIRST_PENDING);
+        `ready`: what its first step waits on."""
+        if seq.phase not in FIRST_DUE:
             self._move(seq, Event.JOIN)
         seq.ready = ready
         joined = seq.marks.stamp("joined")
