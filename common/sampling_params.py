@@ -29,6 +29,34 @@ MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
 #: presence_penalty and frequency_penalty lie in [-MAX_PENALTY, MAX_PENALTY] (OpenAI's range).
 MAX_PENALTY = 2.0
+#: What a request's `structured` constraint may be (issue 42): JSON (any object), JSON under a
+#: schema, a regular expression, one of a list of strings, or a grammar.
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+#: Longest `structured.spec` one request may send (a schema, pattern, choice list or grammar).
+MAX_STRUCTURED_SPEC = 256 * 1024
+
+
+class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A constraint on the generated text, enforced where tokens are chosen.
+
+    `kind` is one of STRUCTURED_KINDS; `spec` is its text: the JSON schema (json_schema), the
+    pattern (regex), a JSON array of strings (choice), the grammar (grammar); "" for json_object.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def validate(self) -> StructuredOutput:
+        """Return self when the kind is known and the spec bounded; SamplingParamsError if not."""
+        if self.kind not in STRUCTURED_KINDS:
+            raise SamplingParamsError(
+                f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}"
+            )
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_STRUCTURED_SPEC:
+            raise SamplingParamsError(
+                f"structured.spec must be a string of at most {MAX_STRUCTURED_SPEC} characters"
+            )
+        return self
 
 
 class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -66,6 +94,7 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    structured: StructuredOutput | None = None
 
     @property
     def penalized(self) -> bool:
@@ -135,6 +164,8 @@ class SamplingParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SamplingParamsError(
                 f"stop_token_ids must be at most {MAX_STOP_TOKEN_IDS} integers >= 0, got {ids!r}"
             )
+        if self.structured is not None:
+            self.structured.validate()
 
     def with_seed(self) -> SamplingParams:
         """These parameters with a random seed filled in when sampling is random and none was given."""

@@ -9,7 +9,7 @@ from typing import Any
 MAGIC = b"PDKV"
 
 #: The version this build speaks. A peer with another version is refused at HELLO.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 #: Every version ever shipped and what it changed. Append, never edit.
 HISTORY: dict[int, str] = {
@@ -47,6 +47,9 @@ HISTORY: dict[int, str] = {
     "event slot, in the prefill pool's block that REGISTER's new `mailbox_block` names, so the "
     "decode may queue its pull and first step behind the slot before KV_READY; an ABORT after "
     "KV_LAUNCHED is answered as after KV_READY",
+    13: "structured output: SamplingParams (GENERATE, HANDOFF) has `structured` ({kind, spec}: "
+    "json_object, json_schema, regex, choice or grammar), the constraint the prefill's first "
+    "token and the decode's steps are chosen under",
 }
 
 SUPPORTED_VERSIONS = frozenset({PROTOCOL_VERSION})
