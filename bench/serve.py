@@ -112,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep", type=_rates, help="comma-separated rates, e.g. 1,2,4,8 (not --rate)")
     ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
     ap.add_argument("--output-len", type=load.parse_range, default=(8, 64), metavar="MIN:MAX")
+    ap.add_argument(
+        "--workload",
+        type=_workload,
+        metavar="INxOUT",
+        help="fixed lengths, e.g. 2048x512 or 8192x512 (the 8B-class figures people compare): "
+        "--prompt-len IN:IN and --output-len OUT:OUT",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--shared-prefix",
@@ -203,6 +210,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_batch = NANO_REQUESTS
         need = NANO_REQUESTS * -(-2 * NANO_LEN[1] // args.block_size)
         args.num_blocks = max(args.num_blocks, need)
+    if args.workload:
+        if args.nano:
+            ap.error("--workload and --nano each set the lengths: give one")
+        args.prompt_len, args.output_len = ((n, n) for n in args.workload)
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests must be >= 1 and --rate > 0")
     if args.shared_prefix < 0 or args.turns < 1:
@@ -211,6 +222,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("goodput needs both --slo-ttft-ms and --slo-itl-ms")
     args.rates = args.sweep or [args.rate]
     return args
+
+
+def _workload(text: str) -> tuple[int, int]:
+    """'2048x512' -> (2048, 512): a prompt and an output length, each >= 1."""
+    prompt, sep, output = text.lower().partition("x")
+    if not sep or not prompt.isdigit() or not output.isdigit() or min(int(prompt), int(output)) < 1:
+        raise argparse.ArgumentTypeError(f"workload {text!r} must be INxOUT, e.g. 2048x512")
+    return int(prompt), int(output)
 
 
 def _rates(text: str) -> list[float]:

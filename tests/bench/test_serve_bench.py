@@ -169,6 +169,16 @@ def test_nano_is_nano_vllms_shape_and_sizes_the_pool_for_it() -> None:
         serve.parse_args(["--nano", "--sweep", "1,2"])
 
 
+def test_workload_sets_fixed_lengths() -> None:
+    import serve
+
+    args = serve.parse_args(["--workload", "2048x512", "--rate", "2"])
+    assert (args.prompt_len, args.output_len, args.rates) == ((2048, 2048), (512, 512), [2.0])
+    for bad in (["--workload", "2048"], ["--workload", "0x5"], ["--workload", "1x1", "--nano"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
+
+
 def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
     """Target cache: one workload of conversations behind a shared prefix on a pair with the
     prefix cache and one without; the same tokens from both, and every later turn reused at
