@@ -78,25 +78,6 @@ if want shapes; then
     pack
   done
 fi
-if want serve8b; then
-  CKPT8="${CKPT8:-/tmp/pdkv-llama3-8b}"
-  if [ ! -d "$CKPT8" ]; then
-    step "serve8b checkpoint"
-    "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
-from engine import build_checkpoint; build_checkpoint(Path('$CKPT8'), 'llama3-8b')" 2>&1 \
-      | tail -3 | tee -a "$log"
-  fi
-  for w in ${WORKLOADS:-2048x512}; do
-    step "serve8b $w"
-    timeout "${SERVE8_TIMEOUT:-480}" "$PY" bench/serve.py --model "$CKPT8" --device cuda:0 \
-      --workload "$w" --num-blocks "${BLOCKS8:-4096}" --requests "${REQ8:-32}" \
-      --sweep "${RATES8:-1,2}" --slo-ttft-ms 2000 --slo-itl-ms 50 --progress 30 \
-      --plot "$R/serve8b_${w}_sweep.png" --goodput-plot "$R/serve8b_${w}_goodput.png" \
-      --json "$R/serve8b_$w.json" > "$R/serve8b_$w.log" 2>&1
-    grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/serve8b_$w.log" | tail -30 | tee -a "$log"
-    pack
-  done
-fi
 if want engine; then
   step engine
   timeout 200 "$PY" bench/engine.py --out "$R/engine.json" --save-checkpoint "$CKPT" 2>&1 \
@@ -140,6 +121,28 @@ mps_stop() {
   echo quit | nvidia-cuda-mps-control 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
+if want serve8b; then
+  CKPT8="${CKPT8:-/tmp/pdkv-llama3-8b}"
+  if [ ! -d "$CKPT8" ]; then
+    step "serve8b checkpoint"
+    "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
+from engine import build_checkpoint; build_checkpoint(Path('$CKPT8'), 'llama3-8b')" 2>&1 \
+      | tail -3 | tee -a "$log"
+  fi
+  # SERVE8_MPS=1: both daemons (and the one process) under MPS, as in nanomps
+  mps=""; [ "${SERVE8_MPS:-0}" = 1 ] && mps_start && mps="_mps"
+  for w in ${WORKLOADS:-2048x512}; do
+    step "serve8b $w$mps"
+    timeout "${SERVE8_TIMEOUT:-480}" "$PY" bench/serve.py --model "$CKPT8" --device cuda:0 \
+      --workload "$w" --num-blocks "${BLOCKS8:-4096}" --requests "${REQ8:-32}" \
+      --sweep "${RATES8:-1,2}" --slo-ttft-ms 2000 --slo-itl-ms 50 --progress 30 \
+      --plot "$R/serve8b_$w${mps}_sweep.png" --goodput-plot "$R/serve8b_$w${mps}_goodput.png" \
+      --json "$R/serve8b_$w$mps.json" > "$R/serve8b_$w$mps.log" 2>&1
+    grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/serve8b_$w$mps.log" | tail -30 | tee -a "$log"
+    pack
+  done
+  [ -n "$mps" ] && mps_stop
+fi
 if want nanomps && mps_start; then  # both daemons under MPS; NANOMPS: entries as in NANO
   for spec in ${NANOMPS:-on}; do
     nano "mps_${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"

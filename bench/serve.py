@@ -311,10 +311,11 @@ def run_target(
 
 
 def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[load.RequestSpec]:
-    """The measured requests of one rate: drawn, then with a shared prefix and in turns."""
-    specs = load.make_workload(
-        args.requests, rate, args.prompt_len, args.output_len, vocab, args.seed
-    )
+    """The measured requests of one rate: drawn, then with a shared prefix and in turns. Each
+    rate of a sweep draws its own prompts (seed + its index), so a pair with the prefix cache
+    does not find a later rate's prompts cached from an earlier one (one process has no cache)."""
+    seed = args.seed + 1009 * args.rates.index(rate)
+    specs = load.make_workload(args.requests, rate, args.prompt_len, args.output_len, vocab, seed)
     if args.shared_prefix:
         specs = serve_workloads.shared_prefix(specs, args.shared_prefix, vocab, args.seed)
     if args.turns > 1:
