@@ -122,7 +122,7 @@ mps_stop() {
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
 if want serve8b; then
-  CKPT8="${CKPT8:-/tmp/pdkv-llama3-8b}"
+  CKPT8="${CKPT8:-/tmp/pdkv-llama3.1-8b-shape}"  # a new shape: a new name
   if [ ! -d "$CKPT8" ]; then
     step "serve8b checkpoint"
     "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
