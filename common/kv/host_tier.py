@@ -1,0 +1,268 @@
+"""The host KV tier: one shared-memory region of fixed-size block slots, mapped by every daemon on
+the host that serves the same pool layout, its blocks named by the prefix cache's chained hashes
+(common/kv/blockhash.py). Any daemon writes a block once; every daemon finds it.
+
+A file in /dev/shm (`default_path`: named from the runtime dir and the block layout), so it
+outlives any one daemon: a restarted daemon maps the same tier. Its index (common/kv/host_index.py)
+lives inside it; this module owns the file, the lock, and the read and write protocols:
+
+- **Lock**: `flock(LOCK_EX)` on the region's file descriptor (plus a thread lock, as flock does
+  not exclude threads sharing one descriptor). The kernel drops a flock when its holder dies, so a
+  SIGKILLed holder never wedges the others; the holder writes its pid into the header's `dirty`
+  before it changes anything and clears it after, so the next holder that finds it set rebuilds
+  the table and lists from the slot records (Index.rebuild). Held only for index updates
+  (microseconds), never during a copy.
+- **Write**: reserve a slot (WRITING, in the table but invisible to lookups) under the lock, copy
+  the bytes and compute their crc32 (seeded with the block's name) without it, then commit (READY)
+  under the lock. A writer killed mid-copy leaves a WRITING slot nobody reads; it is freed once
+  its pid is found dead (Index.reclaim).
+- **Read**: look the names up under the lock (generation, crc), copy without it, then check the
+  copy's crc (name and bytes) and, under the lock, that the generation did not move (the slot was
+  not evicted and rewritten meanwhile). Either failing is a miss: counted, logged, never wrong KV;
+  a bad crc also drops the slot. Readers never pin slots, so a dead reader leaks nothing.
+
+zlib.crc32 (stdlib, ~5 GB/s on the 2-core CPU VM, against ~10 GB/s for the copy itself) rather
+than xxhash (faster, one more wheel for the GPU hosts): docs/benchmarks.md has the numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import mmap
+import os
+import threading
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import structlog
+
+from common.daemon.rundir import pid_alive
+from common.errors import PdkvError
+from common.kv.host_index import MAGIC, NONE, VERSION, Hit, Index, geometry
+
+log = structlog.get_logger(__name__)
+
+
+class TierError(PdkvError):
+    """The host tier cannot be opened as asked (too small for one block, another layout)."""
+
+
+def default_path(runtime_dir: Path, layout: dict[str, Any]) -> Path:
+    """/dev/shm/pdkv-UID-<runtime dir>-tier-<block layout>: one tier per runtime dir (per host with
+    the default one) and per block geometry (num_blocks left out: pools of any size share it)."""
+    shape = sorted((k, v) for k, v in layout.items() if k != "num_blocks")
+    rd = hashlib.blake2b(str(Path(runtime_dir).resolve()).encode(), digest_size=6).hexdigest()
+    lay = hashlib.blake2b(repr(shape).encode(), digest_size=6).hexdigest()
+    return Path("/dev/shm") / f"pdkv-{os.getuid()}-{rd}-tier-{lay}"
+
+
+def checksum(name: bytes, data: Any) -> int:
+    """The slot's crc32: its block name, then its bytes."""
+    return zlib.crc32(data, zlib.crc32(name))
+
+
+class HostTier:
+    """One process's mapping of the tier. Thread-safe; `close()` unmaps (the file stays)."""
+
+    def __init__(self, path: Path, fd: int, mm: mmap.mmap, nslots: int, slot_bytes: int) -> None:
+        self.path, self._fd, self._mm = path, fd, mm
+        self.nslots, self.slot_bytes = nslots, slot_bytes
+        self._buf = memoryview(mm)
+        self.index = Index(self._buf, nslots, slot_bytes)
+        start = self.index.data_offset
+        self.slots = np.frombuffer(mm, np.uint8, nslots * slot_bytes, start).reshape(nslots, -1)
+        self._thread_lock = threading.Lock()
+        self._pid = os.getpid()
+        self.counts = dict.fromkeys(
+            ("hits", "misses", "checksum_failures", "stale", "stored", "skipped", "full"), 0
+        )
+        self.bytes_read = self.bytes_written = 0
+
+    @classmethod
+    def open(cls, path: Path, *, slot_bytes: int, capacity_bytes: int) -> HostTier:
+        """Map the tier at `path`, making it (`capacity_bytes` of slots) if missing or unformatted.
+        An existing tier keeps its size; TierError if it holds other-sized slots or if
+        `capacity_bytes` cannot hold one block."""
+        nslots = capacity_bytes // slot_bytes
+        if nslots < 1:
+            raise TierError(
+                f"--host-cache-gb {capacity_bytes / 2**30:g} holds no KV block "
+                f"(one block is {slot_bytes} bytes): raise it, or 0 to turn the tier off"
+            )
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                nslots, fresh = cls._shape(fd, nslots, slot_bytes)
+                mm = mmap.mmap(fd, geometry(nslots, slot_bytes)[2])
+                tier = cls(path, fd, mm, nslots, slot_bytes)
+                if fresh:
+                    tier.index.format()
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        except BaseException:
+            os.close(fd)
+            raise
+        log.info("host_tier_mapped", path=str(path), slots=nslots, fresh=fresh)
+        return tier
+
+    @staticmethod
+    def _shape(fd: int, nslots: int, slot_bytes: int) -> tuple[int, bool]:
+        """(nslots, needs formatting) of the file under our lock: an existing tier's own."""
+        size = os.fstat(fd).st_size
+        if size >= 4096:
+            head = memoryview(os.pread(fd, 4096, 0))
+            magic, version, have_slots, have_bytes = Index.read_geometry(head)
+            if magic == MAGIC and version == VERSION:
+                if have_bytes != slot_bytes:
+                    raise TierError(
+                        f"host tier holds {have_bytes}-byte blocks, ours are {slot_bytes}"
+                    )
+                return have_slots, False
+        os.ftruncate(fd, geometry(nslots, slot_bytes)[2])  # a new one, or one whose maker died
+        return nslots, True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[Index]:
+        """The index, exclusively (threads and processes); rebuilt first if the last holder died
+        mid-update."""
+        with self._thread_lock:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                index = self.index
+                if index.dirty:
+                    log.warning("host_tier_rebuilt", dead_holder=index.dirty)
+                    index.rebuild(pid_alive)
+                index.dirty = self._pid
+                yield index
+                index.dirty = 0
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    # -- read -----------------------------------------------------------------------------------
+    def lookup(self, names: Sequence[bytes]) -> list[Hit]:
+        """The stored blocks named names[0], names[1], ... up to the first not stored."""
+        if not names:
+            return []
+        with self._locked() as index:
+            hits = index.lookup(names)
+        self.counts["misses"] += len(names) > len(hits)
+        return hits
+
+    def check(self, hit: Hit, copy: Any) -> bool:
+        """Whether `copy` (the bytes read from `hit`'s slot, after the read) is that block: its
+        crc matches and the slot was not rewritten meanwhile. False is counted and logged, and
+        a bad crc drops the slot."""
+        if checksum(hit.name, copy) != hit.crc:
+            with self._locked() as index:
+                moved = index.gen(hit.slot) != hit.gen
+                if not moved:
+                    index.drop(hit.slot, hit.gen)
+            if not moved:
+                self.counts["checksum_failures"] += 1
+                log.error("host_tier_checksum_failed", slot=hit.slot, name=hit.name.hex())
+                return False
+        else:
+            with self._locked() as index:
+                moved = index.gen(hit.slot) != hit.gen
+        if moved:
+            self.counts["stale"] += 1
+            log.warning("host_tier_slot_reused_during_read", slot=hit.slot)
+            return False
+        self.counts["hits"] += 1
+        self.bytes_read += self.slot_bytes
+        return True
+
+    def read(self, hit: Hit, dst: np.ndarray) -> bool:
+        """Copy `hit`'s block into `dst` (uint8, slot_bytes) and check it (`check`)."""
+        np.copyto(dst, self.slots[hit.slot])
+        return self.check(hit, dst)
+
+    # -- write ----------------------------------------------------------------------------------
+    def reserve(self, name: bytes) -> tuple[int, int]:
+        """A slot to write block `name` into, (slot, generation); (NONE, 0) when the block is
+        already stored (or being written) or no slot can be had."""
+        with self._locked() as index:
+            slot, gen = index.reserve(name, self._pid, pid_alive)
+        if slot == NONE:
+            self.counts["full" if gen < 0 else "skipped"] += 1
+        return slot, gen
+
+    def commit(self, slot: int, gen: int, crc: int) -> bool:
+        """The reservation's bytes are written, their checksum `crc`: readable from now on."""
+        with self._locked() as index:
+            ok = index.commit(slot, gen, crc)
+        if ok:
+            self.counts["stored"] += 1
+            self.bytes_written += self.slot_bytes
+        return ok
+
+    def abandon(self, slot: int, gen: int) -> None:
+        """Give a reservation up unwritten."""
+        with self._locked() as index:
+            index.drop(slot, gen)
+
+    def store(self, name: bytes, src: Any) -> bool:
+        """Write block `name` (`src`: slot_bytes bytes, any buffer) unless already stored."""
+        slot, gen = self.reserve(name)
+        if slot == NONE:
+            return False
+        dst = self.slots[slot]
+        try:
+            np.copyto(dst, np.frombuffer(src, np.uint8))
+        except BaseException:
+            self.abandon(slot, gen)
+            raise
+        return self.commit(slot, gen, checksum(name, dst))
+
+    def contains(self, name: bytes) -> bool:
+        """Whether block `name` is stored or being written (no LRU touch)."""
+        with self._locked() as index:
+            return index.find(name) != NONE
+
+    # -- the rest -------------------------------------------------------------------------------
+    def reclaim(self) -> int:
+        """Free slots whose writer died mid-write; how many."""
+        with self._locked() as index:
+            return index.reclaim(pid_alive)
+
+    def verify(self) -> None:
+        """AssertionError unless the index agrees with the slot records (tests)."""
+        with self._locked() as index:
+            index.check()
+
+    def stats(self) -> dict[str, int]:
+        """This process's counters and the tier's occupancy (STATUS_REPLY's `host_tier`)."""
+        with self._locked() as index:
+            shared = index.counters()
+        return {
+            "enabled": 1,
+            "capacity_bytes": self.nslots * self.slot_bytes,
+            "slot_bytes": self.slot_bytes,
+            **shared,
+            **self.counts,
+            "bytes_read": self.bytes_read,
+            "bytes_written": self.bytes_written,
+        }
+
+    def close(self) -> None:
+        """Unmap and close (idempotent); the region stays for the other daemons."""
+        if self._fd < 0:
+            return
+        self.slots = None  # type: ignore[assignment]
+        self.index.buf = None  # type: ignore[assignment]
+        self._buf.release()
+        try:
+            self._mm.close()
+        except BufferError:  # a view a caller still holds: the mapping goes with the process
+            log.warning("host_tier_view_held_at_close", path=str(self.path))
+        os.close(self._fd)
+        self._fd = -1
+
+
+__all__ = ["HostTier", "TierError", "checksum", "default_path"]
