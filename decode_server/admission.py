@@ -73,6 +73,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         names=names,
         cached_blocks=len(hit),
         prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
+        tier=None if rt.host_tier is None else rt.host_tier.conversation(h.prompt_tokens, names),
     )
 
 

@@ -60,6 +60,9 @@ class Sequence:
     # v12, started on KV_LAUNCHED (launched.py): the device int64 [1] its pull copies the first
     # token into, read by its first step's launch
     first_on_device: Any = None
+    # its blocks past the prompt's full ones, named as they fill, for the host KV tier
+    # (common/kv/tier_io.Conversation); None: the tier is off
+    tier: Any = None
     # unique across links (request ids are only unique per prefill daemon): seq_key, made once
     key: str = field(init=False)
     # greedy, no penalty, no min_tokens, no logprobs: its token is the argmax of the raw logits,

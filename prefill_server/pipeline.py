@@ -48,6 +48,7 @@ from common.protocol import (
     Tokens,
 )
 from common.transfer import Producer
+from prefill_server import host_tier
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
 from prefill_server.config import PrefillConfig
@@ -274,6 +275,8 @@ class RequestPipeline:
             req.blocks, hit = await self.capacity.blocks(
                 rid, n, timeout_s, req.names, lookup=lookup
             )
+            if lookup and self.rt.host_tier is not None:  # past the pool's cache: the host tier
+                hit += await host_tier.restore(self.rt.host_tier, req, hit)
             req.cached_tokens = hit * self.rt.layout.block_size
             req.event_slot = await self.capacity.slot(timeout_s)
             answer, shared = await self._prefill(req)
@@ -351,6 +354,8 @@ class RequestPipeline:
             self.prefix.complete(req.names)  # its blocks' names, while the forward runs
             result = await future
             self.prefix.publish(req.request_id, req.names)
+            if self.rt.host_tier is not None:  # written through, ahead of any reuse of its blocks
+                host_tier.write_through(self.rt, req)
             return result
         finally:
             future.cancel()  # the request went away while queued: skip its prompt

@@ -98,6 +98,8 @@ class ModelRuntime:
     #: the daemon's CUDA graphs, made by its warm-up (load's `warm`): the decode's DecodeRunner,
     #: the prefill's PrefillGraphs; None on CPU, without a warm-up or with graphs off
     graphs: Any = None
+    #: the host KV tier's copies to and from `pool` (common/kv/tier_io.py); None: --host-cache-gb 0
+    host_tier: Any = None
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -158,6 +160,7 @@ class ModelRuntime:
             model_card(cfg.model, model.config.max_position_embeddings),
             PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
         )
+        rt.host_tier = open_host_tier(cfg, rt)
         if warm is not None and stream is not None and model.use_kernels:
             max_blocks = min(
                 blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
@@ -213,3 +216,21 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.host_tier is not None:
+            self.host_tier.close()
+
+
+def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
+    """The daemon's PoolTier over the host tier (--host-cache-gb), None when off; TierError
+    (a startup error: one line, exit 3) when the size holds no block."""
+    if not cfg.host_cache_gb:
+        return None
+    from common.kv.host_tier import HostTier, default_path
+    from common.kv.tier_io import PoolTier
+
+    path = cfg.host_cache_path or default_path(cfg.runtime_dir, rt.layout.to_wire())
+    tier = HostTier.open(
+        path, slot_bytes=rt.layout.block_nbytes, capacity_bytes=int(cfg.host_cache_gb * 2**30)
+    )
+    seed = rt.prefix.seed if rt.prefix is not None else b""
+    return PoolTier(tier, rt.pool, seed)

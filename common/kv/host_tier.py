@@ -111,6 +111,15 @@ class HostTier:
         log.info("host_tier_mapped", path=str(path), slots=nslots, fresh=fresh)
         return tier
 
+    @classmethod
+    def attach(cls, path: Path) -> HostTier:
+        """Map an existing tier at its own geometry (tools, tests)."""
+        with open(path, "rb") as fh:
+            magic, version, _, slot_bytes = Index.read_geometry(memoryview(fh.read(4096)))
+        if magic != MAGIC or version != VERSION:
+            raise TierError(f"{path} is not a host tier (version {VERSION})")
+        return cls.open(path, slot_bytes=slot_bytes, capacity_bytes=slot_bytes)
+
     @staticmethod
     def _shape(fd: int, nslots: int, slot_bytes: int) -> tuple[int, bool]:
         """(nslots, needs formatting) of the file under our lock: an existing tier's own."""

@@ -1,0 +1,195 @@
+"""Copies between a daemon's KV pool and the host tier (common/kv/host_tier.py): what the prefill's
+prefix lookup restores and what both daemons write back. One per daemon (ModelRuntime.host_tier).
+
+- `write(pairs)`: pool blocks whose KV is written, by name, into the tier (a name already there is
+  skipped). Called on the torch thread, queued after the forward or step that wrote the blocks
+  and before anything that could reuse them (later torch work), so the bytes it reads are the KV.
+  CPU: a memcpy from the pool's shared memory. CUDA: device → pinned host on a side stream that
+  waits for the compute stream (and the compute stream for it), committed once the copy is done.
+- `restore(names, blocks)`: the tier's blocks named `names` copied into the fresh pool blocks
+  `blocks`, on the tier's own thread, never the torch thread (another request's forward does not
+  wait for it); returns how many leading blocks arrived whole (crc and generation checked).
+- `Conversation`: the decode's sequence as blocks of prompt + generated tokens, naming each one
+  whose KV is written, the chain continued from the prompt's names (the next turn's prompt is
+  named the same way, so it finds the answer's blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+import torch
+
+from common.kv.blockhash import _chain, _pack, block_names
+from common.kv.host_index import NONE
+from common.kv.host_tier import HostTier, checksum
+from common.kv.pool import KVPool
+
+log = structlog.get_logger(__name__)
+
+
+class PoolTier:
+    def __init__(self, tier: HostTier, pool: KVPool, seed: bytes) -> None:
+        self.tier, self.pool, self.seed = tier, pool, seed
+        self.block_size = pool.layout.block_size
+        rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1)
+        self.cuda = rows.device.type == "cuda"
+        if self.cuda:
+            self.rows = rows
+            self.host = torch.from_numpy(tier.slots)  # the tier's slots as one uint8 tensor
+            _pin(self.host)
+            self.side = torch.cuda.Stream(rows.device)
+        else:
+            self.rows_np = rows.numpy()
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdkv-tier")
+        self.restored_blocks = 0  # blocks restored into the pool (cached_tokens' tier part)
+
+    # -- write back (torch thread) ----------------------------------------------------------------
+    def write(self, pairs: Sequence[tuple[bytes, int]]) -> int:
+        """Store pool block `block` as `name` for each (name, block); how many were new."""
+        if self.cuda:
+            return self._write_cuda(pairs)
+        stored = 0
+        for name, block in pairs:
+            stored += self.tier.store(name, self.rows_np[block])
+        return stored
+
+    def _write_cuda(self, pairs: Sequence[tuple[bytes, int]]) -> int:
+        slots = [(name, *self.tier.reserve(name)) for name, _ in pairs]
+        todo = [(s, b) for (name, s, _), (_, b) in zip(slots, pairs, strict=True) if s != NONE]
+        if not todo:
+            return 0
+        compute = torch.cuda.current_stream(self.rows.device)
+        self.side.wait_stream(compute)  # after the forward or step that wrote the blocks
+        with torch.cuda.stream(self.side):
+            for slot, block in todo:
+                self.host[slot].copy_(self.rows[block], non_blocking=True)
+        compute.wait_stream(self.side)  # nothing later on the compute stream rewrites them first
+        self.side.synchronize()
+        stored = 0
+        for name, slot, gen in slots:
+            if slot != NONE:
+                stored += self.tier.commit(slot, gen, checksum(name, self.tier.slots[slot]))
+        return stored
+
+    # -- restore (the tier's thread) --------------------------------------------------------------
+    def restore(self, names: Sequence[bytes], blocks: Sequence[int]) -> int:
+        """Copy the stored blocks named names[0], ... into `blocks` (fresh, the caller's alone);
+        how many leading ones arrived whole. The rest are the caller's to compute."""
+        hits = self.tier.lookup(names[: len(blocks)])
+        good = 0
+        if self.cuda:
+            good = self._restore_cuda(hits, blocks)
+        else:
+            for hit, block in zip(hits, blocks, strict=False):
+                if not self.tier.read(hit, self.rows_np[block]):
+                    break
+                good += 1
+        self.restored_blocks += good
+        return good
+
+    def _restore_cuda(self, hits: list[Any], blocks: Sequence[int]) -> int:
+        with torch.cuda.stream(self.side):
+            for hit, block in zip(hits, blocks, strict=False):
+                self.rows[block].copy_(self.host[hit.slot], non_blocking=True)
+        self.side.synchronize()
+        good = 0
+        for hit in hits:  # the crc of the host bytes the DMA read, then the generation
+            if not self.tier.check(hit, self.tier.slots[hit.slot]):
+                break
+            good += 1
+        return good
+
+    async def restore_async(self, names: Sequence[bytes], blocks: Sequence[int]) -> int:
+        """`restore` on the tier's thread, from the loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._thread, functools.partial(self.restore, names, blocks)
+        )
+
+    # -- the decode's conversation ----------------------------------------------------------------
+    def conversation(self, prompt: Sequence[int], names: Sequence[bytes]) -> Conversation:
+        """A new sequence's write-back state; `names`: its prompt's block names (the prefix
+        cache's, or [] when that is off: computed here then)."""
+        if not names and len(prompt) >= self.block_size:
+            names = block_names(prompt, self.block_size, self.seed)
+        return Conversation(prompt, names[-1] if names else self.seed, self.block_size)
+
+    def stats(self) -> dict[str, int]:
+        return {**self.tier.stats(), "restored_blocks": self.restored_blocks}
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+        if self.cuda:
+            _unpin(self.host)
+            self.host = None  # type: ignore[assignment]
+        self.rows_np = None
+        self.tier.close()
+
+
+class Conversation:
+    """One decode sequence's blocks past its prompt's full ones, named as they fill."""
+
+    __slots__ = ("_base", "_bs", "_next", "_parent", "_tail")
+
+    def __init__(self, prompt: Sequence[int], parent: bytes, block_size: int) -> None:
+        self._bs = block_size
+        self._base = len(prompt) // block_size * block_size  # first position not in a full block
+        self._tail = list(prompt[self._base :])
+        self._next = len(prompt) // block_size  # the first block to write back
+        self._parent = parent
+
+    def filled(self, generated: Sequence[int], written: int, blocks: Sequence[int]) -> list:
+        """(name, pool block) of each block whose KV became whole: `written` positions have KV
+        (prompt + generated[:-1] after a step)."""
+        bs, out = self._bs, []
+        end = min(written // bs, len(blocks))
+        if end <= self._next:
+            return out
+        seq_tokens = self._tail + list(generated)  # from position `_base` on
+        tokens = seq_tokens[self._next * bs - self._base : end * bs - self._base]
+        names = _chain(_pack(tokens), bs * 8, self._parent)
+        for i, name in enumerate(names):
+            out.append((name, blocks[self._next + i]))
+        self._parent, self._next = names[-1], end
+        return out
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock the tier's mapping for the DMA engine (cudaHostRegister, portable)."""
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 1)
+    if int(rc) != 0:
+        log.warning("host_tier_not_pinned", error=int(rc))
+
+
+def _unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+def writeback(rt: Any, results: Sequence[tuple[Any, int]]) -> None:
+    """The decode, after a step's results are applied and before any of its sequences' blocks
+    are freed: queue the write-back of every block that step made whole (torch thread)."""
+    pt: PoolTier | None = rt.host_tier
+    if pt is None:
+        return
+    pairs = []
+    for seq, tok in results:
+        conv = seq.tier
+        if tok >= 0 and conv is not None:
+            pairs += conv.filled(seq.generated, seq.position, seq.blocks)
+    if pairs:
+        future = rt.executor.submit(pt.write, pairs)
+        future.add_done_callback(_log_failure)
+
+
+def _log_failure(future: Any) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("host_tier_write_failed", exc_info=future.exception())
+
+
+__all__ = ["Conversation", "PoolTier", "writeback"]
