@@ -65,6 +65,7 @@ sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current direc
 
 import serve_goodput as goodput  # noqa: E402
 import serve_load as load  # noqa: E402
+import serve_tier  # noqa: E402
 import serve_workloads  # noqa: E402
 from serve_api import api_stream, model_id, own_api  # noqa: E402
 from serve_daemons import (  # noqa: E402
@@ -94,6 +95,7 @@ TARGETS = {
     "all": ["daemons", "api", "local"],
     "served": ["daemons", "api"],  # one pair, its socket then its HTTP API
     "cache": ["daemons", "daemons-no-cache"],  # the prefix cache on, then off, one workload
+    "tier": ["tier"],  # real multi-turn conversations, the host KV tier on, then off (serve_tier)
 }
 
 
@@ -133,6 +135,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         metavar="T",
         help="conversations of T turns (default 1: none)",
+    )
+    ap.add_argument(
+        "--message-len",
+        type=load.parse_range,
+        default=(32, 64),
+        metavar="MIN:MAX",
+        help="target tier: each later turn's new message (default 32:64)",
+    )
+    ap.add_argument(
+        "--host-cache-gb", type=float, default=1.0, help="target tier: the tier's size (default 1)"
     )
     ap.add_argument("--target", choices=list(TARGETS), default="both", help="default both")
     ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
@@ -323,14 +335,8 @@ def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[load.Req
     return specs
 
 
-@contextlib.contextmanager
-def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[str]:
-    """The prefill's client socket: the given running daemons, or a pair of our own."""
-    if args.client_socket or args.runtime_dir:
-        sock = args.client_socket or str(Path(args.runtime_dir) / "prefill.sock")
-        asyncio.run(wait_linked(sock, [], timeout=10))
-        yield sock
-        return
+def common_options(args: argparse.Namespace) -> list[str]:
+    """Both daemons' options of a pair of our own."""
     common = ["--device", args.device, "--num-blocks", str(args.num_blocks)]
     common += ["--block-size", str(args.block_size)]
     for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
@@ -340,6 +346,18 @@ def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[
         common += ["--allow-byte-tokenizer"]
     if args.torch_threads:
         common += ["--torch-threads", str(args.torch_threads)]
+    return common
+
+
+@contextlib.contextmanager
+def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[str]:
+    """The prefill's client socket: the given running daemons, or a pair of our own."""
+    if args.client_socket or args.runtime_dir:
+        sock = args.client_socket or str(Path(args.runtime_dir) / "prefill.sock")
+        asyncio.run(wait_linked(sock, [], timeout=10))
+        yield sock
+        return
+    common = common_options(args)
     decode = ["--max-batch", str(args.max_batch)]
     if args.decode_device:  # the last --device on the command line wins
         decode += ["--device", args.decode_device]
@@ -477,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("console", "WARNING")
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: list[dict] = []
+    if args.target == "tier":
+        return run_tier(args, date)
     try:
         names = TARGETS[args.target]
         if "daemons" in names or "api" in names:
@@ -520,6 +540,27 @@ def main(argv: list[str] | None = None) -> int:
         finite = [{**r, "rate": _json_rate(r["rate"])} for r in runs]
         args.json.write_text(json.dumps({**header, "runs": finite}, indent=1, allow_nan=False))
     return 1 if any(r["summary"]["failed"] for r in runs) else 0
+
+
+def run_tier(args: argparse.Namespace, date: str) -> int:
+    """--target tier (bench/serve_tier.py): its own table; --json gets both runs."""
+    if args.turns < 2:
+        print("--target tier needs --turns 2 or more", file=sys.stderr)
+        return 2
+    header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
+    header |= {"device": resolve_device(args.device), "conversations": args.requests}
+    header |= {k: getattr(args, k) for k in ("turns", "num_blocks", "block_size", "host_cache_gb")}
+    header |= {"prompt_len": list(args.prompt_len), "message_len": list(args.message_len)}
+    header |= {"output_len": list(args.output_len), "rate": _json_rate(args.rate)}
+    print(f"serve bench, target tier: {header}")
+    try:
+        runs = serve_tier.run(args, common_options(args), vocab_size(args.model))
+    except PairFailed as e:
+        print(f"the daemons did not come up: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.write_text(json.dumps({**header, "runs": runs}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

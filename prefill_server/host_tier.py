@@ -26,10 +26,13 @@ async def restore(pt: PoolTier, req: PrefillRequest, hit: int) -> int:
 
 
 def write_through(rt: ModelRuntime, req: PrefillRequest) -> None:
-    """The request's forward wrote its blocks: queue their copy into the tier on the torch thread
-    (after that forward, before any later one that could reuse them); names already stored are
-    skipped."""
-    pairs = list(zip(req.names, req.blocks, strict=False))
+    """The request's forward wrote its blocks: queue the copy of those it computed into the tier
+    on the torch thread (after that forward, before any later one that could reuse them). Those
+    it took from the pool's cache or the tier are not copied again: a pool hit was written
+    through by the request that computed it (unless the tier evicted it since: then it is
+    written again when a request computes it again)."""
+    first = req.cached_tokens // rt.layout.block_size  # those came from a cache: stored already
+    pairs = list(zip(req.names[first:], req.blocks[first:], strict=False))
     if pairs:
         rt.executor.submit(rt.host_tier.write, pairs).add_done_callback(_failed)
 

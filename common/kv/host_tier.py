@@ -165,32 +165,45 @@ class HostTier:
 
     def check(self, hit: Hit, copy: Any) -> bool:
         """Whether `copy` (the bytes read from `hit`'s slot, after the read) is that block: its
-        crc matches and the slot was not rewritten meanwhile. False is counted and logged, and
-        a bad crc drops the slot."""
-        if checksum(hit.name, copy) != hit.crc:
-            with self._locked() as index:
+        crc matches and the slot was not rewritten meanwhile (`check_many`)."""
+        return self.check_many([hit], [copy]) == 1
+
+    def check_many(self, hits: Sequence[Hit], copies: Sequence[Any]) -> int:
+        """How many leading `copies` (each read from its hit's slot) are their blocks: crc of
+        name and bytes as written, generation unmoved (one lock for all). The first that is not
+        is counted and logged; a bad crc also drops its slot."""
+        crcs = [checksum(hit.name, copy) for hit, copy in zip(hits, copies, strict=True)]
+        good, bad, moved = 0, None, False
+        with self._locked() as index:
+            for hit, crc in zip(hits, crcs, strict=True):
                 moved = index.gen(hit.slot) != hit.gen
-                if not moved:
-                    index.drop(hit.slot, hit.gen)
-            if not moved:
-                self.counts["checksum_failures"] += 1
-                log.error("host_tier_checksum_failed", slot=hit.slot, name=hit.name.hex())
-                return False
-        else:
-            with self._locked() as index:
-                moved = index.gen(hit.slot) != hit.gen
-        if moved:
+                if moved or crc != hit.crc:
+                    bad = hit
+                    if not moved:
+                        index.drop(hit.slot, hit.gen)
+                    break
+                good += 1
+        self.counts["hits"] += good
+        self.bytes_read += good * self.slot_bytes
+        if bad is not None and moved:
             self.counts["stale"] += 1
-            log.warning("host_tier_slot_reused_during_read", slot=hit.slot)
-            return False
-        self.counts["hits"] += 1
-        self.bytes_read += self.slot_bytes
-        return True
+            log.warning("host_tier_slot_reused_during_read", slot=bad.slot)
+        elif bad is not None:
+            self.counts["checksum_failures"] += 1
+            log.error("host_tier_checksum_failed", slot=bad.slot, name=bad.name.hex())
+        return good
 
     def read(self, hit: Hit, dst: np.ndarray) -> bool:
         """Copy `hit`'s block into `dst` (uint8, slot_bytes) and check it (`check`)."""
         np.copyto(dst, self.slots[hit.slot])
         return self.check(hit, dst)
+
+    def read_many(self, hits: Sequence[Hit], dsts: Sequence[np.ndarray]) -> int:
+        """Copy each hit's block into its `dsts` entry; how many leading ones are whole."""
+        for hit, dst in zip(hits, dsts, strict=False):
+            np.copyto(dst, self.slots[hit.slot])
+        n = min(len(hits), len(dsts))
+        return self.check_many(hits[:n], dsts[:n])
 
     # -- write ----------------------------------------------------------------------------------
     def reserve(self, name: bytes) -> tuple[int, int]:
@@ -218,16 +231,31 @@ class HostTier:
 
     def store(self, name: bytes, src: Any) -> bool:
         """Write block `name` (`src`: slot_bytes bytes, any buffer) unless already stored."""
-        slot, gen = self.reserve(name)
-        if slot == NONE:
-            return False
-        dst = self.slots[slot]
+        return self.store_many([(name, src)]) == 1
+
+    def store_many(self, blocks: Sequence[tuple[bytes, Any]]) -> int:
+        """`store` each (name, bytes), one lock to reserve them all and one to commit; how many
+        were new."""
+        with self._locked() as index:
+            slots = [index.reserve(name, self._pid, pid_alive) for name, _ in blocks]
+        done = []
         try:
-            np.copyto(dst, np.frombuffer(src, np.uint8))
-        except BaseException:
-            self.abandon(slot, gen)
-            raise
-        return self.commit(slot, gen, checksum(name, dst))
+            for (name, src), (slot, gen) in zip(blocks, slots, strict=True):
+                if slot == NONE:
+                    self.counts["full" if gen < 0 else "skipped"] += 1
+                    continue
+                dst = self.slots[slot]
+                np.copyto(dst, np.frombuffer(src, np.uint8))
+                done.append((slot, gen, checksum(name, dst)))
+        finally:
+            with self._locked() as index:
+                stored = sum(index.commit(*each) for each in done)
+                for slot, gen in slots:  # reserved and not written (an error): given up
+                    if slot != NONE and all(slot != d[0] for d in done):
+                        index.drop(slot, gen)
+        self.counts["stored"] += stored
+        self.bytes_written += stored * self.slot_bytes
+        return stored
 
     def contains(self, name: bytes) -> bool:
         """Whether block `name` is stored or being written (no LRU touch)."""
