@@ -43,6 +43,14 @@ and each daemons run reports the KV its decode pulled (blocks, MiB).
         --rate 20 --shared-prefix 1536 --prompt-len 128:128
     python bench/serve.py --model ~/tinyllama --device cuda:0 --target cache --requests 64 \
         --rate 4 --turns 8 --prompt-len 200:200 --output-len 32:32
+
+Target `tier` (bench/serve_tier.py, the host KV tier): `--requests` conversations of `--turns`
+turns whose every turn re-sends the whole conversation with the model's own answers and a new
+message (`--message-len`), through a pair with `--host-cache-gb` and one without; per turn TTFT
+p50/p99 and the prefill's computed tokens, the tokens of both pairs compared.
+
+    python bench/serve.py --target tier --turns 8 --requests 32 --prompt-len 128:128 \
+        --message-len 32:32 --output-len 32:32 --num-blocks 288 --host-cache-gb 1
 """
 
 from __future__ import annotations

@@ -122,10 +122,17 @@ def run(args: argparse.Namespace, common: list[str], vocab: int) -> list[dict]:
                      "answers": [[t["answer"] for t in c] for c in results]})  # fmt: skip
     same = runs[0]["answers"] == runs[1]["answers"]
     print_table(runs, same)
+    for c, (a, b) in enumerate(zip(runs[0]["answers"], runs[1]["answers"], strict=True)):
+        for t, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                at = next(i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v)
+                print(f"  differ: conversation {c}, turn {t + 1}, token {at}")
+                break
+    if not same:
+        runs[0]["parts"] = convs  # replayable: the answers are kept
+        return runs
     for r in runs:
         del r["answers"]
-    if not same:
-        raise SystemExit("the tier changed the tokens")
     return runs
 
 

@@ -34,9 +34,4 @@ def write_through(rt: ModelRuntime, req: PrefillRequest) -> None:
     first = req.cached_tokens // rt.layout.block_size  # those came from a cache: stored already
     pairs = list(zip(req.names[first:], req.blocks[first:], strict=False))
     if pairs:
-        rt.executor.submit(rt.host_tier.write, pairs).add_done_callback(_failed)
-
-
-def _failed(future) -> None:  # type: ignore[no-untyped-def]
-    if not future.cancelled() and (exc := future.exception()) is not None:
-        log.error("host_tier_write_failed", exc_info=exc)
+        rt.host_tier.write_later(rt.executor, pairs)

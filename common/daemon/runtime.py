@@ -233,4 +233,4 @@ def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
         path, slot_bytes=rt.layout.block_nbytes, capacity_bytes=int(cfg.host_cache_gb * 2**30)
     )
     seed = rt.prefix.seed if rt.prefix is not None else b""
-    return PoolTier(tier, rt.pool, seed)
+    return PoolTier(tier, rt.pool, seed, rt.stream)

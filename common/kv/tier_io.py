@@ -17,25 +17,27 @@ prefix lookup restores and what both daemons write back. One per daemon (ModelRu
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import structlog
 import torch
 
 from common.kv.blockhash import _chain, _pack, block_names
-from common.kv.host_index import NONE
+from common.kv.host_index import NONE, Hit
 from common.kv.host_tier import HostTier, checksum
 from common.kv.pool import KVPool
 
 log = structlog.get_logger(__name__)
+INLINE_BYTES = 1 << 20  # a restore this small is copied on the loop (~0.2 ms), not on a thread
 
 
 class PoolTier:
-    def __init__(self, tier: HostTier, pool: KVPool, seed: bytes) -> None:
+    def __init__(self, tier: HostTier, pool: KVPool, seed: bytes, stream: Any = None) -> None:
+        """`stream`: the daemon's CUDA stream, whose work writes the pool (None: the current)."""
         self.tier, self.pool, self.seed = tier, pool, seed
+        self.stream = stream
         self.block_size = pool.layout.block_size
         rows = pool.tensor.view(torch.uint8).reshape(pool.num_blocks, -1)
         self.cuda = rows.device.type == "cuda"
@@ -48,6 +50,10 @@ class PoolTier:
             self.rows_np = rows.numpy()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdkv-tier")
         self.restored_blocks = 0  # blocks restored into the pool (cached_tokens' tier part)
+        # pool block -> the latest write-back queued to read it (`write_later`): a restore into
+        # that block (freed and taken again meanwhile) waits for it, or the write-back would
+        # store the restored bytes under the old block's name
+        self._pending: dict[int, Future[int]] = {}
 
     # -- write back (torch thread) ----------------------------------------------------------------
     def write(self, pairs: Sequence[tuple[bytes, int]]) -> int:
@@ -55,6 +61,15 @@ class PoolTier:
         if self.cuda:
             return self._write_cuda(pairs)
         return self.tier.store_many([(name, self.rows_np[block]) for name, block in pairs])
+
+    def write_later(self, executor: Executor, pairs: Sequence[tuple[bytes, int]]) -> None:
+        """`write(pairs)` queued on `executor` (the torch thread: after the work that wrote the
+        blocks, before any later work that could rewrite them); a restore into one of those
+        blocks waits for it (`restore_async`). From the loop."""
+        future = executor.submit(self.write, pairs)
+        future.add_done_callback(_log_failure)
+        for _, block in pairs:
+            self._pending[block] = future
 
     def _write_cuda(self, pairs: Sequence[tuple[bytes, int]]) -> int:
         """Reserve, enqueue the device → pinned copies on the side stream (the torch thread's
@@ -65,7 +80,7 @@ class PoolTier:
         todo = [(s, b) for (_, s, _), (_, b) in zip(slots, pairs, strict=True) if s != NONE]
         if not todo:
             return 0
-        compute = torch.cuda.current_stream(self.rows.device)
+        compute = self.stream or torch.cuda.current_stream(self.rows.device)
         self.side.wait_stream(compute)  # after the forward or step that wrote the blocks
         with torch.cuda.stream(self.side):
             for slot, block in todo:
@@ -83,11 +98,9 @@ class PoolTier:
                 self.tier.commit(slot, gen, checksum(name, self.tier.slots[slot]))
 
     # -- restore (the tier's thread) --------------------------------------------------------------
-    def restore(self, names: Sequence[bytes], blocks: Sequence[int]) -> int:
-        """Copy the stored blocks named names[0], ... into `blocks` (fresh, the caller's alone);
-        how many leading ones arrived whole. The rest are the caller's to compute."""
-        hits = self.tier.lookup(names[: len(blocks)])
-        good = 0
+    def restore(self, hits: Sequence[Hit], blocks: Sequence[int]) -> int:
+        """Copy the looked-up blocks `hits` into `blocks` (fresh, the caller's alone); how many
+        leading ones arrived whole. The rest are the caller's to compute."""
         if self.cuda:
             good = self._restore_cuda(hits, blocks)
         else:
@@ -95,7 +108,7 @@ class PoolTier:
         self.restored_blocks += good
         return good
 
-    def _restore_cuda(self, hits: list[Any], blocks: Sequence[int]) -> int:
+    def _restore_cuda(self, hits: Sequence[Hit], blocks: Sequence[int]) -> int:
         with torch.cuda.stream(self.side):
             for hit, block in zip(hits, blocks, strict=False):
                 self.rows[block].copy_(self.host[hit.slot], non_blocking=True)
@@ -104,11 +117,24 @@ class PoolTier:
         return self.tier.check_many(hits, [self.tier.slots[h.slot] for h in hits])
 
     async def restore_async(self, names: Sequence[bytes], blocks: Sequence[int]) -> int:
-        """`restore` on the tier's thread, from the loop."""
+        """From the loop: look `names` up (microseconds, here), then, once no queued write-back
+        still reads the target blocks, copy the hits into `blocks`: here when they are few
+        (INLINE_BYTES: a thread hop would cost more, its GIL switch up to 5 ms under load),
+        else on the tier's thread, never the torch thread. How many leading blocks arrived."""
+        hits = self.tier.lookup(names[: len(blocks)])
+        if not hits:
+            return 0
+        blocks = blocks[: len(hits)]
+        waits = [f for b in blocks if (f := self._pending.get(b)) is not None and not f.done()]
+        if waits:
+            await asyncio.gather(*map(asyncio.wrap_future, waits), return_exceptions=True)
+        for b in blocks:
+            if (f := self._pending.get(b)) is not None and f.done():
+                del self._pending[b]
+        if not self.cuda and len(hits) * self.tier.slot_bytes <= INLINE_BYTES:
+            return self.restore(hits, blocks)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._thread, functools.partial(self.restore, names, blocks)
-        )
+        return await loop.run_in_executor(self._thread, self.restore, hits, blocks)
 
     # -- the decode's conversation ----------------------------------------------------------------
     def conversation(self, prompt: Sequence[int], names: Sequence[bytes]) -> Conversation:
@@ -170,8 +196,13 @@ def _unpin(t: torch.Tensor) -> None:
 
 
 def writeback(rt: Any, results: Sequence[tuple[Any, int]]) -> None:
-    """The decode, after a step's results are applied and before any of its sequences' blocks
-    are freed: queue the write-back of every block that step made whole (torch thread)."""
+    """The decode, from its loop, after a step's results are applied and before any of its
+    sequences' blocks are freed: store every block that step made whole, now. Synchronous, as
+    the decode's pulls write freed blocks outside the torch thread (CPU: on this loop; CUDA: on
+    the pull stream), so a write-back queued for later could read a block a pull rewrote. CPU:
+    a memcpy per block. CUDA: the copies on the side stream after the compute stream's work,
+    waited for here (the step in flight included): a cost per step that fills a block, for the
+    GPU run to measure (docs/benchmarks.md)."""
     pt: PoolTier | None = rt.host_tier
     if pt is None:
         return
@@ -181,8 +212,9 @@ def writeback(rt: Any, results: Sequence[tuple[Any, int]]) -> None:
         if tok >= 0 and conv is not None:
             pairs += conv.filled(seq.generated, seq.position, seq.blocks)
     if pairs:
-        future = rt.executor.submit(pt.write, pairs)
-        future.add_done_callback(_log_failure)
+        pt.write(pairs)  # CUDA: on the side stream, after the daemon's stream's work
+        if pt.cuda:
+            pt.side.synchronize()
 
 
 def _log_failure(future: Any) -> None:

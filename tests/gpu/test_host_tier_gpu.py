@@ -5,6 +5,7 @@ after the write-back is stored as it was (the compute stream waits for the copy)
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ def names(n: int) -> list[bytes]:
     return [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(n)]
 
 
+def restore(pt: PoolTier, names: list[bytes], blocks: list[int]) -> int:
+    return asyncio.run(pt.restore_async(names, blocks))
+
+
 def _settle(pt: PoolTier) -> None:
     pt._thread.submit(lambda: None).result()  # the commits queued on the tier's thread
 
@@ -49,7 +54,7 @@ def test_write_back_and_restore_are_exact(pool_tier: PoolTier) -> None:
     pt, n = pool_tier, names(8)
     assert pt.write(list(zip(n, range(8), strict=True))) == 8
     _settle(pt)
-    assert pt.restore(n, list(range(32, 40))) == 8
+    assert restore(pt, n, list(range(32, 40))) == 8
     torch.cuda.synchronize()
     assert torch.equal(pt.pool.tensor[32:40], pt.pool.tensor[0:8])
     assert pt.tier.counts["checksum_failures"] == 0
@@ -61,7 +66,7 @@ def test_a_corrupted_slot_stops_the_restore(pool_tier: PoolTier) -> None:
     _settle(pt)
     hits = pt.tier.lookup(n)
     pt.tier.slots[hits[2].slot][7] ^= 0xFF
-    assert pt.restore(n, list(range(40, 44))) == 2
+    assert restore(pt, n, list(range(40, 44))) == 2
     assert pt.tier.counts["checksum_failures"] == 1
 
 
@@ -71,6 +76,6 @@ def test_compute_stream_waits_for_the_write_back(pool_tier: PoolTier) -> None:
     pt.write([(n[0], 5)])
     pt.pool.tensor[5].fill_(0)  # queued after the copy on the compute stream
     _settle(pt)
-    assert pt.restore(n, [50]) == 1
+    assert restore(pt, n, [50]) == 1
     torch.cuda.synchronize()
     assert torch.equal(pt.pool.tensor[50], want)
