@@ -3,7 +3,7 @@ round trip, crc32 and memcpy bandwidth, a store (reserve + copy + crc + commit),
 (copy + crc + generation check), for the tiny model's block (8 KiB) and an 8B model's (2 MiB:
 32 layers, 8 KV heads of 128, bf16, 16 tokens).
 
-    python bench/host_tier.py
+    python bench/host_tier.py [--cuda 512]
 """
 
 from __future__ import annotations
@@ -70,12 +70,60 @@ def bench(label: str, slot: int, n: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def cuda_restore(blocks: int) -> None:
+    """GPU: an 8B bf16 pool's blocks written back to the pinned tier and restored, GB/s each way
+    (the side stream's copies plus the crc and the index; issue 43's target: restore >= 40 GB/s)."""
+    import asyncio
+
+    import torch
+
+    from common.kv.pool import KVPool, PoolLayout
+    from common.kv.tier_io import PoolTier
+
+    layout = PoolLayout(
+        num_blocks=2 * blocks, num_layers=32, num_kv_heads=8, head_dim=128, block_size=16,
+        dtype="bfloat16",
+    )  # fmt: skip
+    pool = KVPool.create(layout, device="cuda:0")
+    path = Path(f"/dev/shm/pdkv-bench-tier-cuda-{os.getpid()}")
+    try:
+        tier = HostTier.open(
+            path, slot_bytes=layout.block_nbytes, capacity_bytes=blocks * layout.block_nbytes
+        )
+        pt = PoolTier(tier, pool, b"seed")
+        names = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(blocks)]
+        nbytes = blocks * layout.block_nbytes
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pt.write(list(zip(names, range(blocks), strict=True)))
+        pt.side.synchronize()
+        pt._thread.submit(lambda: None).result()  # the commits
+        w = time.perf_counter() - t
+        for _ in range(3):
+            t = time.perf_counter()
+            got = asyncio.run(pt.restore_async(names, list(range(blocks, 2 * blocks))))
+            r = time.perf_counter() - t
+        assert got == blocks
+        print(
+            f"cuda: {blocks} blocks of {layout.block_nbytes >> 10} KiB: write-back "
+            f"{nbytes / w / 1e9:.1f} GB/s, restore {nbytes / r / 1e9:.1f} GB/s (crc included)"
+        )
+        pt.close()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200)
+    ap.add_argument(
+        "--cuda", type=int, metavar="BLOCKS", help="also the GPU restore, BLOCKS blocks"
+    )
     args = ap.parse_args()
     for label, slot in SIZES.items():
         bench(label, slot, args.n if slot < 1 << 20 else max(8, args.n // 20))
+    if args.cuda:
+        cuda_restore(args.cuda)
 
 
 if __name__ == "__main__":

@@ -239,3 +239,14 @@ def test_too_small_and_other_geometry_are_refused(path: Path) -> None:
     tier(path).close()
     with pytest.raises(TierError, match="byte blocks"):
         HostTier.open(path, slot_bytes=2 * SLOT, capacity_bytes=8 * SLOT)
+
+
+def test_checksums_on_threads_equal_one_by_one() -> None:
+    from common.kv.host_tier import PARALLEL_BYTES, checksums
+
+    big = [np.random.default_rng(i).integers(0, 256, 1 << 20, dtype=np.uint8) for i in range(12)]
+    names = [name(i) for i in range(12)]
+    assert PARALLEL_BYTES < 12 << 20  # the threads' path
+    assert checksums(names, big, 1 << 20) == [
+        checksum(n, b) for n, b in zip(names, big, strict=True)
+    ]

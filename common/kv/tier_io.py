@@ -26,7 +26,7 @@ import torch
 
 from common.kv.blockhash import _chain, _pack, block_names
 from common.kv.host_index import NONE, Hit
-from common.kv.host_tier import HostTier, checksum
+from common.kv.host_tier import HostTier, checksums
 from common.kv.pool import KVPool
 
 log = structlog.get_logger(__name__)
@@ -93,9 +93,14 @@ class PoolTier:
 
     def _commit_cuda(self, done: Any, slots: list[tuple[bytes, int, int]]) -> None:
         done.synchronize()
-        for name, slot, gen in slots:
-            if slot != NONE:
-                self.tier.commit(slot, gen, checksum(name, self.tier.slots[slot]))
+        taken = [(name, slot, gen) for name, slot, gen in slots if slot != NONE]
+        crcs = checksums(
+            [n for n, _, _ in taken],
+            [self.tier.slots[s] for _, s, _ in taken],
+            self.tier.slot_bytes,
+        )
+        for (_, slot, gen), crc in zip(taken, crcs, strict=True):
+            self.tier.commit(slot, gen, crc)
 
     # -- restore (the tier's thread) --------------------------------------------------------------
     def restore(self, hits: Sequence[Hit], blocks: Sequence[int]) -> int:
