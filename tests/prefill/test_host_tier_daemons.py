@@ -90,6 +90,9 @@ def test_repeats_after_pool_eviction_equal_tier_off(pairs: dict[bool, Pair], tin
     stats = tier_stats(pairs[True])
     assert stats["hits"] >= 3 * 4 and stats["checksum_failures"] == 0
     assert tier_stats(pairs[False]) == {}
+    argv = [sys.executable, "-m", "pdkv.cli", "--runtime-dir", str(pairs[True].runtime), "status"]
+    shown = subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout
+    assert shown.count("host tier") == 2 and f"{stats['hits']} read" in shown  # both daemons
 
 
 def test_eight_turn_conversation_finds_its_answers(pairs: dict[bool, Pair], tiny) -> None:  # type: ignore[no-untyped-def]
