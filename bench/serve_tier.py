@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 from serve_daemons import ServerTimings, daemon_stream, own_pair
@@ -110,14 +112,16 @@ def run(args: argparse.Namespace, common: list[str], vocab: int) -> list[dict]:
         str(max(args.num_blocks, max(final) // args.block_size * len(convs) + len(convs) * 4)),
     ]
     runs = []
+    tier = Path(f"/dev/shm/pdkv-bench-tier-{os.getpid()}")  # its own, removed at the end
     for on in (True, False):
-        extra = ["--host-cache-gb", str(args.host_cache_gb)] if on else []
-        with own_pair(common + extra, decode) as sock:
+        extra = ["--host-cache-gb", str(args.host_cache_gb), "--host-cache-path", str(tier)]
+        with own_pair(common + (extra if on else []), decode) as sock:
             warm = argparse.Namespace(**{**vars(args), "requests": 1, "seed": args.seed + 1})
             asyncio.run(_run_all(sock, [[p[:16] for p in conversations(warm, vocab)[0][:2]]], args))
             t0 = time.perf_counter()
             results = asyncio.run(_run_all(sock, convs, args))
             took = time.perf_counter() - t0
+        tier.unlink(missing_ok=True)
         runs.append({"host_tier": on, "duration_s": took, "turns": summarize(results),
                      "answers": [[t["answer"] for t in c] for c in results]})  # fmt: skip
     same = runs[0]["answers"] == runs[1]["answers"]
