@@ -14,8 +14,9 @@ log = structlog.get_logger(__name__)
 
 async def restore(pt: PoolTier, req: PrefillRequest, hit: int) -> int:
     """After the pool's cache gave the prompt's first `hit` blocks: copy the tier's next ones into
-    the request's fresh blocks (on the tier's thread: no other request's forward waits for it);
-    how many arrived whole. Like the pool's cache, never the block holding the last token."""
+    the request's fresh blocks (PoolTier.restore_async: never on the torch thread, so no other
+    request's forward waits for it); how many arrived whole. Like the pool's cache, never the
+    block holding the last token."""
     limit = (len(req.prompt_tokens) - 1) // pt.block_size
     if limit <= hit:
         return 0
