@@ -11,6 +11,7 @@ import structlog
 
 from common.daemon.runtime import ModelRuntime
 from common.errors import OutOfBlocks, PdkvError
+from common.kv.tier_io import settle
 from common.protocol import ErrorCode, Handoff
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
@@ -44,6 +45,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
     cache = rt.prefix
     names = cache.names(h.prompt_tokens) if cache is not None else []
     hit = cache.hit(names, h.num_tokens) if cache is not None else []
+    settle(rt)  # the host tier's write-backs are done reading blocks freed meanwhile
     try:
         blocks = rt.allocator.allocate(
             seq_key(peer.link_id, h.request_id), need - len(hit), reuse=hit

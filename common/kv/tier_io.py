@@ -54,6 +54,7 @@ class PoolTier:
         # that block (freed and taken again meanwhile) waits for it, or the write-back would
         # store the restored bytes under the old block's name
         self._pending: dict[int, Future[int]] = {}
+        self.last_copy: Any = None  # CUDA: recorded after the latest write-back's copies
 
     # -- write back (torch thread) ----------------------------------------------------------------
     def write(self, pairs: Sequence[tuple[bytes, int]]) -> int:
@@ -87,6 +88,7 @@ class PoolTier:
                 self.host[slot].copy_(self.rows[block], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.side)
+        self.last_copy = done
         compute.wait_stream(self.side)  # nothing later on the compute stream rewrites them first
         self._thread.submit(self._commit_cuda, done, slots).add_done_callback(_log_failure)
         return len(todo)
@@ -202,12 +204,11 @@ def _unpin(t: torch.Tensor) -> None:
 
 def writeback(rt: Any, results: Sequence[tuple[Any, int]]) -> None:
     """The decode, from its loop, after a step's results are applied and before any of its
-    sequences' blocks are freed: store every block that step made whole, now. Synchronous, as
-    the decode's pulls write freed blocks outside the torch thread (CPU: on this loop; CUDA: on
-    the pull stream), so a write-back queued for later could read a block a pull rewrote. CPU:
-    a memcpy per block. CUDA: the copies on the side stream after the compute stream's work,
-    waited for here (the step in flight included): a cost per step that fills a block, for the
-    GPU run to measure (docs/benchmarks.md)."""
+    sequences' blocks are freed: store every block that step made whole. CPU: now (a memcpy a
+    block), as the decode's pulls write freed blocks on this loop. CUDA: the copies enqueued on
+    the side stream after the daemon's stream's work, committed later on the tier's thread; a
+    block freed meanwhile is not written by a pull before they are done, as every allocation
+    that a pull writes calls `settle` first."""
     pt: PoolTier | None = rt.host_tier
     if pt is None:
         return
@@ -217,9 +218,18 @@ def writeback(rt: Any, results: Sequence[tuple[Any, int]]) -> None:
         if tok >= 0 and conv is not None:
             pairs += conv.filled(seq.generated, seq.position, seq.blocks)
     if pairs:
-        pt.write(pairs)  # CUDA: on the side stream, after the daemon's stream's work
-        if pt.cuda:
-            pt.side.synchronize()
+        pt.write(pairs)
+
+
+def settle(rt: Any) -> None:
+    """The decode, before it allocates blocks a pull will write: the write-back copies enqueued
+    so far (CUDA) are done reading the pool (a host wait only if the last is still running:
+    it waits for the step that was in flight when it was enqueued). Nothing on CPU."""
+    pt: PoolTier | None = rt.host_tier
+    if pt is not None and pt.cuda and pt.last_copy is not None:
+        if not pt.last_copy.query():
+            pt.last_copy.synchronize()
+        pt.last_copy = None
 
 
 def _log_failure(future: Any) -> None:
@@ -227,4 +237,4 @@ def _log_failure(future: Any) -> None:
         log.error("host_tier_write_failed", exc_info=future.exception())
 
 
-__all__ = ["Conversation", "PoolTier", "writeback"]
+__all__ = ["Conversation", "PoolTier", "settle", "writeback"]
