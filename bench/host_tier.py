@@ -97,7 +97,7 @@ def cuda_restore(blocks: int) -> None:
         t = time.perf_counter()
         pt.write(list(zip(names, range(blocks), strict=True)))
         pt.side.synchronize()
-        pt._thread.submit(lambda: None).result()  # the commits
+        pt._commits.submit(lambda: None).result()  # the commits
         w = time.perf_counter() - t
         for _ in range(3):
             t = time.perf_counter()

@@ -48,7 +48,9 @@ class PoolTier:
             self.side = torch.cuda.Stream(rows.device)
         else:
             self.rows_np = rows.numpy()
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdkv-tier")
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="pdkv-tier")  # restores
+        # CUDA write-backs' crc + commit: apart, as each waits for its copies (behind a forward)
+        self._commits = ThreadPoolExecutor(1, thread_name_prefix="pdkv-tier-commit")
         self.restored_blocks = 0  # blocks restored into the pool (cached_tokens' tier part)
         # pool block -> the latest write-back queued to read it (`write_later`): a restore into
         # that block (freed and taken again meanwhile) waits for it, or the write-back would
@@ -90,7 +92,7 @@ class PoolTier:
             done.record(self.side)
         self.last_copy = done
         compute.wait_stream(self.side)  # nothing later on the compute stream rewrites them first
-        self._thread.submit(self._commit_cuda, done, slots).add_done_callback(_log_failure)
+        self._commits.submit(self._commit_cuda, done, slots).add_done_callback(_log_failure)
         return len(todo)
 
     def _commit_cuda(self, done: Any, slots: list[tuple[bytes, int, int]]) -> None:
@@ -156,6 +158,7 @@ class PoolTier:
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+        self._commits.shutdown(wait=True)  # a commit started is finished: its slot is READY
         if self.cuda:
             _unpin(self.host)
             self.host = None  # type: ignore[assignment]

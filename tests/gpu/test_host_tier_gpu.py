@@ -47,7 +47,7 @@ def restore(pt: PoolTier, names: list[bytes], blocks: list[int]) -> int:
 
 
 def _settle(pt: PoolTier) -> None:
-    pt._thread.submit(lambda: None).result()  # the commits queued on the tier's thread
+    pt._commits.submit(lambda: None).result()  # the commits queued on their thread
 
 
 def test_write_back_and_restore_are_exact(pool_tier: PoolTier) -> None:
