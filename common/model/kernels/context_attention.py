@@ -98,6 +98,7 @@ def _context_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     rows: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`varlen_context_attention` with its launch choices open (the tests and the bench force
     them; None takes `context_splits`'s splits, and 8 warps for tiles of 128 x 64 or more and in
@@ -120,6 +121,7 @@ def _context_attention(
     else:
         part_o = part_ml = out  # not read or written
     group = hq // hkv
+    block_n = 64 if d <= 64 else 32
     context_split[(q_tiles, hkv, num_seqs * splits)](
         q,
         kv,
@@ -131,6 +133,7 @@ def _context_attention(
         block_tables,
         layer,
         (scale if scale is not None else d**-0.5) * LOG2E,
+        window,
         n,
         hq,
         splits,
@@ -149,9 +152,10 @@ def _context_attention(
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=64 if d <= 64 else 32,
+        BLOCK_N=block_n,
         SPLIT_KEYS=SPLIT_KEYS,
         SPLIT=splits > 1,
+        SLIDING=window > 0,
         IEEE=fp32,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -163,6 +167,7 @@ def _context_attention(
             out,
             cu_seqlens,
             starts,
+            window,
             num_seqs,
             n,
             hq,
@@ -175,6 +180,8 @@ def _context_attention(
             BLOCK_Q=block_q,
             SPLIT_KEYS=SPLIT_KEYS,
             SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
+            BLOCK_N=block_n,
+            SLIDING=window > 0,
             num_warps=1 if group_pad * d <= 512 else 2,
         )
     return out
@@ -190,12 +197,14 @@ def varlen_context_attention(
     max_seqlen: int,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`varlen_causal_attention` with a paged context: q [N, Hq, D] of sequences concatenated
     (`cu_seqlens`); sequence s's tokens are its positions starts[s] .. starts[s]+len-1, and the
     K/V of its positions 0 .. starts[s]+len-1 (the new tokens' own already stored) is in `kv`
     [num_blocks, layers, 2, block_size, Hkv, D] through `block_tables` [S, W]. Each token attends
-    to its sequence's positions up to its own. All on q's device; returns [N, Hq, D] of q's dtype.
+    to its sequence's positions up to its own (with a sliding `window` W > 0, only to the last W
+    of them: key tiles wholly before a query tile's windows are never read). All on q's device; returns [N, Hq, D] of q's dtype.
     This is `common.model.paged.context_attention` for every sequence at once.
 
     The launch (grid, splits, scratch sizes) depends only on q's and kv's shapes, the number of
@@ -204,7 +213,7 @@ def varlen_context_attention(
     length 0 reads and writes nothing; rows past cu_seqlens[-1] are left unwritten.
     """
     return _context_attention(
-        q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen, scale=scale
+        q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen, scale=scale, window=window
     )
 
 
