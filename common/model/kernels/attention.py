@@ -23,7 +23,7 @@ PARTITION = 256  # context tokens per split of the paged-decode kernel
 
 @triton.jit
 def online_softmax_step(
-    q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr
+    q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr = False
 ):
     """One tile of flash attention: fold keys k / values v [N, D] (where `keep` [M, N]) into the
     running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32.
