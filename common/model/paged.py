@@ -107,8 +107,9 @@ def paged_attention(
 
     Grouped-query attention: query head h reads KV head h // (Hq // Hkv). Positions >= seq_lens[b]
     are masked out, and with a sliding `window` W > 0 so are those < seq_lens[b] - W (the query
-    at position seq_lens[b] - 1 sees W keys, itself included) (scores to -inf, values to 0, so garbage in unused slots cannot leak). Scores and
-    softmax are computed in fp32; the result has q's dtype. Each row's result depends only on its
+    at position seq_lens[b] - 1 sees W keys, itself included): scores to -inf, values to 0, so
+    garbage in unused slots cannot leak. Scores and softmax are computed in fp32; the result has
+    q's dtype. Each row's result depends only on its
     own q, block table and length (no cross-row reduction).
     """
     b, hq, d = q.shape

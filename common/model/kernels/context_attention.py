@@ -16,6 +16,10 @@ It is laid out like the paged-decode kernel:
   on the device; the key tiles below the tile's first position need no mask, only the last one
   or two (the diagonal) are masked, and keys past the last query are never read. A used split
   that gets no keys stores m = -inf, l = 0; an unused one does nothing;
+- with a sliding window W (a plain argument: a graph keeps each layer's), a tile's keys start
+  instead at the BLOCK_N tile holding its first query's window start (start + m0 - W + 1), the
+  splits are counted over the keys from there, and only the key tiles every row sees (from its
+  last query's window start to its first query) go unmasked;
 - a tile of one split writes its rows of the output; with more, each split writes fp32 partial
   (acc, m, l) and `context_merge` (one program per token and KV head, counting its tile's
   splits the same way) combines them.
@@ -204,8 +208,8 @@ def varlen_context_attention(
     K/V of its positions 0 .. starts[s]+len-1 (the new tokens' own already stored) is in `kv`
     [num_blocks, layers, 2, block_size, Hkv, D] through `block_tables` [S, W]. Each token attends
     to its sequence's positions up to its own (with a sliding `window` W > 0, only to the last W
-    of them: key tiles wholly before a query tile's windows are never read). All on q's device; returns [N, Hq, D] of q's dtype.
-    This is `common.model.paged.context_attention` for every sequence at once.
+    of them: key tiles wholly before a query tile's windows are never read). All on q's device;
+    returns [N, Hq, D] of q's dtype. This is `common.model.paged.context_attention` for every sequence at once.
 
     The launch (grid, splits, scratch sizes) depends only on q's and kv's shapes, the number of
     sequences, W and `max_seqlen`, never on the values of `cu_seqlens` or `starts`, so a CUDA
