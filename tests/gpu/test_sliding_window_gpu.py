@@ -6,7 +6,6 @@ prompt, with prompts long enough that the window crosses blocks of 16 and the de
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from pathlib import Path
 
@@ -35,9 +34,7 @@ PROMPT = 300  # tokens: the decode's context crosses its kernel's 256-key splits
 def _checkpoint(path: Path, family: str):  # type: ignore[no-untyped-def]
     """save_hf_model's windowed checkpoint with room for 1,024 positions (its 256 would hold no
     prompt past a decode split); the HF model on the GPU."""
-    hf = save_hf_model(path, family, **WINDOWED[family])
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    hf = save_hf_model(path, family, config={"max_position_embeddings": 1024}, **WINDOWED[family])
     return hf.to("cuda")
 
 
