@@ -1,7 +1,7 @@
 """Sliding-window attention on the GPU in fp32: the kernels, the decode and prefill CUDA graphs
 and the daemons (prefix cache on) give transformers' greedy tokens for a window shorter than the
-prompt, with prompts long enough that the window crosses blocks of 16 and the decode kernel's
-256-key splits (whole splits before the window are skipped)."""
+prompt, with prompts long enough that the window crosses blocks of 16 and the context is wider
+than one of the decode kernel's 256-key splits (which start at each row's window)."""
 
 from __future__ import annotations
 

@@ -211,9 +211,9 @@ def _tables(ends: list[int], blocks: int, block_size: int, width: int, gen) -> t
 @KERNELS
 @pytest.mark.parametrize("window", [1, 8, 100, 300])
 def test_paged_decode_kernel_masks_by_window(window: int) -> None:
-    """Rows of lengths across blocks and the kernel's 256-key splits (whole splits before the
-    window are skipped), a padded row of length 0; NaN in every slot the window leaves out of
-    a row would spoil it if read."""
+    """Rows of lengths across blocks and the kernel's 256-key splits (which start at each row's
+    window, one per 256 keys of the window), a padded row of length 0; NaN in every slot the
+    window leaves out of a row would spoil it if read."""
     from common.model.kernels.attention import paged_decode_attention
 
     gen = torch.Generator().manual_seed(window)

@@ -9,7 +9,8 @@ merges the splits (flash-decoding). The grid depends only on the table's width, 
 captured at one width replays for every batch of that bucket. A row of length 0 (a padded graph
 slot) reads nothing and yields zeros. With a sliding window W (`window`, a plain argument, so
 each layer's launch keeps its own in a captured graph) a row reads only its last W positions:
-the splits before them, and the blocks there, are never loaded.
+the splits start at the row's window (a launch has one per PARTITION of the window, not of the
+table), and the blocks before it are never loaded.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def _paged_decode_split(
     split = tl.program_id(2)
     num_kv = tl.num_programs(1)
     seq_len = tl.load(lens_ptr + row).to(tl.int32)
-    start = split * PARTITION
-    end = tl.minimum(start + PARTITION, seq_len)
+    base = 0
     if SLIDING:  # the query (position seq_len - 1) sees positions seq_len - window .. on
-        start = tl.maximum(start, seq_len - window)
+        base = tl.maximum(seq_len - window, 0)
+    start = base + split * PARTITION
+    end = tl.minimum(start + PARTITION, seq_len)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     heads = kvh * GROUP + offs_g
@@ -139,9 +141,12 @@ def _paged_decode_merge(
     )
 
 
-def decode_splits(table_width: int, block_size: int) -> int:
-    """Splits of the context for a block table `table_width` blocks wide."""
-    return max(1, -(-(table_width * block_size) // PARTITION))
+def decode_splits(table_width: int, block_size: int, window: int = 0) -> int:
+    """Splits of the context for a block table `table_width` blocks wide: one per PARTITION
+    positions it holds, or with a sliding `window` > 0 at most one per PARTITION of the window
+    (split s then starts s * PARTITION after the row's window does)."""
+    keys = table_width * block_size
+    return max(1, -(-(min(keys, window) if window else keys) // PARTITION))
 
 
 def paged_decode_attention(
@@ -164,7 +169,7 @@ def paged_decode_attention(
     b, hq, d = q.shape
     _, _, _, block_size, hkv, _ = kv.shape
     group = hq // hkv
-    splits = decode_splits(block_tables.shape[1], block_size)
+    splits = decode_splits(block_tables.shape[1], block_size, window)
     part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device) if out is None else out
