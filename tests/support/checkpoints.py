@@ -148,7 +148,7 @@ def save_hf_model(
     rest go to save_pretrained. Skips the test where transformers is not installed."""
     transformers = pytest.importorskip("transformers")
     config_cls, model_cls = (getattr(transformers, n) for n in _HF_CLASSES[family])
-    # Mistral's default window (4096) would be refused: none unless the test asks for one
+    # Mistral's default window (4096): none unless the test asks for one
     fields: dict = {"sliding_window": None} if family == "mistral" else {}
     fields |= {k: kw.pop(k) for k in list(kw) if k in _WINDOW_FIELDS}
     shape = dict(
