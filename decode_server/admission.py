@@ -12,6 +12,7 @@ import structlog
 from common.daemon.runtime import ModelRuntime
 from common.errors import OutOfBlocks, PdkvError
 from common.protocol import ErrorCode, Handoff
+from decode_server.grammars import start as start_grammar
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
 
@@ -28,6 +29,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         consumer.validate(h, rt.model.config.vocab_size)
         if h.sampling.max_tokens < 1:  # max_tokens 0 (prompt logprobs only) never leaves P
             raise ValueError("a HANDOFF with max_tokens 0 has nothing to decode")
+        grammar = start_grammar(rt, h.sampling, stop_ids)  # GrammarError: before any block
     except (ValueError, PdkvError) as exc:
         refuse(peer, h.request_id, str(exc))
         return None
@@ -73,6 +75,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         names=names,
         cached_blocks=len(hit),
         prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
+        grammar=grammar,
     )
 
 

@@ -47,6 +47,7 @@ from common.protocol import (
     StepTokens,
     Tokens,
 )
+from common.structured import grammars_for
 from common.transfer import Producer
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
@@ -285,7 +286,9 @@ class RequestPipeline:
                 return
             req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
-            reason = finish_reason(req.generated, req.sampling, stops)
+            reason = (
+                "stop" if answer.complete else finish_reason(req.generated, req.sampling, stops)
+            )
             if not reason:
                 await self.handoff.ready(req, first)  # after an early HANDOFF: KV_READY
             yield self.output.tokens(
@@ -325,6 +328,9 @@ class RequestPipeline:
             max_positions=config.max_position_embeddings,
         )
         sampling = msg.sampling.validate().with_seed()
+        if sampling.structured is not None:  # GrammarError (BAD_REQUEST) before any block
+            cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
+            cache.compile(sampling.structured)
         return PrefillRequest(rid, prompt, sampling, stream=msg.stream)
 
     async def _prefill(self, req: PrefillRequest) -> tuple[FirstToken, int]:

@@ -1,0 +1,56 @@
+"""Token bitmasks: which tokens a constrained sequence may draw next, and their one masked pass.
+
+A bitmask is int32 [rows, ceil(vocab / 32)] on the host: bit j of word w allows token 32·w + j
+(the layout llguidance and xgrammar fill). `apply` unpacks the rows of the constrained sequences
+on the logits' device and sets every disallowed logit to -inf in one pass for the batch; a batch
+with no constrained sequence never calls it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def words(vocab: int) -> int:
+    """int32 words of one row of a `vocab`-token bitmask."""
+    return (vocab + 31) // 32
+
+
+def allocate(rows: int, vocab: int) -> torch.Tensor:
+    """A host bitmask of `rows` rows with every token allowed (-1: every bit set)."""
+    return torch.full((rows, words(vocab)), -1, dtype=torch.int32)
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    shifts = _SHIFTS.get(device)
+    if shifts is None:
+        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    return shifts
+
+
+def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab]: the bits of `mask` [rows, words] unpacked (on `mask`'s device)."""
+    bits = (mask.unsqueeze(-1) >> _shifts(mask.device)) & 1
+    return bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
+
+
+def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """A copy of `logits` [B, vocab] where each row rows[i] keeps only the tokens mask[i]
+    allows (the others -inf); `mask` [len(rows), words] int32 on the host, copied to the
+    logits' device once. The logits as given when `rows` is empty."""
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    ok = allowed(mask.to(logits.device, non_blocking=True), vocab)
+    out = logits.clone()
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    picked = out.index_select(0, index)
+    out.index_copy_(0, index, picked.masked_fill(~ok, -math.inf))
+    return out
+
+
+__all__ = ["allocate", "allowed", "apply", "words"]

@@ -1,0 +1,89 @@
+"""The grammar of a constrained sequence in the decode (issue 42), rebuilt from the HANDOFF.
+
+The HANDOFF carries the request's `structured` spec and the tokens so far (the prefill's first
+token, in HANDOFF or KV_READY): `start` compiles the spec (the daemon's cache: a schema seen
+before is not compiled again) into a fresh matcher, which accepts the generated tokens as they
+come (`SequenceGrammar.catch_up`, from `Sequence.check_finished`), so it always stands after the
+last one. `StepMasks.fill` writes the masks of a step's constrained rows into one host bitmask,
+on the torch thread after the step's forward was launched (on CUDA the GPU runs it meanwhile);
+a batch without a constrained sequence never gets here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import structlog
+import torch
+
+from common.daemon.runtime import ModelRuntime
+from common.sampling_params import SamplingParams
+from common.structured import Matcher, bitmask, grammars_for
+
+if TYPE_CHECKING:
+    from decode_server.sequence import Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class SequenceGrammar:
+    """A sequence's matcher and how many of its generated tokens it has accepted."""
+
+    matcher: Matcher
+    accepted: int = 0
+    refused: int | None = None  # a token the grammar did not allow (a bug if it ever happens)
+
+    def catch_up(self, generated: Seq[int]) -> None:
+        """Accept the tokens of `generated` not accepted yet (one per step)."""
+        while self.accepted < len(generated) and self.refused is None:
+            token = generated[self.accepted]
+            if not self.matcher.accept(token):
+                self.refused = token
+                return
+            self.accepted += 1
+
+    @property
+    def done(self) -> bool:
+        """Whether the sequence ends here: its text is complete (or a token broke it)."""
+        return self.refused is not None or self.matcher.terminated
+
+
+def start(
+    rt: ModelRuntime, sampling: SamplingParams, stop_ids: frozenset[int]
+) -> SequenceGrammar | None:
+    """The grammar of a HANDOFF's request (None when unconstrained); GrammarError naming the
+    problem when its spec does not compile (the caller refuses the HANDOFF)."""
+    if sampling.structured is None:
+        return None
+    cache = grammars_for(rt.tokenizer, rt.model.config.vocab_size, stop_ids)
+    return SequenceGrammar(cache.compile(sampling.structured).matcher())
+
+
+class StepMasks:
+    """The host bitmask a step's constrained rows are filled into (torch thread only)."""
+
+    def __init__(self, max_batch: int, vocab: int) -> None:
+        self._mask = bitmask.allocate(max_batch, vocab)
+
+    def fill(self, batch: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
+        """(the constrained rows of `batch`, their bitmask rows), or None when it has none."""
+        rows = [i for i, s in enumerate(batch) if s.grammar is not None]
+        if not rows:
+            return None
+        mask = self._mask[: len(rows)]
+        mask.zero_()
+        for j, i in enumerate(rows):
+            g = batch[i].grammar
+            assert g is not None
+            g.catch_up(batch[i].generated)
+            if g.refused is None:
+                g.matcher.fill(mask, j)
+            else:  # nothing allowed: the draw fails this sequence alone (SamplingError)
+                log.error("grammar_refused_token", request_id=batch[i].request_id, token=g.refused)
+        return rows, mask
+
+
+__all__ = ["SequenceGrammar", "StepMasks", "start"]
