@@ -11,22 +11,21 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.torch
 import pytest
 import torch
 
 from common import client
 from common.sampling_params import SamplingParams, StructuredOutput
 from common.structured.grammar import JSON_LAYOUT
-from pdkv import models
 from tests.support.daemons import Pair, all_free
 from tests.support.schemas import SCHEMAS
 from tests.support.smollm2 import smollm2_dir
 
 transformers = pytest.importorskip("transformers")
-llguidance = pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
-import llguidance.hf  # noqa: E402
-import llguidance.torch  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a 135M model on CPU: about a minute
 MAX_TOKENS = 96
