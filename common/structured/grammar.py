@@ -43,7 +43,8 @@ class Matcher(Protocol):
         """Write the tokens allowed next into row `row` of the host int32 bitmask `mask`."""
 
     def accept(self, token: int) -> bool:
-        """Advance past `token`; False (and nothing changed) when the grammar forbids it."""
+        """Advance past `token`; False when the grammar forbids it (the matcher is then broken:
+        the sequence ends; a masked draw never gets here)."""
 
     @property
     def terminated(self) -> bool:

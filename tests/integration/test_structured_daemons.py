@@ -66,6 +66,15 @@ def test_unconstrained_neighbour_unchanged_and_constrained_valid(pair, tiny) -> 
     _idle(pair)
 
 
+def test_constrained_joining_overlapped_steps(pair_factory, tiny) -> None:  # type: ignore[no-untyped-def]
+    """With --overlap-steps always, plain sequences run steps ahead until a constrained one
+    joins; the batch then steps the plain way and goes ahead again once it has left."""
+    pair_factory.start("decode", "--overlap-steps", "always")
+    pair_factory.start("prefill")
+    test_unconstrained_neighbour_unchanged_and_constrained_valid(pair_factory, tiny)
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+
+
 def test_200_seeded_samples_validate(pair) -> None:  # type: ignore[no-untyped-def]
     n = 200
     schemas = [SMALL[i % len(SMALL)] for i in range(n)]
