@@ -2,7 +2,8 @@
 the tokens through both daemons equal transformers' `generate` with llguidance's token masks as
 its logits processor (built here from the library itself and transformers' tokenizer, not from
 pdkv's wrapper), and every answer parses and validates against its schema (`jsonschema`). The
-schemas go through one daemon pair as one batch."""
+schemas go through one daemon pair as one batch. Through the API on the same pair, the openai
+client's `parse` turns the model's answer into a Pydantic object."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import jsonschema
 import llguidance
 import llguidance.hf
 import llguidance.torch
+import pydantic
 import pytest
 import torch
 
 from common import client
 from common.sampling_params import SamplingParams, StructuredOutput
 from common.structured.grammar import JSON_LAYOUT
+from tests.support.api import start_api
 from tests.support.daemons import Pair, all_free
 from tests.support.schemas import SCHEMAS
 from tests.support.smollm2 import smollm2_dir
@@ -139,3 +142,28 @@ def test_greedy_schemas_equal_transformers_and_validate(pair: Pair, hf) -> None:
         jsonschema.validate(json.loads(res.text), schema)
         assert res.tokens == hf_constrained(hf, ids, schema), (i, res.text)
     assert all_free(pair.client_socket) and all_free(pair.link_socket)
+
+
+class Capital(pydantic.BaseModel):
+    country: str = pydantic.Field(max_length=24)
+    capital: str = pydantic.Field(max_length=24)
+
+
+def test_openai_parse_with_the_real_model(pair: Pair) -> None:
+    api = start_api(pair.runtime)
+    try:
+        client_ = api.sync_client()
+        parse = getattr(client_.chat.completions, "parse", None)
+        parse = parse or client_.beta.chat.completions.parse
+        done = parse(
+            model=smollm2_dir().name,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=60,
+            temperature=0,
+            response_format=Capital,
+        )
+        answer = done.choices[0].message.parsed
+        assert isinstance(answer, Capital), done.choices[0].message.content
+        assert "Paris" in answer.capital, answer  # a real model: it knows
+    finally:
+        assert api.stop() == 0
