@@ -28,28 +28,32 @@ def allocate(rows: int, vocab: int) -> torch.Tensor:
 def _shifts(device: torch.device) -> torch.Tensor:
     shifts = _SHIFTS.get(device)
     if shifts is None:
-        shifts = _SHIFTS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        shifts = _SHIFTS[device] = torch.arange(8, dtype=torch.uint8, device=device)
     return shifts
 
 
 def allowed(mask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool [rows, vocab]: the bits of `mask` [rows, words] unpacked (on `mask`'s device)."""
-    bits = (mask.unsqueeze(-1) >> _shifts(mask.device)) & 1
-    return bits.reshape(mask.shape[0], -1)[:, :vocab].bool()
+    """bool [rows, vocab]: the bits of `mask` [rows, words] unpacked (on `mask`'s device).
+    Read as bytes (little-endian: bit j of a word is bit j % 8 of its byte j // 8), which
+    unpacks a quarter of the elements an int32 shift would."""
+    as_bytes = mask.contiguous().view(torch.uint8)
+    bits = (as_bytes.unsqueeze(-1) >> _shifts(mask.device)) & 1
+    return bits.view(mask.shape[0], -1)[:, :vocab].bool()
 
 
 def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
-    """A copy of `logits` [B, vocab] where each row rows[i] keeps only the tokens mask[i]
-    allows (the others -inf); `mask` [len(rows), words] int32 on the host, copied to the
-    logits' device once. The logits as given when `rows` is empty."""
+    """`logits` [B, vocab] where each row rows[i] (ascending) keeps only the tokens mask[i]
+    allows, the others -inf, as a new tensor; `mask` [len(rows), words] int32 on the host,
+    copied to the logits' device once. The logits as given when `rows` is empty."""
     if not rows:
         return logits
-    vocab = logits.shape[-1]
+    n, vocab = logits.shape
     ok = allowed(mask.to(logits.device, non_blocking=True), vocab)
-    out = logits.clone()
+    if len(rows) == n:  # every row constrained: one pass, no gather
+        return torch.where(ok, logits, -math.inf)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    picked = out.index_select(0, index)
-    out.index_copy_(0, index, picked.masked_fill(~ok, -math.inf))
+    out = logits.clone()
+    out.index_copy_(0, index, torch.where(ok, logits.index_select(0, index), -math.inf))
     return out
 
 
