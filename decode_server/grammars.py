@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 import torch
@@ -21,9 +21,6 @@ import torch
 from common.daemon.runtime import ModelRuntime
 from common.sampling_params import SamplingParams
 from common.structured import Matcher, bitmask, grammars_for
-
-if TYPE_CHECKING:
-    from decode_server.sequence import Sequence
 
 log = structlog.get_logger(__name__)
 
@@ -62,13 +59,21 @@ def start(
     return SequenceGrammar(cache.compile(sampling.structured).matcher())
 
 
+class _Row(Protocol):
+    """What a mask needs of a sequence (decode_server.sequence.Sequence has it)."""
+
+    request_id: str
+    generated: list[int]
+    grammar: SequenceGrammar | None
+
+
 class StepMasks:
     """The host bitmask a step's constrained rows are filled into (torch thread only)."""
 
     def __init__(self, max_batch: int, vocab: int) -> None:
         self._mask = bitmask.allocate(max_batch, vocab)
 
-    def fill(self, batch: list[Sequence]) -> tuple[list[int], torch.Tensor] | None:
+    def fill(self, batch: Seq[_Row]) -> tuple[list[int], torch.Tensor] | None:
         """(the constrained rows of `batch`, their bitmask rows), or None when it has none."""
         rows = [i for i, s in enumerate(batch) if s.grammar is not None]
         if not rows:
