@@ -1,7 +1,10 @@
 """llguidance vs xgrammar on this host (issue 42 item 1): compile time of a JSON schema and the
 per-token mask time at batch 1 and 64, with the tiny model's byte tokenizer and SmolLM2's.
 
-    .venv/bin/python bench/grammar_libs.py [--smollm2 DIR] [--steps 40]
+    .venv/bin/python bench/grammar_libs.py [--smollm2 DIR] [--steps 200]
+
+xgrammar is not a dependency (it brings triton and apache-tvm-ffi): `pip install xgrammar` into
+the venv to compare, then uninstall it; without it only llguidance is measured.
 
 Each sequence follows the same valid answer (tokenized by the tokenizer); a step fills the mask
 of every sequence of the batch (one after the other on this thread, as the engine does) and then
@@ -12,6 +15,7 @@ several distinct schemas), from text to a matcher ready for its first mask.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
@@ -185,6 +189,9 @@ def main() -> None:
     ]
     for label, path, byte_vocab, ids in cases:
         for cls in (Llg, Xgr):
+            if cls is Xgr and importlib.util.find_spec("xgrammar") is None:
+                print(f"{label:26s} xgrammar   not installed (pip install xgrammar)")
+                continue
             t0 = time.perf_counter()
             if cls is Llg:
                 lib = cls(None if path is None else path.read_text(), byte_vocab)
