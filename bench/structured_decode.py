@@ -10,6 +10,8 @@ On the CPU the forward runs on the host thread, so the masks' time adds to the s
 kernels are queued, while the GPU runs them.
 
     .venv/bin/python bench/structured_decode.py [--model DIR] [--batch 1 64] [--steps 30]
+    # one GPU, TinyLlama-1.1B's shape (random bf16 weights, byte tokenizer for the grammar):
+    python3 bench/structured_decode.py --device cuda:0 --shape tinyllama-1.1b --steps 50
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
 
@@ -143,13 +146,34 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument(
+        "--shape",
+        default=None,
+        help="build a random checkpoint of this bench/engine.py shape (on cuda:0) as --model",
+    )
     args = ap.parse_args()
     logs.configure(level="WARNING")
     torch.set_num_threads(args.threads)
     grammars_mod.StepMasks.fill = _timed(grammars_mod.StepMasks.fill, "fill")  # type: ignore[method-assign]
     sampling_mod.bitmask.apply = _timed(sampling_mod.bitmask.apply, "apply")  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = DecodeConfig(runtime_dir=Path(tmp), device="cpu", num_blocks=8192, model=args.model)
+        model = args.model
+        if args.shape is not None:
+            from engine import build_checkpoint  # bench/engine.py
+
+            model = Path(tmp) / "ckpt"
+            build_checkpoint(model, args.shape)
+            torch.cuda.empty_cache()
+        cfg = DecodeConfig(
+            runtime_dir=Path(tmp),
+            device=args.device,
+            dtype=args.dtype,
+            num_blocks=8192,
+            model=None if model is None else str(model),
+            allow_byte_tokenizer=args.shape is not None,
+        )
         rt = load(cfg)
         try:
             for batch in args.batch:
