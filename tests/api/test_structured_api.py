@@ -51,6 +51,29 @@ def test_chat_and_completions_answer_under_a_schema(stack: Stack) -> None:
         jsonschema.validate(json.loads(done.choices[0].text), schema)
 
 
+def test_streamed_answer_under_a_schema(stack: Stack) -> None:
+    api = stack.api.sync_client()
+    schema = SCHEMAS[13]
+    chunks = api.chat.completions.create(
+        model="pdkv-tiny",
+        messages=CHAT,
+        max_tokens=200,
+        response_format=_schema_format(schema),
+        stream=True,
+        n=2,
+        seed=5,
+        temperature=1.0,
+    )
+    texts, reasons = ["", ""], [None, None]
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert reasons == ["stop", "stop"]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
 def test_guided_fields(stack: Stack) -> None:
     api = stack.api.sync_client()
     base = dict(model="pdkv-tiny", prompt="pick:", max_tokens=40)
