@@ -266,6 +266,10 @@ class RequestPipeline:
         self.requests[rid] = req
         timeout_s = self.cfg.handoff_timeout_s
         try:
+            if (spec := req.sampling.structured) is not None:  # GrammarError: BAD_REQUEST
+                config = self.rt.model.config  # compiled off the loop, before any block
+                cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
+                await asyncio.to_thread(cache.compile, spec)
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.names = self.prefix.names(req.prompt_tokens)
             n = len(req.prompt_tokens)
@@ -328,9 +332,6 @@ class RequestPipeline:
             max_positions=config.max_position_embeddings,
         )
         sampling = msg.sampling.validate().with_seed()
-        if sampling.structured is not None:  # GrammarError (BAD_REQUEST) before any block
-            cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
-            cache.compile(sampling.structured)
         return PrefillRequest(rid, prompt, sampling, stream=msg.stream)
 
     async def _prefill(self, req: PrefillRequest) -> tuple[FirstToken, int]:
