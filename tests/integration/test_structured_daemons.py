@@ -154,6 +154,29 @@ def test_regex_choice_and_grammar_kinds(pair) -> None:  # type: ignore[no-untype
     _idle(pair)
 
 
+def test_text_complete_at_the_first_token_ends_in_the_prefill(pair) -> None:  # type: ignore[no-untyped-def]
+    """A one-byte choice is complete with the prefill's token: the request ends there ("stop";
+    its early HANDOFF, sent during the forward, is aborted) and neither daemon holds it."""
+    spec = StructuredOutput("choice", json.dumps(["y", "n"]))
+
+    async def run() -> list[client.Result]:
+        return await asyncio.gather(
+            *(
+                client.generate(
+                    pair.client_socket,
+                    prompt_tokens=[256, *f"yes or no {i}?".encode()],
+                    sampling=SamplingParams(max_tokens=20, structured=spec),
+                )
+                for i in range(4)
+            )
+        )
+
+    for res in asyncio.run(run()):
+        assert res.text in ("y", "n") and len(res.tokens) == 1
+        assert res.finish is not None and res.finish.reason == "stop"
+    _idle(pair)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="CUDA unavailable (no driver or no GPU)")
 def test_structured_on_cuda(pair_factory) -> None:  # type: ignore[no-untyped-def]
