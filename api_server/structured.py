@@ -88,8 +88,8 @@ def _guided_spec(name: str, kind: str, value: Any) -> str:
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise bad_field(name, f"{name} must be a non-empty list of strings")
         return json.dumps(value)
-    if not isinstance(value, str):
-        raise bad_field(name, f"{name} must be a string")
+    if not isinstance(value, str) or not value:
+        raise bad_field(name, f"{name} must be a non-empty string")
     return value
 
 

@@ -113,6 +113,7 @@ def test_openai_parse_returns_the_pydantic_object(stack: Stack) -> None:
         ({"guided_regex": "(["}, "guided_regex", "regex"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar", "nowhere"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_regex": ""}, "guided_regex", "non-empty string"),
         ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
         (

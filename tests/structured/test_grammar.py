@@ -12,7 +12,7 @@ import torch
 
 from common.model.sampling import draw, make_generator
 from common.model.tokenizer import ByteTokenizer
-from common.sampling_params import SamplingParams, StructuredOutput
+from common.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
 from common.structured import GrammarCache, GrammarError, bitmask, grammars_for
 from common.structured.grammar import LlguidanceBackend
 
@@ -144,3 +144,18 @@ def test_draw_under_a_mask_greedy_and_sampled(cache: GrammarCache) -> None:
         assert out[2] == int(torch.argmax(logits[2]))
         lsm = torch.log_softmax(logits[0], -1)
         assert lps[0] is not None and math.isclose(lps[0].logprob, float(lsm[out[0]]), abs_tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "says"),
+    [
+        ("xml", "<a/>", "structured.kind must be one of"),
+        ("json_object", "{}", 'must be "" for kind json_object'),
+        ("json_schema", "", "must not be empty for kind json_schema"),
+        ("regex", "", "must not be empty for kind regex"),
+    ],
+)
+def test_the_contract_refuses_a_malformed_constraint(kind: str, spec: str, says: str) -> None:
+    params = SamplingParams(structured=StructuredOutput(kind, spec))
+    with pytest.raises(SamplingParamsError, match=says):
+        params.validate()
