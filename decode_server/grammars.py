@@ -91,4 +91,37 @@ class StepMasks:
         return rows, mask
 
 
-__all__ = ["SequenceGrammar", "StepMasks", "start"]
+def mask_launched(
+    masks: StepMasks,
+    batch: Seq[_Row],
+    argmax: torch.Tensor,
+    logits: torch.Tensor,
+    carried: dict[str, int],
+    tokens: Seq[object],
+    keys: Seq[str],
+) -> None:
+    """Torch thread, for a step launched ahead (decode_server/ahead.py) with constrained rows:
+    each such row's matcher first accepts the token the step before made for it (`carried`:
+    its key → row in `tokens`, that step's tokens just read; not yet in `generated`), then its
+    mask is filled and `argmax` [n] (on the device) gets the masked argmax in its row: the
+    token the host reads and the next launch carries. `keys[i]` is batch[i]'s key."""
+    for s, key in zip(batch, keys, strict=True):
+        g = s.grammar
+        row = carried.get(key)
+        if g is None or row is None or g.refused is not None:
+            continue
+        token = tokens[row]
+        if isinstance(token, int) and g.accepted == len(s.generated):
+            if g.matcher.accept(token):
+                g.accepted += 1
+            else:
+                g.refused = token
+    filled = masks.fill(batch)
+    if filled is None:
+        return
+    rows, mask = filled
+    index = torch.tensor(rows, dtype=torch.long, device=argmax.device)
+    argmax.index_copy_(0, index, bitmask.masked_argmax(logits, rows, mask))
+
+
+__all__ = ["SequenceGrammar", "StepMasks", "mask_launched", "start"]

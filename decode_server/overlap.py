@@ -41,13 +41,16 @@ class Launched:
     batch: list[Sequence]
     rows: dict[str, int]  # seq.key -> its row in this step
     argmax: torch.Tensor  # [n] int64 on the device; valid until the next step's launch
-    host: torch.Tensor  # [2, n] int64 on the host: ids, finite flags, once `done` completed
+    host: Any  # [2, n] int64 host tensor: ids, finite flags, once `done` completed (None: not yet)
     done: Any  # torch.cuda.Event recorded after the copy; None where the copy was synchronous
     # monotonic ns: the launch began, its inputs were computed, its graph's replay was called,
     # every kernel was queued (DecodeEngine.last_step_ns)
     clock: tuple[int, int, int, int]
     # the sequences launched with their first token on the GPU (KV_LAUNCHED: engine.py)
     firsts: list[Sequence] = field(default_factory=list)
+    # a step with constrained rows: its logits, until their masks are applied and its readback
+    # started (AheadSteps._cycle, once the step before is read); None once started
+    logits: Any = None
 
     def wait(self, bound_s: float) -> None:
         """Wait on the host for the step to complete, polling, at most `bound_s`: RuntimeError

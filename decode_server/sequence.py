@@ -69,6 +69,9 @@ class Sequence:
     # raw logits,
     # so a step of such sequences only skips the draw's per-sequence work (DecodeEngine._draw)
     plain: bool = field(init=False)
+    # plain, or greedy under a grammar with nothing else to process or report: it may run in a
+    # step launched ahead (decode_server/ahead.py masks its row before the token is carried)
+    steps_ahead: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = seq_key(self.link.link_id, self.request_id)
@@ -79,6 +82,9 @@ class Sequence:
             and p.min_tokens == 0
             and p.logprobs is None
             and p.structured is None
+        )
+        self.steps_ahead = self.plain or (
+            p.greedy and not p.penalized and p.min_tokens == 0 and p.logprobs is None
         )
 
     @property

@@ -57,4 +57,12 @@ def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Te
     return out
 
 
-__all__ = ["allocate", "allowed", "apply", "words"]
+def masked_argmax(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
+    """int64 [len(rows)] on the logits' device: each row rows[i]'s argmax among the tokens
+    mask[i] allows (a step launched ahead carries it as the row's next input)."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    ok = allowed(mask.to(logits.device, non_blocking=True), logits.shape[-1])
+    return torch.where(ok, logits.index_select(0, index), -math.inf).argmax(dim=-1)
+
+
+__all__ = ["allocate", "allowed", "apply", "masked_argmax", "words"]

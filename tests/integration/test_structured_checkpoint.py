@@ -100,15 +100,21 @@ def _pair(tmp: Path, ckpt: Path, *args: str) -> Pair:
     return Pair(tmp, extra={"decode": common, "prefill": common})
 
 
-def test_random_checkpoint_schemas_equal_transformers_on_cpu(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("overlap", ["off", "always"])
+def test_random_checkpoint_schemas_equal_transformers_on_cpu(tmp_path_factory, overlap) -> None:  # type: ignore[no-untyped-def]
+    """`--overlap-steps always`: the constrained steps are launched ahead too, each one's
+    masks filled once the step before is read, before its tokens are carried or read."""
     ckpt = tmp_path_factory.mktemp("ckpt")
     model = save_hf_model(ckpt)
     pair = _pair(tmp_path_factory.mktemp("rt"), ckpt)
     try:
-        pair.start("decode")
+        pair.start("decode", "--overlap-steps", overlap)
         pair.start("prefill")
         schemas_equal_transformers(pair, model, "cpu")
         assert pair.stop_all() == {"prefill": 0, "decode": 0}
+        stats = [json.loads(line) for line in pair.daemons["decode"].log_text().splitlines()]
+        ran = next(e for e in stats if e.get("event") == "decode_loop_stopped")
+        assert (ran["overlapped"] > 0) == (overlap == "always"), ran
     finally:
         pair.kill_all()
 
