@@ -3,8 +3,9 @@
 Without it, the GPU idles between two steps while the host reads a step's tokens, the loop
 answers them (STEP_TOKENS, FINISH, admission) and the next step's inputs are filled: at 256
 sequences in flight that was a large part of each step (issue 24). With it, for a batch whose
-every sequence is plain (greedy, nothing drawn or reported on the host: `Sequence.plain`), the
-engine launches step N+1 before it reads step N: a sequence that was in step N gets N's device
+every sequence is plain (greedy, nothing drawn or reported on the host: `Sequence.plain`; or
+greedy under a grammar, its row's argmax masked before it is read or carried:
+`Sequence.steps_ahead`, decode_server/ahead.py), the engine launches step N+1 before it reads step N: a sequence that was in step N gets N's device
 argmax as its input token (`sampling.carry_tokens`, on the GPU) at the position after N's; the host
 then reads N's tokens from pinned memory (`Launched.read`) while the GPU runs N+1, and the loop's
 work on N's results overlaps it.
