@@ -11,7 +11,8 @@ kernels are queued, while the GPU runs them.
 
     .venv/bin/python bench/structured_decode.py [--model DIR] [--batch 1 64] [--steps 30]
     # one GPU, TinyLlama-1.1B's shape (random bf16 weights, byte tokenizer for the grammar):
-    python3 bench/structured_decode.py --device cuda:0 --shape tinyllama-1.1b --steps 50
+    python3 bench/structured_decode.py --device cuda:0 --shape tinyllama-1.1b --steps 50 \
+        --overlap-steps always
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ SCHEMA = {
     "required": ["rows"],
 }
 TIMED = {"fill": 0, "apply": 0}
+OVERLAP = ["off"]  # --overlap-steps as the engine takes it
 
 
 def _timed(fn, key: str):  # type: ignore[no-untyped-def]
@@ -119,7 +121,7 @@ def fill(table: DecodeRequests, rt: ModelRuntime, batch: int, steps: int, constr
 async def one_run(
     rt: ModelRuntime, batch: int, steps: int, warmup: int, constrained: int
 ) -> tuple[float, float, float]:
-    table = DecodeRequests(rt, max_batch=batch)
+    table = DecodeRequests(rt, max_batch=batch, overlap=OVERLAP[0])
     fill(table, rt, batch, steps + warmup, constrained)
     walls, fills, applies = [], [], []
     try:
@@ -147,6 +149,12 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--overlap-steps",
+        choices=("off", "always"),
+        default="off",
+        help="always: steps launched ahead (greedy constrained rows too), the CUDA default",
+    )
     ap.add_argument("--dtype", default=None)
     ap.add_argument(
         "--shape",
@@ -155,9 +163,11 @@ def main() -> int:
     )
     args = ap.parse_args()
     logs.configure(level="WARNING")
+    OVERLAP[0] = args.overlap_steps
     torch.set_num_threads(args.threads)
     grammars_mod.StepMasks.fill = _timed(grammars_mod.StepMasks.fill, "fill")  # type: ignore[method-assign]
     sampling_mod.bitmask.apply = _timed(sampling_mod.bitmask.apply, "apply")  # type: ignore[method-assign]
+    grammars_mod.bitmask.masked_argmax = _timed(grammars_mod.bitmask.masked_argmax, "apply")  # type: ignore[method-assign]
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if args.shape is not None:
