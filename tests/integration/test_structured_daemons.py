@@ -19,7 +19,7 @@ from common.cuda import cuda_available
 from common.model import reference
 from common.model.loader import load_model
 from common.sampling_params import SamplingParams, StructuredOutput
-from tests.support.daemons import Pair, all_free
+from tests.support.daemons import Pair, all_free, short_dir
 from tests.support.schemas import SCHEMAS
 from tests.support.wait import poll
 
@@ -73,6 +73,47 @@ def test_constrained_joining_overlapped_steps(pair_factory, tiny) -> None:  # ty
     pair_factory.start("prefill")
     test_unconstrained_neighbour_unchanged_and_constrained_valid(pair_factory, tiny)
     assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+
+
+def test_greedy_constrained_steps_ahead_beside_plain_ones(
+    pair_factory, tiny, tmp_path_factory
+) -> None:  # type: ignore[no-untyped-def]
+    """Greedy constrained sequences and a plain one step ahead together (--overlap-steps
+    always): the plain one's tokens are the reference's, the constrained ones' those of a
+    decode that steps them the ordinary way (--overlap-steps off), and they validate."""
+    prompts = [[256, *f"ahead {i}".encode()] for i in range(4)]
+    plain = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = [plain, *(_json(s, max_tokens=200) for s in SMALL[:3])]
+
+    def run(pair: Pair) -> list[client.Result]:
+        async def go() -> list[client.Result]:
+            return await asyncio.gather(
+                *(
+                    client.generate(pair.client_socket, prompt_tokens=p, sampling=s)
+                    for p, s in zip(prompts, params, strict=True)
+                )
+            )
+
+        return asyncio.run(go())
+
+    pair_factory.start("decode", "--overlap-steps", "always")
+    pair_factory.start("prefill")
+    ahead = run(pair_factory)
+    assert pair_factory.stop_all() == {"prefill": 0, "decode": 0}
+    ran = [json.loads(x) for x in pair_factory.daemons["decode"].log_text().splitlines()]
+    assert next(e for e in ran if e.get("event") == "decode_loop_stopped")["overlapped"] > 0
+    other = Pair(short_dir(tmp_path_factory, "off"))
+    try:
+        other.start("decode", "--overlap-steps", "off")
+        other.start("prefill")
+        plainly = run(other)
+    finally:
+        other.kill_all()
+    assert ahead[0].tokens == reference.generate(tiny, prompts[0], plain)
+    for i, (a, b) in enumerate(zip(ahead[1:], plainly[1:], strict=True)):
+        assert a.tokens == b.tokens, i
+        assert a.finish is not None and a.finish.reason == "stop"
+        jsonschema.validate(json.loads(a.text), SMALL[i])
 
 
 def test_200_seeded_samples_validate(pair) -> None:  # type: ignore[no-untyped-def]
