@@ -222,7 +222,8 @@ class Api:
             echoes=echoes,
         )
         if (constraint := jobs[0].sampling.structured) is not None:  # a 400 before any daemon
-            await structured.check(constraint, model.card.path, self.metrics)
+            where = structured.source_field(req)
+            await structured.check(constraint, model.card.path, self.metrics, where)
         prefill = self.daemons.route(jobs[0].prompt_tokens, jobs[0].prompt)
         events = generation.run_all(
             jobs,

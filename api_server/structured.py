@@ -112,9 +112,20 @@ def _cache_for(path: str) -> GrammarCache:
     return cache
 
 
-async def check(structured: StructuredOutput, model_dir: str, metrics: Any) -> None:
+def source_field(req: Any) -> str:
+    """The request field that set its constraint (what a refusal names)."""
+    for name in GUIDED:
+        if getattr(req, name, None) is not None:
+            return name
+    return "response_format"
+
+
+async def check(
+    structured: StructuredOutput, model_dir: str, metrics: Any, param: str = "response_format"
+) -> None:
     """Compile `structured` for the served model (off the event loop); ApiError 400 naming
-    the problem when it does not. Counts the request and times a compile in `metrics`."""
+    `param` and the problem when it does not. Counts the request and times a compile in
+    `metrics`."""
     metrics.structured.labels(structured.kind).inc()
 
     def compile_it() -> float:
@@ -127,17 +138,9 @@ async def check(structured: StructuredOutput, model_dir: str, metrics: Any) -> N
     try:
         seconds = await asyncio.to_thread(compile_it)
     except GrammarError as exc:
-        raise ApiError(
-            400, str(exc), param=_param_of(structured.kind), code="invalid_structured_output"
-        ) from None
+        raise ApiError(400, str(exc), param=param, code="invalid_structured_output") from None
     if seconds >= 0:
         metrics.grammar_compile.observe(seconds)
 
 
-def _param_of(kind: str) -> str:
-    return {"regex": "guided_regex", "choice": "guided_choice", "grammar": "guided_grammar"}.get(
-        kind, "response_format"
-    )
-
-
-__all__ = ["GUIDED", "check", "structured_of"]
+__all__ = ["GUIDED", "check", "source_field", "structured_of"]

@@ -111,6 +111,7 @@ def test_openai_parse_returns_the_pydantic_object(stack: Stack) -> None:
             "regex",
         ),
         ({"guided_regex": "(["}, "guided_regex", "regex"),
+        ({"guided_json": {"type": "nonsense"}}, "guided_json", "nonsense"),
         ({"guided_grammar": "start: nowhere"}, "guided_grammar", "nowhere"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_regex": ""}, "guided_regex", "non-empty string"),
