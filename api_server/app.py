@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_server import generation, responses, schemas, workers
+from api_server import generation, responses, schemas, structured, workers
 from api_server.chat import TemplateError
 from api_server.config import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -221,6 +221,9 @@ class Api:
             fmt=None if jobs[0].sampling.logprobs is None else LogprobFormat(model.counter),
             echoes=echoes,
         )
+        if (constraint := jobs[0].sampling.structured) is not None:  # a 400 before any daemon
+            where = structured.source_field(req)
+            await structured.check(constraint, model.card.path, self.metrics, where)
         prefill = self.daemons.route(jobs[0].prompt_tokens, jobs[0].prompt)
         events = generation.run_all(
             jobs,

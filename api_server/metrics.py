@@ -272,6 +272,19 @@ class Metrics:
             registry=r,
         )
         self.tokens = Counter("pdkv_api_tokens", "tokens by kind", ["kind"], registry=r)
+        self.structured = Counter(
+            "pdkv_api_structured_requests",
+            "requests whose output is constrained (response_format, guided_*), by kind "
+            "(json_object, json_schema, regex, choice, grammar)",
+            ["kind"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "pdkv_api_grammar_compile_seconds",
+            "compiles of a grammar the API's cache did not hold (schema to token masks)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdkv_api_requests_in_flight",
             "requests the API is serving",

@@ -2,8 +2,9 @@
 
 Fields that do not change the output (`user`, `store`, `metadata`, ...) are accepted and
 ignored. Fields that would change it in a way pdkv does not implement are refused unless they
-hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`, a `response_format` other than
-text, `tools` and tool messages. Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
+hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`, `tools` and tool messages.
+`response_format` (text, json_object, json_schema) and vLLM's `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar` constrain the output (api_server/structured.py). Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
 (completions: an int, the top alternatives; chat: a bool with `top_logprobs`), `echo`,
 `presence_penalty`, `frequency_penalty`, `seed`. `top_k`, `ignore_eos`, `repetition_penalty`,
 `min_tokens` and `stop_token_ids` are extra fields, as vLLM accepts them (the openai client passes
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from api_server.errors import ApiError, bad_field, unsupported
+from api_server.structured import structured_of
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_STOP_STRINGS = 4
@@ -51,6 +53,11 @@ class _Request(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
+    # structured output, vLLM's extra fields (api_server/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -59,6 +66,7 @@ class CompletionRequest(_Request, kw_only=True):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -115,12 +123,6 @@ def _refuse_unsupported(req: _Request) -> None:
     for name, value in unsupported_fields.items():
         if value not in (None, False, [], {}):
             raise unsupported(name, f"{name} is not supported by pdkv")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type") != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format {fmt.get('type')!r} is not supported by pdkv (only 'text')",
-        )
     if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "top_logprobs needs logprobs: true")
 
@@ -158,6 +160,7 @@ def sampling(req: _Request, *, max_tokens: int | None, default_max: int) -> Samp
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_tokens=req.min_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            structured=structured_of(req),
         ).validate()
     except SamplingParamsError as exc:
         field = str(exc).split(" ", 1)[0]

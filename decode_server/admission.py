@@ -13,6 +13,7 @@ from common.daemon.runtime import ModelRuntime
 from common.errors import OutOfBlocks, PdkvError
 from common.kv.tier_io import settle
 from common.protocol import ErrorCode, Handoff
+from decode_server.grammars import start as start_grammar
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
 
@@ -29,6 +30,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         consumer.validate(h, rt.model.config.vocab_size)
         if h.sampling.max_tokens < 1:  # max_tokens 0 (prompt logprobs only) never leaves P
             raise ValueError("a HANDOFF with max_tokens 0 has nothing to decode")
+        grammar = start_grammar(rt, h.sampling, stop_ids)  # GrammarError: before any block
     except (ValueError, PdkvError) as exc:
         refuse(peer, h.request_id, str(exc))
         return None
@@ -76,6 +78,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         cached_blocks=len(hit),
         prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
         tier=None if rt.host_tier is None else rt.host_tier.conversation(h.prompt_tokens, names),
+        grammar=grammar,
     )
 
 

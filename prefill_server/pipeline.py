@@ -47,6 +47,7 @@ from common.protocol import (
     StepTokens,
     Tokens,
 )
+from common.structured import grammars_for
 from common.transfer import Producer
 from prefill_server import host_tier
 from prefill_server.admission import Capacity
@@ -266,6 +267,10 @@ class RequestPipeline:
         self.requests[rid] = req
         timeout_s = self.cfg.handoff_timeout_s
         try:
+            if (spec := req.sampling.structured) is not None:  # GrammarError: BAD_REQUEST
+                config = self.rt.model.config  # compiled off the loop, before any block
+                cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
+                await asyncio.to_thread(cache.compile, spec)
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.names = self.prefix.names(req.prompt_tokens)
             n = len(req.prompt_tokens)
@@ -288,7 +293,9 @@ class RequestPipeline:
                 return
             req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
-            reason = finish_reason(req.generated, req.sampling, stops)
+            reason = (
+                "stop" if answer.complete else finish_reason(req.generated, req.sampling, stops)
+            )
             if not reason:
                 await self.handoff.ready(req, first)  # after an early HANDOFF: KV_READY
             yield self.output.tokens(
