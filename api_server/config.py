@@ -92,7 +92,8 @@ class ApiConfig:
             "--tool-parser",
             choices=tuple(PARSERS),
             show_default="the one the chat template's text shows, if any",
-            help="How tool calls are read from a model's text with tool_choice auto.",
+            help="How tool calls are read from a model's text with tool_choice auto: hermes, "
+            "llama3_json or mistral.",
         ),
     )
     client_socket: tuple[str, ...] = field(

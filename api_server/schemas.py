@@ -83,6 +83,8 @@ class ChatRequest(_Request, kw_only=True):
     top_logprobs: int | None = None
     tool_choice: str | dict[str, Any] | None = None  # tools: checked by api_server.tools.spec
     parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
+    function_call: str | dict[str, Any] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -121,6 +123,8 @@ def _refuse_unsupported(req: _Request) -> None:
         "logit_bias": req.logit_bias,
         "suffix": getattr(req, "suffix", None),
         "best_of": getattr(req, "best_of", None) not in (None, 1),
+        "functions": getattr(req, "functions", None),
+        "function_call": getattr(req, "function_call", None),
     }
     for name, value in unsupported_fields.items():
         if value not in (None, False, [], {}):

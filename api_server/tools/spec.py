@@ -73,6 +73,7 @@ class ToolRequest:
                     "parameters": t.parameters,
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": False,
             }
             for t in self.tools
         ]

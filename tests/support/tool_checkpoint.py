@@ -9,12 +9,17 @@ Qwen's tokenizer: they stay in the text), then unused added tokens up to the mod
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import tokenizers
 
+from tests.support.api import Stack, short_runtime, start_api
 from tests.support.checkpoints import save_hf_model
+from tests.support.daemons import Pair
 
 TEMPLATE = (Path(__file__).parent / "qwen2_5_chat_template.jinja").read_text()
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -45,9 +50,29 @@ def write_byte_tokenizer(path: Path, template: str = TEMPLATE) -> tokenizers.Tok
     return tok
 
 
-def write_tool_checkpoint(path: Path, template: str = TEMPLATE) -> Path:
-    """The random Qwen2 checkpoint with the byte tokenizer and `template`, in `path`."""
+def write_tool_checkpoint(path: Path, template: str = TEMPLATE, max_positions: int = 2048) -> Path:
+    """The random Qwen2 checkpoint with the byte tokenizer and `template`, in `path`, with room
+    for `max_positions` (a byte per token: Qwen's tools prompt alone is ~700)."""
     path.mkdir(parents=True, exist_ok=True)
     save_hf_model(path, "qwen2")
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = max_positions
+    (path / "config.json").write_text(json.dumps(config))
     write_byte_tokenizer(path, template)
     return path
+
+
+@contextlib.contextmanager
+def tool_stack(factory: pytest.TempPathFactory, name: str) -> Iterator[Stack]:
+    """Both daemons on a tool checkpoint named `name` (its model id); the API follows them."""
+    ckpt = write_tool_checkpoint(factory.mktemp("ckpt") / name)
+    pair = Pair(short_runtime(factory))
+    pair.extra = {role: ["--model", str(ckpt)] for role in ("decode", "prefill")}
+    try:
+        pair.start("decode")
+        pair.start("prefill")
+        api = start_api(pair.runtime)
+        yield Stack(pair, api)
+        assert api.stop() == 0
+    finally:
+        pair.kill_all()
