@@ -15,6 +15,11 @@ from dataclasses import dataclass, field
 _WS = " \t\n\r"
 _SCALAR_END = ",}] \t\n\r;"
 _SCALARS = ("true", "false", "null")
+#: The rest of a string after its opening quote, closing quote included.
+_STRING_REST = re.compile(r'(?:[^"\\]|\\.)*"', re.DOTALL)
+#: What changes the depth of a value, and whole strings (so their brackets do not count); a
+#: string not closed yet matches as its lone quote.
+_STRUCTURAL = re.compile(r'"(?:[^"\\]|\\.)*"|"|[{}\[\]]', re.DOTALL)
 _NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?\Z")
 
 
@@ -29,17 +34,23 @@ def skip_ws(text: str, i: int) -> int:
     return i
 
 
-def value_end(text: str, i: int) -> int | None:
+#: Where the scan of an unfinished object or array that starts at an index stopped: (the index
+#: to resume at, the depth there). Valid while the text only grows at its end.
+Memo = dict[int, tuple[int, int]]
+
+
+def value_end(text: str, i: int, memo: Memo | None = None) -> int | None:
     """The index just past the JSON value that starts at `text[i]`, None while it is incomplete;
     Malformed when no value can start there. Strings and brackets are matched, not validated
-    (the caller json.loads the span once it is complete)."""
+    (the caller json.loads the span once it is complete). With a `memo` kept for one text that
+    only grows, an unfinished object or array is scanned on from where it stopped."""
     if i >= len(text):
         return None
     c = text[i]
     if c == '"':
         return _string_end(text, i)
     if c in "{[":
-        return _bracket_end(text, i)
+        return _bracket_end(text, i, {} if memo is None else memo)
     if c in "-0123456789tfn":
         j = i
         while j < len(text) and text[j] not in _SCALAR_END:
@@ -54,34 +65,27 @@ def value_end(text: str, i: int) -> int | None:
 
 
 def _string_end(text: str, i: int) -> int | None:
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-            continue
-        if text[j] == '"':
-            return j + 1
-        j += 1
-    return None
+    m = _STRING_REST.match(text, i + 1)
+    return None if m is None else m.end()
 
 
-def _bracket_end(text: str, i: int) -> int | None:
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
+def _bracket_end(text: str, i: int, memo: Memo) -> int | None:
+    pos, depth = memo.get(i, (i, 0))
+    for m in _STRUCTURAL.finditer(text, pos):
+        c = m.group()
         if c == '"':
-            end = _string_end(text, j)
-            if end is None:
-                return None
-            j = end
-            continue
+            memo[i] = (m.start(), depth)  # a string not closed yet: scan it again
+            return None
+        if c[0] == '"':
+            continue  # a whole string: its brackets do not count
         if c in "{[":
             depth += 1
-        elif c in "}]":
+        else:
             depth -= 1
             if depth == 0:
-                return j + 1
-        j += 1
+                memo.pop(i, None)
+                return m.end()
+    memo[i] = (len(text), depth)  # nothing structural after the last match
     return None
 
 
@@ -106,9 +110,9 @@ class ObjectScan:
         return json.loads(text[span[0] : span[1]])
 
 
-def scan_object(text: str, i: int) -> ObjectScan:
+def scan_object(text: str, i: int, memo: Memo | None = None) -> ObjectScan:
     """Scan the object that starts at `text[i]` (a `{`) as far as `text` goes; Malformed when
-    it cannot be an object."""
+    it cannot be an object. `memo`: as value_end's."""
     if i >= len(text) or text[i] != "{":
         raise Malformed("expected a JSON object")
     scan = ObjectScan()
@@ -131,7 +135,7 @@ def scan_object(text: str, i: int) -> ObjectScan:
         j = skip_ws(text, j + 1)
         if j == len(text):
             return scan
-        end = value_end(text, j)
+        end = value_end(text, j, memo)
         scan.fields[key] = (j, end)
         if end is None:
             return scan

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from api_server.tools.jsonscan import Malformed, ObjectScan, scan_object, skip_ws, value_end
+from api_server.tools.jsonscan import (
+    Malformed,
+    Memo,
+    ObjectScan,
+    scan_object,
+    skip_ws,
+    value_end,
+)
 
 #: The keys that hold a call's arguments, by format.
 _ARG_KEYS = ("arguments", "parameters")
@@ -58,11 +65,17 @@ def call_of(text: str, scan: ObjectScan, arg_keys: tuple[str, ...] = _ARG_KEYS) 
 
 class ToolParser:
     """A format of tool calls in a model's text. `markers` begin the calls; `json_start`: a
-    message whose text starts with this character (after whitespace) is calls too."""
+    message whose text starts with this character (after whitespace) is calls too.
+
+    One parser reads one answer: calls() is given a region that only grows (its scans resume
+    where the last one stopped)."""
 
     name = ""
     markers: tuple[str, ...] = ()
     json_start: str | None = None
+
+    def __init__(self) -> None:
+        self.memo: Memo = {}
 
     def start(self, text: str, at_message_start: bool) -> int | None:
         """Where the calls begin in `text` (None: not in it). `at_message_start`: no content
@@ -108,7 +121,7 @@ class Hermes(ToolParser):
                 i = skip_ws(region, i + len(self.markers[0]))
                 if i == len(region):
                     return out
-                scan = scan_object(region, i)
+                scan = scan_object(region, i, self.memo)
                 out.append(call_of(region, scan))
                 if scan.end is None:
                     return out
@@ -135,7 +148,7 @@ class Llama3Json(ToolParser):
                 i = skip_ws(region, i)
                 if i == len(region):
                     return out
-                scan = scan_object(region, i)
+                scan = scan_object(region, i, self.memo)
                 out.append(call_of(region, scan))
                 if scan.end is None:
                     return out
@@ -157,7 +170,7 @@ def _after_marker(region: str, marker: str) -> int | None:
 
 
 def array_calls(
-    region: str, i: int, arg_keys: tuple[str, ...] = _ARG_KEYS
+    region: str, i: int, arg_keys: tuple[str, ...] = _ARG_KEYS, memo: Memo | None = None
 ) -> list[PartialCall] | None:
     """The calls of a JSON array of call objects that starts at `region[i]`."""
     i = skip_ws(region, i)
@@ -169,7 +182,7 @@ def array_calls(
     try:
         i = skip_ws(region, i + 1)
         while i < len(region) and region[i] != "]":
-            scan = scan_object(region, i)
+            scan = scan_object(region, i, memo)
             out.append(call_of(region, scan, arg_keys))
             if scan.end is None:
                 return out
@@ -188,7 +201,7 @@ class Mistral(ToolParser):
 
     def calls(self, region: str) -> list[PartialCall] | None:
         i = _after_marker(region, self.markers[0])
-        return [] if i is None else array_calls(region, i)
+        return [] if i is None else array_calls(region, i, memo=self.memo)
 
 
 class Forced(ToolParser):
@@ -199,6 +212,7 @@ class Forced(ToolParser):
     name = "forced"
 
     def __init__(self, function: str | None = None) -> None:
+        super().__init__()
         self.function = function
 
     def start(self, text: str, at_message_start: bool) -> int | None:
@@ -209,12 +223,12 @@ class Forced(ToolParser):
 
     def calls(self, region: str) -> list[PartialCall] | None:
         if self.function is None:
-            return array_calls(region, 0, ("parameters",))
+            return array_calls(region, 0, ("parameters",), self.memo)
         i = skip_ws(region, 0)
         if i == len(region):
             return [PartialCall(self.function)]
         try:
-            end = value_end(region, i)
+            end = value_end(region, i, self.memo)
         except Malformed:
             return None
         return [PartialCall(self.function, region[i : end or len(region)], end is not None)]

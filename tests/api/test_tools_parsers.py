@@ -13,6 +13,7 @@ from api_server.tools.jsonscan import Malformed, scan_object, value_end
 from api_server.tools.parsers import PARSERS, Forced, ToolParser, detect
 
 WEATHER = '{"city": "Paris", "days": [1, 2], "unit": {"c": true}}'
+TRICKY = '{"q": "a}b[\\"{ \\\\", "n": [1, {"x": "]"}], "e": -1.5e3}'  # brackets in strings
 
 # (parser, text, content, [(name, arguments)], finish reason of an answer that ended by itself)
 CASES = [
@@ -30,6 +31,13 @@ CASES = [
         '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
         "Let me look. ",
         [("search", '{"q": "a<b"}'), ("get_time", "{}")],
+        "tool_calls",
+    ),
+    (
+        "hermes",
+        f'<tool_call>{{"name": "f", "arguments": {TRICKY}}}</tool_call>',
+        None,
+        [("f", TRICKY)],
         "tool_calls",
     ),
     (  # quoted arguments (some models): the object inside
