@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from tests.api.test_tools_api import MODEL, TOOLS, WEATHER, hf_ids
-from tests.support.api import Stack
+from tests.support.api import Stack, openai
 from tests.support.tool_checkpoint import tool_stack
 
 SCHEMAS = {
@@ -115,3 +115,20 @@ def test_required_calls_one_of_the_tools_with_valid_arguments(
     assert len(calls) >= 1 and (parallel or len(calls) == 1)
     for call in calls:
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+
+
+def test_a_response_format_with_a_forced_call_is_refused(qwen: Stack) -> None:
+    """Two constraints on one answer: 400 before the daemons hold anything."""
+    api = qwen.api.sync_client()
+    with pytest.raises(openai.BadRequestError) as info:
+        api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Weather?"}],
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        )
+    assert info.value.body["param"] == "response_format"
+    assert "tool_choice" in info.value.body["message"]
+    st = qwen.wait_idle()
+    assert all(s.inflight == 0 and s.pool["free"] == s.pool["total"] for s in st.values())
