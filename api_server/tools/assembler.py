@@ -36,6 +36,7 @@ class ToolAssembler:
     once at its end. Not thread-safe; one per choice."""
 
     parser: ToolParser
+    max_calls: int | None = None  # with parallel_tool_calls false: 1, later calls dropped
     _held: str = ""
     _region: str | None = None  # the text from where the calls begin, once they have
     _given_up: bool = False  # the calls region was text after all: all text is content
@@ -90,7 +91,7 @@ class ToolAssembler:
             self._given_up = True
             return self._content(self._region)
         out = []
-        for index, call in enumerate(calls):
+        for index, call in enumerate(calls[: self.max_calls]):
             if call.name is None:
                 break  # later calls wait for this one's name
             if index == len(self._sent):

@@ -40,7 +40,9 @@ class ToolPlan:
         return self.request.structured()
 
     def assembler(self) -> ToolAssembler | None:
-        return None if self.parser is None else ToolAssembler(self.parser())
+        if self.parser is None:
+            return None
+        return ToolAssembler(self.parser(), max_calls=None if self.request.parallel else 1)
 
 
 def plan(

@@ -87,9 +87,9 @@ def tool_request(
     tools: list[Any] | None, tool_choice: str | dict[str, Any] | None, parallel: bool | None
 ) -> ToolRequest:
     """The checked ToolRequest of a request's fields; ApiError 400 naming the field at fault."""
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise bad_field("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
     checked = tuple(_tool(t, i) for i, t in enumerate(tools or ()))
-    if len(checked) > MAX_TOOLS:
-        raise bad_field("tools", f"at most {MAX_TOOLS} tools, got {len(checked)}")
     names = [t.name for t in checked]
     if len(set(names)) != len(names):
         raise bad_field("tools", "two tools have the same function name")

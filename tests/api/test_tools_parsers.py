@@ -195,3 +195,12 @@ def test_jsonscan() -> None:
     assert scan.fields["arguments"][1] is None and scan.end is None
     with pytest.raises(Malformed):
         scan_object('{"a" 1}', 0)
+
+
+def test_without_parallel_calls_only_the_first_call_counts() -> None:
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    for pieces in splits(text):
+        asm = ToolAssembler(PARSERS["hermes"](), max_calls=1)
+        deltas = [d for p in pieces for d in asm.feed(p)]
+        last, finish = asm.finish("stop")
+        assert calls_of(fold(deltas + last)) == [("a", "{}")] and finish == "tool_calls"

@@ -83,6 +83,16 @@ def test_plan_picks_the_parser() -> None:
     assert plan(tool_request(TOOLS, "none", None), USER, generic, None).parser is None
 
 
+def test_parallel_tool_calls_false_keeps_one_call_of_auto() -> None:
+    one = plan(tool_request(TOOLS, "auto", False), USER, TEMPLATE, None).assembler()
+    assert one is not None and one.max_calls == 1
+    many = plan(tool_request(TOOLS, "auto", None), USER, TEMPLATE, None).assembler()
+    assert many is not None and many.max_calls is None
+    with pytest.raises(ApiError) as info:
+        tool_request([TOOLS[1]] * 129, None, None)
+    assert info.value.param == "tools" and "at most 128" in info.value.message
+
+
 def test_a_second_constraint_is_refused() -> None:
     tools = plan(tool_request(TOOLS, "required", None), USER, TEMPLATE, None)
     params = SamplingParams()
