@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import string
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +24,15 @@ from api_server.tools.parsers import PartialCall, ToolParser
 def call_id() -> str:
     """A tool call's id, as OpenAI's: call_ and 24 random characters."""
     return "call_" + secrets.token_hex(12)
+
+
+def short_call_id() -> str:
+    """A tool call's id as Mistral's templates demand it back in the history: 9 letters and
+    digits (they raise on any other)."""
+    return "".join(secrets.choice(_ALNUM) for _ in range(9))
+
+
+_ALNUM = string.ascii_letters + string.digits
 
 
 @dataclass
@@ -37,6 +48,7 @@ class ToolAssembler:
 
     parser: ToolParser
     max_calls: int | None = None  # with parallel_tool_calls false: 1, later calls dropped
+    new_id: Callable[[], str] = call_id
     _held: str = ""
     _region: str | None = None  # the text from where the calls begin, once they have
     _given_up: bool = False  # the calls region was text after all: all text is content
@@ -95,7 +107,7 @@ class ToolAssembler:
             if call.name is None:
                 break  # later calls wait for this one's name
             if index == len(self._sent):
-                self._sent.append(_Sent(call_id()))
+                self._sent.append(_Sent(self.new_id()))
                 out.append(_header(index, self._sent[index].id, call.name))
             out += self._arguments(index, call, final)
         return out

@@ -16,9 +16,9 @@ from typing import Any
 import msgspec
 
 from api_server.errors import ApiError, bad_field, unsupported
-from api_server.tools.assembler import ToolAssembler
+from api_server.tools.assembler import ToolAssembler, call_id, short_call_id
 from api_server.tools.history import has_calls
-from api_server.tools.parsers import PARSERS, Forced, ToolParser, detect
+from api_server.tools.parsers import PARSERS, Forced, Mistral, ToolParser, detect
 from api_server.tools.spec import ToolRequest
 from common.sampling_params import SamplingParams, StructuredOutput
 
@@ -30,6 +30,7 @@ class ToolPlan:
 
     request: ToolRequest
     parser: Callable[[], ToolParser] | None = None
+    new_id: Callable[[], str] = call_id
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -42,7 +43,8 @@ class ToolPlan:
     def assembler(self) -> ToolAssembler | None:
         if self.parser is None:
             return None
-        return ToolAssembler(self.parser(), max_calls=None if self.request.parallel else 1)
+        max_calls = None if self.request.parallel else 1
+        return ToolAssembler(self.parser(), max_calls=max_calls, new_id=self.new_id)
 
 
 def plan(
@@ -66,14 +68,15 @@ def plan(
             "this model's chat template does not render tool calls or tool results (it never "
             "uses `tool_calls`)",
         )
+    family = configured_parser or detect(template_source)
+    new_id = short_call_id if family == Mistral.name else call_id
     if request.choice == "named":
-        return ToolPlan(request, lambda: Forced(request.function))
+        return ToolPlan(request, lambda: Forced(request.function), new_id)
     if request.choice == "required":
-        return ToolPlan(request, Forced)
+        return ToolPlan(request, Forced, new_id)
     if request.choice == "none":
         return ToolPlan(request)
-    name = configured_parser or detect(template_source)
-    if name is None:
+    if family is None:
         raise ApiError(
             400,
             "tool_choice auto needs a tool parser and this model's chat template shows no format "
@@ -82,7 +85,7 @@ def plan(
             param="tool_choice",
             code="unsupported_parameter",
         )
-    return ToolPlan(request, PARSERS[name])
+    return ToolPlan(request, PARSERS[family], new_id)
 
 
 def constrained(params: SamplingParams, tools: ToolPlan) -> SamplingParams:

@@ -93,6 +93,19 @@ def test_parallel_tool_calls_false_keeps_one_call_of_auto() -> None:
     assert info.value.param == "tools" and "at most 128" in info.value.message
 
 
+def test_mistral_templates_get_the_short_ids_they_demand_back() -> None:
+    mistral = "{{ '[TOOL_CALLS]' }}{% if tools %}{% endif %}"
+    for choice in ("auto", "required"):
+        asm = plan(tool_request(TOOLS, choice, None), USER, mistral, None).assembler()
+        assert asm is not None
+        (header,) = asm.feed('[{"name": "now", "parameters": {}}]')[0]["tool_calls"]
+        assert len(header["id"]) == 9 and header["id"].isalnum()
+    asm = plan(tool_request(TOOLS, "auto", None), USER, TEMPLATE, None).assembler()
+    assert asm is not None
+    (header,) = asm.feed('<tool_call>{"name": "now"')[0]["tool_calls"]
+    assert header["id"].startswith("call_") and len(header["id"]) == 29
+
+
 def test_a_second_constraint_is_refused() -> None:
     tools = plan(tool_request(TOOLS, "required", None), USER, TEMPLATE, None)
     params = SamplingParams()
