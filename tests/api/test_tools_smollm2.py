@@ -172,6 +172,13 @@ def test_smollm2_calls_the_tool_by_itself(smol: Stack, hf) -> None:
     assert list(calls.values()) == [c["function"] for c in message["tool_calls"]]
     assert order[0] == "header" and order[-1] == "tool_calls" and "arguments" in order
 
+    two = api.chat.completions.create(
+        model=MODEL, messages=SHOWN, tools=TOOLS, max_tokens=40, temperature=0, n=2
+    )
+    assert [shape(c.message.model_dump()) for c in two.choices] == [shape(message)] * 2
+    ids = [c.message.tool_calls[0].id for c in two.choices]
+    assert ids[0] != ids[1]  # each choice's calls have their own ids
+
 
 def test_the_loop_a_call_its_result_and_the_answer(smol: Stack, hf) -> None:
     api = smol.api.sync_client()
