@@ -212,3 +212,18 @@ def test_smollm2s_own_template_cannot_show_tools() -> None:
     with pytest.raises(ApiError) as info:
         plan(tool_request(TOOLS, None, None), SHOWN[:1], source, None)
     assert info.value.param == "tools" and info.value.code == "unsupported_parameter"
+
+
+def test_tool_parser_flag_overrides_the_template(smol: Stack) -> None:
+    """A second API on the same daemons with --tool-parser llama3_json: the hermes call is not
+    a llama3 call, so it stays text."""
+    other = start_api(smol.pair.runtime, "--tool-parser", "llama3_json")
+    try:
+        r = other.sync_client().chat.completions.create(
+            model=MODEL, messages=SHOWN, tools=TOOLS, max_tokens=40, temperature=0
+        )
+    finally:
+        assert other.stop() == 0
+    message = r.choices[0].message
+    assert message.tool_calls is None and r.choices[0].finish_reason == "stop"
+    assert message.content.startswith("<tool_call>") and '"city": "Rome"' in message.content
