@@ -50,7 +50,12 @@ class PartialCall:
 
 
 def call_of(text: str, scan: ObjectScan, arg_keys: tuple[str, ...] = _ARG_KEYS) -> PartialCall:
-    """The call an object `{"name": ..., "<arg key>": ...}` scanned so far describes."""
+    """The call an object `{"name": ..., "<arg key>": ...}` scanned so far describes; Malformed
+    when its first key is neither the name nor the arguments (JSON that is not a call: known
+    at once, so an answer that is only JSON is not held to its end)."""
+    first = next(iter(scan.fields), None)
+    if first is not None and first != "name" and first not in arg_keys:
+        raise Malformed(f"a call's first key is name or {' or '.join(arg_keys)}, not {first!r}")
     name = scan.string(text, "name")
     for key in arg_keys:
         if key in scan.fields:

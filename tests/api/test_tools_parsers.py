@@ -204,3 +204,11 @@ def test_without_parallel_calls_only_the_first_call_counts() -> None:
         deltas = [d for p in pieces for d in asm.feed(p)]
         last, finish = asm.finish("stop")
         assert calls_of(fold(deltas + last)) == [("a", "{}")] and finish == "tool_calls"
+
+
+def test_json_that_is_not_a_call_is_released_at_its_first_value() -> None:
+    asm = ToolAssembler(PARSERS["llama3_json"]())
+    assert asm.feed('{"answer": ') == []  # may still be a call
+    assert asm.feed("4") == [{"content": '{"answer": 4'}]  # not one: text from here on
+    assert asm.feed("2}") == [{"content": "2}"}]
+    assert asm.finish("stop") == ([], "stop")
