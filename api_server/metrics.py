@@ -271,6 +271,12 @@ class Metrics:
             buckets=_HANDOFF,
             registry=r,
         )
+        self.tool_requests = Counter(
+            "pdkv_api_tool_requests",
+            "chat requests that offer tools, by tool_choice (none, auto, required, named)",
+            ["tool_choice"],
+            registry=r,
+        )
         self.tokens = Counter("pdkv_api_tokens", "tokens by kind", ["kind"], registry=r)
         self.structured = Counter(
             "pdkv_api_structured_requests",
