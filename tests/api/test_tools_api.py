@@ -7,7 +7,6 @@ anything. The grammar-forced choices (required, a named function) are in test_to
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,27 +18,10 @@ from api_server.tools.parsers import Hermes
 from common import client
 from common.sampling_params import SamplingParams
 from tests.support.api import Stack, metrics, openai
-from tests.support.tool_checkpoint import tool_stack
+from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids, tool_stack
 
 transformers = pytest.importorskip("transformers")
 
-MODEL = "qwen-tools"
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]},
-        "unit": {"type": "string", "enum": ["C", "F"]},
-    },
-    "required": ["city", "unit"],
-    "additionalProperties": False,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
-    },
-    {"type": "function", "function": {"name": "get_time", "description": "The time"}},
-]
 HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
@@ -67,31 +49,6 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def ckpt(qwen: Stack) -> Path:
     return Path(qwen.statuses()["prefill"].model_card.path)
-
-
-def hf_ids(ckpt: Path, messages: list[dict], tools: list[dict] | None) -> list[int]:
-    """transformers' ids of the chat, arguments as objects (what its templates expect), and the
-    tool message with its call's function name (as the API adds it)."""
-    hf = transformers.AutoTokenizer.from_pretrained(ckpt)
-    chat = []
-    for m in messages:
-        m = {**m, "content": m["content"] or ""}
-        if "tool_calls" in m:
-            m["tool_calls"] = [
-                {
-                    **c,
-                    "function": {
-                        **c["function"],
-                        "arguments": json.loads(c["function"]["arguments"]),
-                    },
-                }
-                for c in m["tool_calls"]
-            ]
-        if m["role"] == "tool":
-            m["name"] = "get_weather"
-        chat.append(m)
-    out = hf.apply_chat_template(chat, tools=tools, tokenize=True, add_generation_prompt=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
 
 
 def reference(stack: Stack, ids: list[int], max_tokens: int) -> tuple[str, str]:

@@ -13,9 +13,8 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from tests.api.test_tools_api import MODEL, TOOLS, WEATHER, hf_ids
 from tests.support.api import Stack, openai
-from tests.support.tool_checkpoint import tool_stack
+from tests.support.tool_checkpoint import MODEL, TOOLS, WEATHER, hf_ids, tool_stack
 
 SCHEMAS = {
     t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS

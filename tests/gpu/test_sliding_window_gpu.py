@@ -15,9 +15,9 @@ import torch
 from common import client
 from common.cuda import cuda_available
 from common.model import SamplingParams, load_model, reference, slots_for
-from tests.gpu.test_engine_gpu import _runner_generate
 from tests.support.checkpoints import save_hf_model
 from tests.support.daemons import Pair
+from tests.support.gpu_runner import runner_generate
 
 pytestmark = [
     pytest.mark.gpu,
@@ -65,7 +65,7 @@ def test_kernels_and_graphs_with_a_window_equal_transformers(tmp_path: Path, fam
     want = _hf_greedy(hf, prompt)
     greedy = SamplingParams(max_tokens=NEW, ignore_eos=True)
     assert reference.generate(model, prompt, greedy) == want
-    got, _ = _runner_generate(model, [prompt], NEW)
+    got, _ = runner_generate(model, [prompt], NEW)
     assert got[0] == want
     # the prompt's last 60 positions after 240 cached ones, replayed from a prefill graph
     with torch.no_grad():

@@ -76,3 +76,48 @@ def tool_stack(factory: pytest.TempPathFactory, name: str) -> Iterator[Stack]:
         assert api.stop() == 0
     finally:
         pair.kill_all()
+
+
+MODEL = "qwen-tools"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Rome"]},
+        "unit": {"type": "string", "enum": ["C", "F"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time"}},
+]
+
+
+def hf_ids(ckpt: Path, messages: list[dict], tools: list[dict] | None) -> list[int]:
+    """transformers' ids of the chat, arguments as objects (what its templates expect), and the
+    tool message with its call's function name (as the API adds it)."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(ckpt)
+    chat = []
+    for m in messages:
+        m = {**m, "content": m["content"] or ""}
+        if "tool_calls" in m:
+            m["tool_calls"] = [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ]
+        if m["role"] == "tool":
+            m["name"] = "get_weather"
+        chat.append(m)
+    out = hf.apply_chat_template(chat, tools=tools, tokenize=True, add_generation_prompt=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
