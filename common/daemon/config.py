@@ -175,6 +175,17 @@ class DaemonConfig:
             "used first when the pool needs room.",
         ),
     )
+    share_weights: bool = field(
+        default=True,
+        metadata=opt(
+            "--share-weights",
+            negatable=True,
+            help="Keep one copy of the weights per host and device: a daemon whose model, dtype "
+            "and device match a daemon already serving them (same runtime dir) maps that one's "
+            "weights instead of loading its own. On CUDA an importer whose owner exits stops "
+            "(exit 1, to be restarted); on CPU it serves on.",
+        ),
+    )
     max_prompt_tokens: int = field(
         default=8192,
         metadata=opt(
