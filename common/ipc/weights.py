@@ -1,9 +1,9 @@
 """One copy of a model's weights per host: the arena (common.model.arena) of whichever daemon
 loaded it first, mapped by the others (docs/architecture.md, "One copy of the weights per host").
 
-Rendezvous, in the runtime dir, per `WeightsKey` (model fingerprint, dtype, device):
-`weights-KEY.lock` (flock, held while a daemon looks for the arena or loads it) and
-`weights-KEY.sock`, served by the owner from a thread. A connection gets one offer (a 4-byte
+Rendezvous, in the runtime dir, per `WeightsKey` (model fingerprint, dtype, device) and arena
+layout (its digest; together the TAG): `weights-TAG.lock` (flock, held while a daemon looks for the arena or loads it) and
+`weights-TAG.sock`, served by the owner from a thread. A connection gets one offer (a 4-byte
 big-endian length, at most MAX_OFFER, then JSON; on CPU the memfd rides on its first byte with
 SCM_RIGHTS) and is then kept open: its EOF tells the importer that the owner is gone.
 
@@ -105,6 +105,13 @@ def acquire(
     return SharedWeights(key, share.arena, share.role, share.owner_pid, share)
 
 
+def rendezvous(runtime_dir: Path, key: WeightsKey, layout: WeightsLayout) -> tuple[Path, Path]:
+    """(lock file, socket) of `key`'s arena of `layout` in `runtime_dir`. The layout is in the
+    name too: daemons whose arenas differ (another pdkv version) never meet."""
+    tag = hashlib.sha256(f"{key.digest}/{layout.digest()}".encode()).hexdigest()[:20]
+    return runtime_dir / f"weights-{tag}.lock", runtime_dir / f"weights-{tag}.sock"
+
+
 class _Share:
     def __init__(
         self,
@@ -115,8 +122,7 @@ class _Share:
         backend: str,
         on_lost: Callable[[int], None],
     ) -> None:
-        self.lock_path = runtime_dir / f"weights-{key.digest}.lock"
-        self.sock_path = runtime_dir / f"weights-{key.digest}.sock"
+        self.lock_path, self.sock_path = rendezvous(runtime_dir, key, layout)
         self.key, self.layout, self.device = key, layout, device
         self.backend, self.on_lost = backend, on_lost
         self.arena: torch.Tensor | None = None
@@ -248,6 +254,8 @@ class _Share:
         """Load the weights into a new arena and serve it."""
         arena = self.layout.allocate(self.device, shared=True)
         load(arena)
+        if arena.is_cuda:  # the copies are done before anyone can map the arena
+            torch.cuda.synchronize(arena.device)
         self.region = backend_for(self.backend).export(arena)
         self.arena, self.role, self.owner_pid = arena, "owner", os.getpid()
         self._serve(self.region.desc, self.region.fds())
@@ -295,6 +303,7 @@ class _Share:
                 log.warning("weights_offer_failed", error=str(exc))
                 conn.close()
                 continue
+            self.peers = [p for p in self.peers if _open(p)]  # importers that went away
             self.peers.append(conn)  # held open: its EOF tells the importer we are gone
             log.info("weights_offered", peer_pid=pid, key=self.key.digest)
 
@@ -319,6 +328,19 @@ class _Share:
         if self.memfd >= 0:
             os.close(self.memfd)
             self.memfd = -1
+
+
+def _open(sock: socket.socket) -> bool:
+    """False (and closed) once the peer has closed its end."""
+    try:
+        if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b"":
+            return True
+    except BlockingIOError:
+        return True
+    except OSError:
+        pass
+    sock.close()
+    return False
 
 
 def _readonly_descriptor(nbytes: int) -> RegionDescriptor:
@@ -349,4 +371,4 @@ def _map_readonly(fd: int, desc: RegionDescriptor) -> torch.Tensor:
     return raw[desc.offset : desc.offset + desc.nbytes]
 
 
-__all__ = ["MAX_OFFER", "Offer", "SharedWeights", "WeightsKey", "acquire"]
+__all__ = ["MAX_OFFER", "Offer", "SharedWeights", "WeightsKey", "acquire", "rendezvous"]

@@ -70,7 +70,10 @@ def _greedy(pair: Pair) -> list[list[int]]:
 
     async def run() -> list[client.Result]:
         return await asyncio.gather(
-            *(client.generate(pair.client_socket, prompt_tokens=p, sampling=greedy) for p in PROMPTS)
+            *(
+                client.generate(pair.client_socket, prompt_tokens=p, sampling=greedy)
+                for p in PROMPTS
+            )
         )
 
     return [r.tokens for r in asyncio.run(run())]

@@ -1,0 +1,124 @@
+"""common.ipc.weights: the host's one copy of a model's weights, between real processes.
+
+This process loads and serves the arena; children (real processes, the same code path as a
+daemon's) map it: without loading it, read-only, and only when its layout is theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.ipc.weights import WeightsKey, acquire, rendezvous
+from common.model.arena import WeightsLayout
+from common.model.config import LlamaConfig
+from common.model.loader import tiny_weights
+from tests.support.daemons import short_dir
+
+KEY = WeightsKey("tiny-test", "float32", "cpu")
+CPU = torch.device("cpu")
+
+CHILD = """
+import sys, torch
+from pathlib import Path
+from common.ipc.weights import WeightsKey, acquire, rendezvous
+from common.model.arena import WeightsLayout
+from common.model.config import LlamaConfig
+
+def refuse(arena):
+    raise SystemExit("loaded instead of mapping")
+
+layout = WeightsLayout.of(LlamaConfig.tiny(**eval(sys.argv[2])), torch.float32, separate_head=True)
+held = acquire(Path(sys.argv[1]), WeightsKey("tiny-test", "float32", "cpu"), layout,
+               torch.device("cpu"), "shm", refuse, on_lost=print)
+print("RESULT", held.role, held.owner_pid, float(held.arena.float().sum()), flush=True)
+if sys.argv[3] == "write":
+    held.arena[0] = 7
+print("RESULT wrote", flush=True)
+held.close()
+"""
+
+
+def _child(rundir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CHILD), str(rundir), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+def _results(done: subprocess.CompletedProcess[str]) -> list[list[str]]:
+    """The child's RESULT lines (its log lines go to stdout too), split."""
+    return [ln.split()[1:] for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+
+
+@pytest.fixture
+def served(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    rundir = short_dir(tmp_path_factory, "w")
+    config = LlamaConfig.tiny()
+    layout = WeightsLayout.of(config, torch.float32, separate_head=True)
+    held = acquire(
+        rundir,
+        KEY,
+        layout,
+        CPU,
+        "shm",
+        lambda a: layout.fill(a, tiny_weights(config, 0)),
+        on_lost=print,
+    )
+    yield rundir, held
+    held.close()
+
+
+def test_the_first_loads_and_serves_the_next_maps_without_loading(served) -> None:  # type: ignore[no-untyped-def]
+    rundir, held = served
+    assert held.role == "owner" and held.owner_pid == os.getpid()
+    done = _child(rundir, "{}", "read")
+    assert done.returncode == 0, done.stderr
+    role, pid, total = _results(done)[0]
+    assert (role, int(pid)) == ("importer", os.getpid())
+    assert float(total) == pytest.approx(float(held.arena.float().sum()))
+
+
+def test_the_importer_cannot_write_the_owners_weights(served) -> None:  # type: ignore[no-untyped-def]
+    rundir, held = served
+    before = held.arena.clone()
+    done = _child(rundir, "{}", "write")
+    assert done.returncode == -signal.SIGSEGV, (done.returncode, done.stderr[-2000:])
+    assert ["wrote"] not in _results(done)
+    assert torch.equal(held.arena, before)
+
+
+def test_weights_of_another_layout_are_never_offered(served) -> None:  # type: ignore[no-untyped-def]
+    """Same key, another arena layout (another pdkv version, say): it loads its own."""
+    rundir, _ = served
+    done = _child(rundir, "{'intermediate_size': 256}", "read")
+    assert done.returncode == 1 and "loaded instead of mapping" in done.stderr
+
+
+def test_a_dead_owners_socket_is_taken_over(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A socket file nobody serves (its owner SIGKILLed) does not stop the next daemon."""
+    rundir = short_dir(tmp_path_factory, "w")
+    config = LlamaConfig.tiny()
+    layout = WeightsLayout.of(config, torch.float32, separate_head=True)
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(stale := rendezvous(rundir, KEY, layout)[1]))
+    s.close()  # the file stays, no one listens: ECONNREFUSED
+    held = acquire(rundir, KEY, layout, CPU, "shm", lambda a: a.fill_(1), on_lost=print)
+    try:
+        assert held.role == "owner"
+        done = _child(rundir, "{}", "read")
+        assert done.returncode == 0 and _results(done)[0][0] == "importer", done.stderr
+    finally:
+        held.close()
+    assert not stale.exists()
