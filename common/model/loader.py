@@ -118,7 +118,8 @@ class ModelSource:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ModelError(f"{path} has no *.safetensors files (pdkv reads safetensors only)")
-        own_head = not config.tie_word_embeddings or "lm_head.weight" in _keys(files)
+        keys = _keys(files)  # headers only; a corrupt file is refused before anything loads
+        own_head = not config.tie_word_embeddings or "lm_head.weight" in keys
         layout = WeightsLayout.of(config, dt, separate_head=own_head)
         fp = _checkpoint_fingerprint(path, config, files)
         return cls(config, dt, fp, layout, path, tuple(files), seed)
