@@ -22,6 +22,7 @@ from common.model.arena import WeightsLayout
 from common.model.config import LlamaConfig
 from common.model.loader import tiny_weights
 from tests.support.daemons import short_dir
+from tests.support.wait import poll
 
 KEY = WeightsKey("tiny-test", "float32", "cpu")
 CPU = torch.device("cpu")
@@ -122,3 +123,44 @@ def test_a_dead_owners_socket_is_taken_over(tmp_path_factory: pytest.TempPathFac
     finally:
         held.close()
     assert not stale.exists()
+
+
+def test_a_process_that_comes_during_the_load_waits_for_it_and_maps(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Both daemons started at once: the second blocks on the lock while the first loads (seen
+    in /proc/locks) and then maps the arena instead of loading a second copy."""
+    rundir = short_dir(tmp_path_factory, "w")
+    config = LlamaConfig.tiny()
+    layout = WeightsLayout.of(config, torch.float32, separate_head=True)
+    child: list[subprocess.Popen[str]] = []
+
+    def load(arena: torch.Tensor) -> None:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(CHILD), str(rundir), "{}", "read"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        child.append(proc)
+        poll(lambda: _blocked_on_flock(proc.pid), timeout=60, what="the child waits on the lock")
+        layout.fill(arena, tiny_weights(config, 0))
+
+    held = acquire(rundir, KEY, layout, CPU, "shm", load, on_lost=print)
+    try:
+        out, err = child[0].communicate(timeout=60)
+        done = subprocess.CompletedProcess(child[0].args, child[0].returncode, out, err)
+        assert done.returncode == 0, err
+        assert _results(done)[0][:2] == ["importer", str(os.getpid())]
+        assert "weights_waiting" in out + err
+    finally:
+        held.close()
+
+
+def _blocked_on_flock(pid: int) -> bool:
+    """`pid` waits for a flock (a "->" line of /proc/locks names the waiters)."""
+    return any(
+        "->" in line and line.split()[5] == str(pid)
+        for line in Path("/proc/locks").read_text().splitlines()
+    )

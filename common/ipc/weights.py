@@ -76,9 +76,16 @@ class SharedWeights:
 
     key: WeightsKey
     arena: torch.Tensor
-    role: str  # "owner" | "importer"
-    owner_pid: int
     _share: _Share
+
+    @property
+    def role(self) -> str:
+        """ "owner" or "importer" (an importer on CPU becomes the owner when its owner goes)."""
+        return self._share.role
+
+    @property
+    def owner_pid(self) -> int:
+        return self._share.owner_pid
 
     def close(self) -> None:
         self._share.close()
@@ -102,7 +109,7 @@ def acquire(
         if not share.join():
             share.create(load)
     assert share.arena is not None
-    return SharedWeights(key, share.arena, share.role, share.owner_pid, share)
+    return SharedWeights(key, share.arena, share)
 
 
 def rendezvous(runtime_dir: Path, key: WeightsKey, layout: WeightsLayout) -> tuple[Path, Path]:
@@ -138,7 +145,11 @@ class _Share:
     def locked(self) -> Iterator[None]:
         fd = os.open(self.lock_path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a load in progress elsewhere: wait for its arena
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # a load in progress elsewhere: wait for its arena
+                log.info("weights_waiting", lock=str(self.lock_path))
+                fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the lock
