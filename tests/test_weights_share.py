@@ -164,3 +164,17 @@ def _blocked_on_flock(pid: int) -> bool:
         "->" in line and line.split()[5] == str(pid)
         for line in Path("/proc/locks").read_text().splitlines()
     )
+
+
+def test_a_runtime_dir_too_long_for_a_socket_loads_unshared(tmp_path: Path) -> None:
+    """AF_UNIX paths end at 108 bytes: past that the daemon keeps its weights to itself."""
+    rundir = tmp_path / ("d" * max(1, 100 - len(str(tmp_path))))
+    rundir.mkdir(mode=0o700)
+    config = LlamaConfig.tiny()
+    layout = WeightsLayout.of(config, torch.float32, separate_head=True)
+    held = acquire(rundir, KEY, layout, CPU, "shm", lambda a: a.fill_(3), on_lost=print)
+    try:
+        assert held.role == "owner" and int(held.arena[0]) == 3
+        assert not rendezvous(rundir, KEY, layout)[1].exists()
+    finally:
+        held.close()

@@ -2,10 +2,10 @@
 loaded it first, mapped by the others (docs/architecture.md, "One copy of the weights per host").
 
 Rendezvous, in the runtime dir, per `WeightsKey` (model fingerprint, dtype, device) and arena
-layout (its digest; together the TAG): `weights-TAG.lock` (flock, held while a daemon looks for the arena or loads it) and
-`weights-TAG.sock`, served by the owner from a thread. A connection gets one offer (a 4-byte
-big-endian length, at most MAX_OFFER, then JSON; on CPU the memfd rides on its first byte with
-SCM_RIGHTS) and is then kept open: its EOF tells the importer that the owner is gone.
+layout (its digest; together the TAG): `weights-TAG.lock` (flock, held while a daemon looks for
+the arena or loads it) and `w-TAG.sock`, served by the owner from a thread. A connection gets one
+offer (a 4-byte big-endian length, at most MAX_OFFER, then JSON; on CPU the memfd rides on its
+first byte with SCM_RIGHTS) and is then kept open: its EOF tells the importer that the owner is gone.
 
 Owner gone: on CPU the importer's read-only mapping keeps the pages, so it serves on and takes
 the ownership over (the same memfd on the socket). On CUDA an imported IPC pointer is valid only
@@ -115,8 +115,8 @@ def acquire(
 def rendezvous(runtime_dir: Path, key: WeightsKey, layout: WeightsLayout) -> tuple[Path, Path]:
     """(lock file, socket) of `key`'s arena of `layout` in `runtime_dir`. The layout is in the
     name too: daemons whose arenas differ (another pdkv version) never meet."""
-    tag = hashlib.sha256(f"{key.digest}/{layout.digest()}".encode()).hexdigest()[:20]
-    return runtime_dir / f"weights-{tag}.lock", runtime_dir / f"weights-{tag}.sock"
+    tag = hashlib.sha256(f"{key.digest}/{layout.digest()}".encode()).hexdigest()[:12]
+    return runtime_dir / f"weights-{tag}.lock", runtime_dir / f"w-{tag}.sock"  # AF_UNIX: short
 
 
 class _Share:
@@ -269,7 +269,11 @@ class _Share:
             torch.cuda.synchronize(arena.device)
         self.region = backend_for(self.backend).export(arena)
         self.arena, self.role, self.owner_pid = arena, "owner", os.getpid()
-        self._serve(self.region.desc, self.region.fds())
+        try:
+            self._serve(self.region.desc, self.region.fds())
+        except OSError as exc:  # e.g. a runtime dir whose path is too long for a socket
+            log.warning("weights_not_shared", error=str(exc), socket=str(self.sock_path))
+            return
         log.info("weights_shared", key=self.key.digest, nbytes=self.layout.nbytes)
 
     def _serve(self, desc: RegionDescriptor, fds: list[int]) -> None:
