@@ -280,9 +280,13 @@ class _Share:
         with contextlib.suppress(FileNotFoundError):
             self.sock_path.unlink()  # a dead owner's: under the lock, nobody serves it
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        listener.bind(str(self.sock_path))
-        os.chmod(self.sock_path, 0o600)
-        listener.listen(16)
+        try:
+            listener.bind(str(self.sock_path))
+            os.chmod(self.sock_path, 0o600)
+            listener.listen(16)
+        except OSError:
+            listener.close()
+            raise
         self.listener = listener
         offer = Offer(
             version=OFFER_VERSION,
