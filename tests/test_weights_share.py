@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.ipc.weights import WeightsKey, acquire, rendezvous
+from common.cuda import cuda_available, has_extension
+from common.errors import CudaError
+from common.ipc import vmm
+from common.ipc.weights import WeightsKey, acquire, arena_kind, rendezvous
 from common.model.arena import WeightsLayout
 from common.model.config import LlamaConfig
 from common.model.loader import tiny_weights
@@ -30,7 +33,10 @@ CPU = torch.device("cpu")
 CHILD = """
 import sys, torch
 from pathlib import Path
-from common.ipc.weights import WeightsKey, acquire, rendezvous
+from common.cuda import cuda_available, has_extension
+from common.errors import CudaError
+from common.ipc import vmm
+from common.ipc.weights import WeightsKey, acquire, arena_kind, rendezvous
 from common.model.arena import WeightsLayout
 from common.model.config import LlamaConfig
 
@@ -113,7 +119,7 @@ def test_a_dead_owners_socket_is_taken_over(tmp_path_factory: pytest.TempPathFac
     config = LlamaConfig.tiny()
     layout = WeightsLayout.of(config, torch.float32, separate_head=True)
     s = socket.socket(socket.AF_UNIX)
-    s.bind(str(stale := rendezvous(rundir, KEY, layout)[1]))
+    s.bind(str(stale := rendezvous(rundir, KEY, layout, "shm")[1]))
     s.close()  # the file stays, no one listens: ECONNREFUSED
     held = acquire(rundir, KEY, layout, CPU, "shm", lambda a: a.fill_(1), on_lost=print)
     try:
@@ -175,6 +181,17 @@ def test_a_runtime_dir_too_long_for_a_socket_loads_unshared(tmp_path: Path) -> N
     held = acquire(rundir, KEY, layout, CPU, "shm", lambda a: a.fill_(3), on_lost=print)
     try:
         assert held.role == "owner" and int(held.arena[0]) == 3
-        assert not rendezvous(rundir, KEY, layout)[1].exists()
+        assert not rendezvous(rundir, KEY, layout, "shm")[1].exists()
     finally:
         held.close()
+
+
+@pytest.mark.skipif(cuda_available(), reason="checks the no-GPU behaviour; this machine has a GPU")
+def test_without_a_gpu_vmm_is_unusable_and_fails_cleanly() -> None:
+    """No driver: a CUDA arena would fall back to the pool's backend; the calls raise CudaError
+    with the hint, never crash."""
+    assert arena_kind(torch.device("cuda:0"), "cuda-raw") == "cuda-raw"
+    assert arena_kind(CPU, "shm") == "shm"
+    if has_extension():
+        with pytest.raises(CudaError, match="hint:"):
+            vmm.vmm_empty(1 << 20, torch.device("cuda:0"))

@@ -7,10 +7,11 @@ the arena or loads it) and `w-TAG.sock`, served by the owner from a thread. A co
 offer (a 4-byte big-endian length, at most MAX_OFFER, then JSON; on CPU the memfd rides on its
 first byte with SCM_RIGHTS) and is then kept open: its EOF tells the importer that the owner is gone.
 
-Owner gone: on CPU the importer's read-only mapping keeps the pages, so it serves on and takes
-the ownership over (the same memfd on the socket). On CUDA an imported IPC pointer is valid only
-while its exporter holds the allocation and cannot be exported again, so the importer calls
-`on_lost` (the daemons': log and exit at once).
+Owner gone: an fd-backed arena (a memfd on CPU, a VMM allocation on CUDA: common.ipc.vmm) lives
+while any process maps it, so the importer serves on and takes the ownership over (the same fd on
+the socket). Through legacy CUDA IPC (the pool's backends, where VMM is unavailable) an imported
+pointer is valid only while its exporter holds the allocation and cannot be exported again, so
+the importer calls `on_lost` (the daemons': log and exit at once).
 """
 
 from __future__ import annotations
@@ -18,30 +19,35 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import mmap
 import os
 import socket
-import struct
 import threading
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import structlog
 import torch
 
-from common.errors import IpcError
+from common.errors import CudaError, IpcError
+from common.ipc import vmm
 from common.ipc.backends import backend_for
 from common.ipc.base import RegionDescriptor, SharedRegion
-from common.ipc.fdpass import recv_exact_with_fds, send_with_fds
+from common.ipc.fdpass import send_with_fds
+from common.ipc.weights_offer import (
+    OFFER_VERSION,
+    SIZE,
+    Offer,
+    ask,
+    flat,
+    map_readonly,
+    offer_frame,
+)
 from common.model.arena import WeightsLayout
 
 log = structlog.get_logger(__name__)
-MAX_OFFER = 64 * 1024
-OFFER_VERSION = 1
-_LEN = struct.Struct(">I")
+#: arenas whose fd travels with the offer: any holder can serve them on (see the module doc)
+FD_KINDS = frozenset({"shm", vmm.KIND})
 
 
 @dataclass(frozen=True)
@@ -57,16 +63,6 @@ class WeightsKey:
     def digest(self) -> str:
         blob = f"{self.fingerprint}\0{self.dtype}\0{self.device}".encode()
         return hashlib.sha256(blob).hexdigest()[:20]
-
-
-class Offer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Owner → importer, once per connection of the weights socket."""
-
-    version: int
-    key: str
-    layout: str  # WeightsLayout.digest()
-    owner_pid: int
-    region: RegionDescriptor
 
 
 @dataclass
@@ -104,7 +100,7 @@ def acquire(
     """The arena of `key`: mapped from the daemon that serves it, or else allocated here,
     filled by `load(arena)` and served from now on. `on_lost(owner_pid)` runs (on a thread)
     when a CUDA importer's owner goes away."""
-    share = _Share(runtime_dir, key, layout, device, backend, on_lost)
+    share = _Share(runtime_dir, key, layout, device, arena_kind(device, backend), on_lost)
     with share.locked():
         if not share.join():
             share.create(load)
@@ -112,10 +108,21 @@ def acquire(
     return SharedWeights(key, share.arena, share)
 
 
-def rendezvous(runtime_dir: Path, key: WeightsKey, layout: WeightsLayout) -> tuple[Path, Path]:
-    """(lock file, socket) of `key`'s arena of `layout` in `runtime_dir`. The layout is in the
-    name too: daemons whose arenas differ (another pdkv version) never meet."""
-    tag = hashlib.sha256(f"{key.digest}/{layout.digest()}".encode()).hexdigest()[:12]
+def arena_kind(device: torch.device, backend: str) -> str:
+    """How an arena on `device` is shared: `shm` (a memfd) on CPU; on CUDA `cuda-vmm` (an fd
+    that outlives its exporter) where the extension and driver have it, else the pool's
+    `backend` (legacy CUDA IPC: valid only while its exporter lives)."""
+    if device.type == "cpu":
+        return "shm"
+    return vmm.KIND if vmm.usable(device.index or 0) else backend
+
+
+def rendezvous(
+    runtime_dir: Path, key: WeightsKey, layout: WeightsLayout, kind: str
+) -> tuple[Path, Path]:
+    """(lock file, socket) of `key`'s arena of `layout` shared as `kind` in `runtime_dir`. The
+    layout and kind are in the name too: daemons whose arenas differ never meet."""
+    tag = hashlib.sha256(f"{key.digest}/{layout.digest()}/{kind}".encode()).hexdigest()[:12]
     return runtime_dir / f"weights-{tag}.lock", runtime_dir / f"w-{tag}.sock"  # AF_UNIX: short
 
 
@@ -126,15 +133,18 @@ class _Share:
         key: WeightsKey,
         layout: WeightsLayout,
         device: torch.device,
-        backend: str,
+        kind: str,
         on_lost: Callable[[int], None],
     ) -> None:
-        self.lock_path, self.sock_path = rendezvous(runtime_dir, key, layout)
+        self.lock_path, self.sock_path = rendezvous(runtime_dir, key, layout, kind)
         self.key, self.layout, self.device = key, layout, device
-        self.backend, self.on_lost = backend, on_lost
+        self.kind, self.on_lost = kind, on_lost
         self.arena: torch.Tensor | None = None
-        self.region: SharedRegion | None = None  # owner: the export; CUDA importer: the import
-        self.memfd = -1  # CPU importer: the memfd, kept to serve it if the owner goes
+        self.region: SharedRegion | None = None  # shm owner: the export; legacy CUDA: either
+        # an fd-backed arena (shm, cuda-vmm): its fd and descriptor, to serve it on if need be
+        self.fd = -1
+        self.desc: RegionDescriptor | None = None
+        self.private = False  # an offer could not be mapped: load a copy of our own, unserved
         self.role, self.owner_pid = "", 0
         self.listener: socket.socket | None = None
         self.peers: list[socket.socket] = []
@@ -155,28 +165,6 @@ class _Share:
             os.close(fd)  # releases the lock
 
     # ---- importer ------------------------------------------------------------------------------
-    def _ask(self) -> tuple[Offer, list[int], socket.socket] | None:
-        """The offer of whoever serves the socket, or None when nobody does."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        sock.settimeout(30)
-        try:
-            sock.connect(str(self.sock_path))
-        except OSError:  # no socket file, or a dead owner's (ECONNREFUSED)
-            sock.close()
-            return None
-        try:
-            head, fds = recv_exact_with_fds(sock, _LEN.size, 1)
-            (size,) = _LEN.unpack(head)
-            if size > MAX_OFFER:
-                raise IpcError(f"weights offer of {size} bytes (limit {MAX_OFFER})")
-            body, more = recv_exact_with_fds(sock, size, 0) if size else (b"", [])
-            offer = msgspec.json.decode(body, type=Offer)
-        except (OSError, IpcError, msgspec.DecodeError) as exc:
-            sock.close()
-            raise IpcError(f"bad weights offer on {self.sock_path}: {exc}") from exc
-        sock.settimeout(None)
-        return offer, fds + more, sock
-
     def _check(self, offer: Offer, fds: list[int]) -> None:
         region = offer.region
         region.check()
@@ -185,32 +173,33 @@ class _Share:
             or offer.key != self.key.digest
             or offer.layout != self.layout.digest()
             or region.nbytes != self.layout.nbytes
-            or region.kind != self.backend
+            or region.kind != self.kind
         ):
             raise IpcError(
                 f"the weights served on {self.sock_path} (pid {offer.owner_pid}) are not this "
                 f"model's ({offer.key}/{offer.layout}/{region.kind} ≠ {self.key.digest}/"
-                f"{self.layout.digest()}/{self.backend}): stop that daemon, or start this one "
+                f"{self.layout.digest()}/{self.kind}): stop that daemon, or start this one "
                 "with --no-share-weights"
             )
-        if len(fds) != (1 if region.kind == "shm" else 0):
+        if len(fds) != (1 if region.kind in FD_KINDS else 0):
             raise IpcError(f"weights offer of kind {region.kind} came with {len(fds)} fds")
 
     def join(self) -> bool:
         """Map the arena someone serves; False when nobody does."""
-        asked = self._ask()
+        asked = ask(self.sock_path)
         if asked is None:
             return False
         offer, fds, sock = asked
         try:
             self._check(offer, fds)
-            if offer.region.kind == "shm":
-                self.memfd = fds.pop()
-                self.arena = _map_readonly(self.memfd, offer.region)
-            else:
-                cls = backend_for(offer.region.kind)
-                self.region = cls.open_for(offer.region, [], self.device)
-                self.arena = self.region.to_tensor()
+            self.arena = self._map(offer.region, fds)
+        except CudaError as exc:  # this GPU cannot map it: a copy of our own, not served
+            log.warning("weights_map_failed", error=str(exc), owner_pid=offer.owner_pid)
+            for fd in fds:
+                os.close(fd)
+            sock.close()
+            self.private = True
+            return False
         except BaseException:
             for fd in fds:
                 os.close(fd)
@@ -220,6 +209,19 @@ class _Share:
         self._watch(sock)
         log.info("weights_mapped", key=self.key.digest, owner_pid=offer.owner_pid)
         return True
+
+    def _map(self, desc: RegionDescriptor, fds: list[int]) -> torch.Tensor:
+        """The offered arena, mapped read-only where the kind allows; an fd is kept."""
+        if desc.kind == "shm":
+            arena = map_readonly(fds[0], desc)
+        elif desc.kind == vmm.KIND:
+            (size,) = SIZE.unpack(desc.handle)
+            arena = vmm.vmm_open(fds[0], size, desc.nbytes, self.device)
+        else:
+            self.region = backend_for(desc.kind).open_for(desc, [], self.device)
+            return self.region.to_tensor()
+        self.fd, self.desc = fds.pop(), desc
+        return arena
 
     def _watch(self, sock: socket.socket) -> None:
         self.watched = sock
@@ -235,7 +237,7 @@ class _Share:
         if self.closing:
             return
         log.warning("weights_owner_gone", owner_pid=self.owner_pid, key=self.key.digest)
-        if self.memfd < 0:  # CUDA: the mapping may be gone with its exporter
+        if self.fd < 0:  # legacy CUDA IPC: the mapping may be gone with its exporter
             self.on_lost(self.owner_pid)
             return
         try:
@@ -244,11 +246,11 @@ class _Share:
             log.exception("weights_take_over_failed", key=self.key.digest)
 
     def _take_over(self) -> None:
-        """CPU: someone else serves the same arena now (watch them), or we do."""
+        """An fd-backed arena: someone else serves it now (watch them), or we do."""
         with self.locked():
             if self.closing:
                 return
-            asked = self._ask()
+            asked = ask(self.sock_path)
             if asked is not None:
                 offer, fds, sock = asked
                 for fd in fds:
@@ -257,24 +259,46 @@ class _Share:
                 self._watch(sock)
                 return
             self.role, self.owner_pid = "owner", os.getpid()
-            self._serve(_readonly_descriptor(self.layout.nbytes), [self.memfd])
+            assert self.desc is not None
+            self._serve(self.desc, [self.fd])
         log.info("weights_owner_taken_over", key=self.key.digest)
 
     # ---- owner ---------------------------------------------------------------------------------
     def create(self, load: Callable[[torch.Tensor], None]) -> None:
-        """Load the weights into a new arena and serve it."""
-        arena = self.layout.allocate(self.device, shared=True)
+        """Load the weights into a new arena and serve it (unless `private`)."""
+        self.role, self.owner_pid = "owner", os.getpid()
+        arena = None if self.private else self._new_arena()
+        if arena is None:  # a copy of our own, served to nobody
+            self.arena = self.layout.allocate(self.device)
+            load(self.arena)
+            return
         load(arena)
         if arena.is_cuda:  # the copies are done before anyone can map the arena
             torch.cuda.synchronize(arena.device)
-        self.region = backend_for(self.backend).export(arena)
-        self.arena, self.role, self.owner_pid = arena, "owner", os.getpid()
+        if self.kind != vmm.KIND:
+            self.region = backend_for(self.kind).export(arena)
+            self.desc = self.region.desc
+        assert self.desc is not None
+        self.arena = arena
+        fds = [self.fd] if self.fd >= 0 else self.region.fds()  # type: ignore[union-attr]
         try:
-            self._serve(self.region.desc, self.region.fds())
+            self._serve(self.desc, fds)
         except OSError as exc:  # e.g. a runtime dir whose path is too long for a socket
             log.warning("weights_not_shared", error=str(exc), socket=str(self.sock_path))
             return
-        log.info("weights_shared", key=self.key.digest, nbytes=self.layout.nbytes)
+        log.info("weights_shared", key=self.key.digest, kind=self.kind, nbytes=self.layout.nbytes)
+
+    def _new_arena(self) -> torch.Tensor | None:
+        """An empty arena that can be shared as `kind`; None if a VMM allocation fails."""
+        if self.kind != vmm.KIND:
+            return self.layout.allocate(self.device, shared=True)
+        try:
+            arena, self.fd, size = vmm.vmm_empty(self.layout.nbytes, self.device)
+        except CudaError as exc:
+            log.warning("weights_not_shared", error=str(exc), kind=self.kind)
+            return None
+        self.desc = flat(self.kind, self.layout.nbytes, SIZE.pack(size), self.key.device)
+        return arena
 
     def _serve(self, desc: RegionDescriptor, fds: list[int]) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -295,10 +319,9 @@ class _Share:
             owner_pid=os.getpid(),
             region=desc,
         )
-        body = msgspec.json.encode(offer)
         threading.Thread(
             target=self._accept,
-            args=(listener, _LEN.pack(len(body)) + body, fds),
+            args=(listener, offer_frame(offer), fds),
             name="pdkv-weights-serve",
             daemon=True,
         ).start()
@@ -344,9 +367,9 @@ class _Share:
         self.arena = None
         if self.region is not None:
             self.region.close()
-        if self.memfd >= 0:
-            os.close(self.memfd)
-            self.memfd = -1
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _open(sock: socket.socket) -> bool:
@@ -362,32 +385,4 @@ def _open(sock: socket.socket) -> bool:
     return False
 
 
-def _readonly_descriptor(nbytes: int) -> RegionDescriptor:
-    return RegionDescriptor(
-        kind="shm",
-        handle=b"",
-        offset=0,
-        nbytes=nbytes,
-        dtype="uint8",
-        shape=(nbytes,),
-        strides=(1,),
-    )
-
-
-def _map_readonly(fd: int, desc: RegionDescriptor) -> torch.Tensor:
-    """desc's bytes of memfd `fd`, mapped read-only: a write to them faults in this process
-    instead of changing the owner's model. The fd stays open (the caller's)."""
-    from common.ipc.shm import _check_sealed
-
-    _check_sealed(fd)
-    size = os.fstat(fd).st_size
-    if size < desc.offset + desc.nbytes:
-        raise IpcError(f"weights memfd holds {size} bytes, the offer needs {desc.nbytes}")
-    mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
-    with warnings.catch_warnings():  # torch warns that the buffer is not writable: on purpose
-        warnings.simplefilter("ignore", UserWarning)
-        raw = torch.frombuffer(mm, dtype=torch.uint8)
-    return raw[desc.offset : desc.offset + desc.nbytes]
-
-
-__all__ = ["MAX_OFFER", "Offer", "SharedWeights", "WeightsKey", "acquire", "rendezvous"]
+__all__ = ["FD_KINDS", "SharedWeights", "WeightsKey", "acquire", "arena_kind", "rendezvous"]

@@ -1,14 +1,18 @@
-"""One copy of the weights on one GPU (gpu marker): the decode maps the prefill's arena over CUDA
-IPC (or the other way round), the GPU holds one copy fewer than with --no-share-weights, the
-greedy tokens are transformers' either way, and an importer whose owner is SIGKILLed stops at once
-(exit 1, `weights_owner_lost`) instead of reading memory that may be gone.
+"""One copy of the weights on one GPU (gpu marker): the second daemon maps the first's arena (a
+VMM allocation shared as an fd, or legacy CUDA IPC without it), the GPU holds one copy fewer than
+with --no-share-weights, and the greedy tokens are transformers' either way. The owner SIGKILLed:
+with VMM the importer serves on and takes over; through legacy IPC it stops at once (exit 1,
+`weights_owner_lost`) instead of reading memory that may be gone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,7 @@ from common import client
 from common.cuda import cuda_available
 from common.model.sampling import SamplingParams
 from tests.support.daemons import Pair, short_dir, wait_ready
+from tests.support.wait import poll
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,9 +121,12 @@ def test_gpu_pair_holds_one_copy_and_its_tokens_are_transformers(
     assert 0.85 * nbytes < own - shared < 1.2 * nbytes, (own, shared, nbytes)
 
 
-def test_gpu_importer_stops_when_its_owner_is_killed(
-    tmp_path_factory: pytest.TempPathFactory, checkpoint: tuple
-) -> None:
+def test_gpu_owner_killed(tmp_path_factory: pytest.TempPathFactory, checkpoint: tuple) -> None:
+    """The owner (the prefill, started first) SIGKILLed. With VMM (the extension's cuda-vmm
+    arena, an fd that outlives its exporter) the decode serves on, takes the weights over and its
+    restarted prefill maps them; through legacy CUDA IPC the decode exits 1 at once."""
+    from common.ipc import vmm
+
     path, want, _ = checkpoint
     pair = Pair(short_dir(tmp_path_factory))
     args = (*_args(path), "--dtype", "float32", "--num-blocks", "256")
@@ -127,16 +135,68 @@ def test_gpu_importer_stops_when_its_owner_is_killed(
         decode = pair.start("decode", *args)
         wait_ready(prefill, linked=True)
         assert _greedy(pair) == want
+        shared = _events(prefill, "weights_shared")
         prefill.proc.send_signal(signal.SIGKILL)
         prefill.proc.wait(timeout=10)
-        assert decode.proc.wait(timeout=30) == 1
-        lost = _events(decode, "weights_owner_lost")
-        assert lost and lost[0]["owner_pid"] == prefill.proc.pid
-        # restarted (as systemd would), the decode owns the weights and the prefill maps them
-        decode = pair.start("decode", *args)
+        if vmm.usable(0):
+            assert shared[0]["kind"] == "cuda-vmm"
+            poll(lambda: _events(decode, "weights_owner_taken_over"), timeout=30, what="takeover")
+            assert decode.proc.poll() is None
+        else:
+            assert decode.proc.wait(timeout=30) == 1
+            lost = _events(decode, "weights_owner_lost")
+            assert lost and lost[0]["owner_pid"] == prefill.proc.pid
+            decode = pair.start("decode", *args)  # restarted, as systemd would
         prefill = pair.start("prefill", *args)
         assert _events(prefill, "weights_mapped")[-1]["owner_pid"] == decode.proc.pid
         assert _greedy(pair) == want
         assert pair.stop_all() == {"prefill": 0, "decode": 0}
     finally:
         pair.kill_all()
+
+
+def test_vmm_arena_outlives_its_exporter_and_is_read_only_to_importers() -> None:
+    """csrc/vmm.cpp: a child maps the parent's allocation through the fd, the parent frees its
+    tensor and closes the fd, the child still reads the bytes; a write through the importer's
+    read-only mapping fails instead of changing them."""
+    from common.ipc import vmm
+
+    if not vmm.usable(0):
+        pytest.skip("the extension or driver has no shareable VMM allocations")
+    dev = torch.device("cuda:0")
+    arena, fd, size = vmm.vmm_empty(3 << 20, dev)
+    arena.copy_(torch.arange(3 << 20, device=dev).to(torch.uint8))
+    torch.cuda.synchronize()
+    want = int(arena.sum())
+    code = (
+        "import os, sys, torch\n"
+        "from common.ipc import vmm\n"
+        "fd, size, n = (int(x) for x in sys.argv[1:4])\n"
+        "t = vmm.vmm_open(fd, size, n, torch.device('cuda:0'))\n"
+        "os.close(fd)\n"
+        "print('mapped', flush=True)\n"
+        "sys.stdin.readline()  # the parent has let go\n"
+        "print('sum', int(t.sum()), flush=True)\n"
+        "try:\n"
+        "    t.fill_(0); torch.cuda.synchronize(); print('wrote', flush=True)\n"
+        "except Exception as e:\n"
+        "    print('refused', type(e).__name__, flush=True)\n"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(fd), str(size), str(3 << 20)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=(fd,),
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert child.stdout is not None and child.stdin is not None
+    assert child.stdout.readline().strip() == "mapped"
+    del arena
+    os.close(fd)
+    torch.cuda.synchronize()
+    child.stdin.write("go\n")
+    child.stdin.flush()
+    out, _ = child.communicate(timeout=60)
+    assert f"sum {want}" in out
+    assert "wrote" not in out
