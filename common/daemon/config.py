@@ -182,8 +182,9 @@ class DaemonConfig:
             negatable=True,
             help="Keep one copy of the weights per host and device: a daemon whose model, dtype "
             "and device match a daemon already serving them (same runtime dir) maps that one's "
-            "weights instead of loading its own. On CUDA an importer whose owner exits stops "
-            "(exit 1, to be restarted); on CPU it serves on.",
+            "weights instead of loading its own; if the owner exits, the other serves on and "
+            "takes the weights over (on CUDA without the extension's VMM arenas it exits 1 "
+            "instead, to be restarted).",
         ),
     )
     max_prompt_tokens: int = field(
