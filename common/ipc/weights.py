@@ -99,7 +99,7 @@ def acquire(
 ) -> SharedWeights:
     """The arena of `key`: mapped from the daemon that serves it, or else allocated here,
     filled by `load(arena)` and served from now on. `on_lost(owner_pid)` runs (on a thread)
-    when a CUDA importer's owner goes away."""
+    when the owner of an arena shared by legacy CUDA IPC goes away (see the module doc)."""
     share = _Share(runtime_dir, key, layout, device, arena_kind(device, backend), on_lost)
     with share.locked():
         if not share.join():
@@ -140,8 +140,9 @@ class _Share:
         self.key, self.layout, self.device = key, layout, device
         self.kind, self.on_lost = kind, on_lost
         self.arena: torch.Tensor | None = None
-        self.region: SharedRegion | None = None  # shm owner: the export; legacy CUDA: either
-        # an fd-backed arena (shm, cuda-vmm): its fd and descriptor, to serve it on if need be
+        # the export (shm and legacy owners) or the import (legacy importers) of the arena
+        self.region: SharedRegion | None = None
+        # an fd-backed arena (shm importers, cuda-vmm): its fd and descriptor, to serve it on
         self.fd = -1
         self.desc: RegionDescriptor | None = None
         self.private = False  # an offer could not be mapped: load a copy of our own, unserved
