@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,32 @@ def test_without_a_gpu_vmm_is_unusable_and_fails_cleanly() -> None:
     if has_extension():
         with pytest.raises(CudaError, match="hint:"):
             vmm.vmm_empty(1 << 20, torch.device("cuda:0"))
+
+
+def test_an_owner_closing_without_an_offer_is_nobody(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A dying owner's listener may still take a connection into its backlog and then drop it:
+    that is no owner, and the next daemon serves the weights itself."""
+    rundir = short_dir(tmp_path_factory, "w")
+    layout = WeightsLayout.of(LlamaConfig.tiny(), torch.float32, separate_head=True)
+    path = rendezvous(rundir, KEY, layout, "shm")[1]
+    dying = socket.socket(socket.AF_UNIX)
+    dying.bind(str(path))
+    dying.listen(1)
+
+    def drop_one() -> None:
+        conn, _ = dying.accept()
+        conn.close()
+        dying.close()
+
+    t = threading.Thread(target=drop_one)
+    t.start()
+    held = acquire(rundir, KEY, layout, CPU, "shm", lambda a: a.fill_(2), on_lost=print)
+    t.join()
+    try:
+        assert held.role == "owner" and int(held.arena[0]) == 2
+        done = _child(rundir, "{}", "read")
+        assert _results(done)[0][:2] == ["importer", str(os.getpid())], done.stderr
+    finally:
+        held.close()

@@ -53,6 +53,13 @@ def ask(path: Path) -> tuple[Offer, list[int], socket.socket] | None:
     except OSError:  # no socket file, or a dead owner's (ECONNREFUSED)
         sock.close()
         return None
+    try:  # a dying owner's listener may still take the connection into its backlog
+        first = sock.recv(1, socket.MSG_PEEK)
+    except (ConnectionResetError, TimeoutError):
+        first = b""
+    if not first:  # closed before it offered anything: nobody serves it any more
+        sock.close()
+        return None
     try:
         head, fds = recv_exact_with_fds(sock, _LEN.size, 1)
         (size,) = _LEN.unpack(head)

@@ -88,8 +88,15 @@ def _used() -> int:
 
 
 def _events(d, event: str) -> list[dict]:  # type: ignore[no-untyped-def]
-    lines = d.log_text().splitlines()
-    return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e["event"] == event]
+    out = []
+    for line in d.log_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:  # a last line still being written
+            continue
+        if isinstance(entry, dict) and entry.get("event") == event:
+            out.append(entry)
+    return out
 
 
 def _pair_used(factory: pytest.TempPathFactory, path: Path, *flags: str) -> tuple:

@@ -88,8 +88,20 @@ def _pss(pid: int) -> int:
 
 
 def _events(pair: Pair, role: str, event: str) -> list[dict]:
-    lines = pair.daemons[role].log_text().splitlines()
-    return [e for e in (json.loads(x) for x in lines if x.startswith("{")) if e["event"] == event]
+    return _parsed(pair.daemons[role].log_text(), event)
+
+
+def _parsed(text: str, event: str) -> list[dict]:
+    """The log's JSON lines of `event`; a last line still being written is skipped."""
+    out = []
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and entry.get("event") == event:
+            out.append(entry)
+    return out
 
 
 def _pair_pss(tmp_path_factory: pytest.TempPathFactory, path: Path, *flags: str) -> tuple:
@@ -134,11 +146,10 @@ def test_the_owner_killed_the_other_serves_on_and_hands_the_weights_to_its_resta
 
         prefill.proc.send_signal(signal.SIGKILL)
         prefill.proc.wait(timeout=10)
-        poll(
-            lambda: _events(pair, "decode", "weights_owner_taken_over"),
-            timeout=20,
-            what="the decode serves the weights itself",
-        )
+        try:
+            poll(lambda: _events(pair, "decode", "weights_owner_taken_over"), timeout=20)
+        except AssertionError:
+            raise AssertionError(f"no takeover:\n{decode.log_text()[-4000:]}") from None
         assert decode.proc.poll() is None
 
         again = pair.start("prefill", *_model(path))
