@@ -233,7 +233,8 @@ def load_weights(
         arena = source.layout.allocate(device)
         source.fill(arena)
         return source.model(arena), tokenizer, None
-    key = WeightsKey(source.fingerprint, str(dtype).removeprefix("torch."), _device_key(device))
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = WeightsKey(source.fingerprint, dtype_name, _device_key(device), source.files_id)
     shared = acquire(
         cfg.runtime_dir, key, source.layout, device, backend, source.fill, on_lost=_owner_lost
     )

@@ -52,16 +52,18 @@ FD_KINDS = frozenset({"shm", vmm.KIND})
 
 @dataclass(frozen=True)
 class WeightsKey:
-    """What makes two daemons' weights the same bytes: the model's fingerprint, the dtype, and
-    the device (`cpu`, or the GPU's UUID: another GPU of the host gets its own copy)."""
+    """What makes two daemons' weights the same bytes: the model's fingerprint, the dtype, the
+    device (`cpu`, or the GPU's UUID: another GPU of the host gets its own copy) and the files
+    they are read from."""
 
     fingerprint: str
     dtype: str
     device: str
+    files: str = ""  # the files read (ModelSource.files_id): a copy of them is another model
 
     @property
     def digest(self) -> str:
-        blob = f"{self.fingerprint}\0{self.dtype}\0{self.device}".encode()
+        blob = f"{self.fingerprint}\0{self.dtype}\0{self.device}\0{self.files}".encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
 

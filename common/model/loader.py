@@ -131,6 +131,20 @@ class ModelSource:
         else:
             read_checkpoint(self.model_dir, self.config, self.layout, arena, list(self.files))
 
+    @property
+    def files_id(self) -> str:
+        """Which files on this host the weights come from (resolved path, device, inode, size,
+        mtime of each): two daemons reading the same checkpoint agree, a copy elsewhere or a
+        file rewritten since does not. The fingerprint alone names the checkpoint by its config
+        and file sizes, which an edited copy can share."""
+        h = hashlib.sha256()
+        for f in self.files:
+            st = f.stat()
+            h.update(
+                f"{f.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns};".encode()
+            )
+        return h.hexdigest()[:16]
+
     def model(self, arena: torch.Tensor) -> LlamaModel:
         return LlamaModel(self.config, self.layout.weights(arena), fingerprint=self.fingerprint)
 

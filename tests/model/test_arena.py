@@ -51,3 +51,20 @@ def test_tied_embeddings_are_one_slot() -> None:
     layout.fill(arena, tiny_weights(config, 1))
     w = layout.weights(arena)
     assert "lm_head" not in layout.slots and w.lm_head is w.embed
+
+
+def test_a_copy_of_a_checkpoint_fingerprints_alike_but_is_other_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The link compares fingerprints (config, file names and sizes); the weights are shared only
+    between readers of the very same files."""
+    from tests.support.checkpoints import write_checkpoint
+
+    a = write_checkpoint(tmp_path / "a" / "ck")
+    b = tmp_path / "b" / "ck"
+    b.mkdir(parents=True)
+    for f in a.iterdir():
+        (b / f.name).write_bytes(f.read_bytes())
+    cpu = torch.device("cpu")
+    sa, sa2 = (ModelSource.find(a, device=cpu, dtype=None) for _ in range(2))
+    sb = ModelSource.find(b, device=cpu, dtype=None)
+    assert sa.fingerprint == sb.fingerprint
+    assert sa.files_id == sa2.files_id != sb.files_id
