@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api_server import generation, responses, schemas, workers
+from api_server import generation, responses, schemas, structured, workers
 from api_server.chat import TemplateError
 from api_server.config import (
     CHAT_DEFAULT_MAX_TOKENS,
@@ -35,6 +35,10 @@ from api_server.metrics import CONTENT_TYPE, Metrics
 from api_server.model import ServedModel
 from api_server.prompts import Prompt, check_context, prompts_of
 from api_server.sse import json_response
+from api_server.tools.assembler import ToolAssembler
+from api_server.tools.history import template_messages
+from api_server.tools.plan import constrained, plan
+from api_server.tools.spec import refuse_with_logprobs, tool_request
 from common.health import link_problem
 from common.protocol import StatusReply
 
@@ -161,14 +165,9 @@ class Api:
         req = schemas.decode(schemas.ChatRequest, await read_body(request))
         if not req.messages:
             raise bad_field("messages", "messages must hold at least one message")
-        messages = [
-            {
-                "role": schemas.message_role(m, i),
-                "content": schemas.message_text(m, i),
-                **({"name": m.name} if m.name else {}),
-            }
-            for i, m in enumerate(req.messages)
-        ]
+        messages = template_messages(req.messages)
+        tool_req = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
+        refuse_with_logprobs(tool_req, req.logprobs)
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -176,8 +175,10 @@ class Api:
         params = schemas.sampling(req, max_tokens=max_tokens, default_max=CHAT_DEFAULT_MAX_TOKENS)
         stops = schemas.stop_strings(req)
         model = await self._served(req)
+        tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser)
+        params = constrained(params, tools)
         try:
-            prompt, prompt_tokens = model.template.prompt(messages)
+            prompt, prompt_tokens = model.template.prompt(messages, tools.template_tools)
         except TemplateError as exc:
             raise bad_field("messages", str(exc)) from None
         check_context(
@@ -186,6 +187,8 @@ class Api:
             model.max_positions,
             limit,
         )
+        if tool_req.tools:
+            self.metrics.tool_requests.labels(tool_req.choice).inc()
         rid = "chatcmpl-" + uuid.uuid4().hex[:24]
         jobs = generation.jobs(
             rid,
@@ -197,7 +200,7 @@ class Api:
             max_tokens_param=limit,
         )
         shape = responses.Shape(endpoint="chat", chat=True)
-        return await self._respond(rid, jobs, req, shape, started, model)
+        return await self._respond(rid, jobs, req, shape, started, model, tools=tools.assembler)
 
     async def _respond(
         self,
@@ -208,6 +211,7 @@ class Api:
         started: float,
         model: ServedModel,
         echoes: list[Echo] | None = None,
+        tools: Callable[[], ToolAssembler | None] | None = None,
     ) -> Response:
         reply = responses.Reply(
             id=rid,
@@ -220,7 +224,11 @@ class Api:
             include_usage=bool(req.stream_options and req.stream_options.include_usage),
             fmt=None if jobs[0].sampling.logprobs is None else LogprobFormat(model.counter),
             echoes=echoes,
+            tools=tools,
         )
+        if (constraint := jobs[0].sampling.structured) is not None:  # a 400 before any daemon
+            where = structured.source_field(req)
+            await structured.check(constraint, model.card.path, self.metrics, where)
         prefill = self.daemons.route(jobs[0].prompt_tokens, jobs[0].prompt)
         events = generation.run_all(
             jobs,

@@ -64,6 +64,7 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template does not compile: {exc}") from exc
         self.special_tokens = dict(special_tokens or {})
+        self.source = source
         self.is_default = source == DEFAULT_TEMPLATE
         self._tokenizer = None if self.is_default else tokenizer
 
@@ -84,21 +85,26 @@ class ChatTemplate:
             source = named.get("default")
         return cls(source if isinstance(source, str) else DEFAULT_TEMPLATE, special, tokenizer)
 
-    def render(self, messages: list[dict[str, Any]]) -> str:
-        """The template's text for `messages`, ready for the assistant's answer, as transformers'
-        `apply_chat_template(tokenize=False, add_generation_prompt=True)` renders it."""
+    def render(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> str:
+        """The template's text for `messages` (and the functions `tools` offers), ready for the
+        assistant's answer, as transformers' `apply_chat_template(tokenize=False,
+        add_generation_prompt=True, tools=tools)` renders it."""
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=True, **self.special_tokens
+                messages=messages, tools=tools, add_generation_prompt=True, **self.special_tokens
             )
         except jinja2.TemplateError as exc:
             raise TemplateError(f"the chat template failed on these messages: {exc}") from exc
 
-    def prompt(self, messages: list[dict[str, Any]]) -> tuple[str | None, list[int] | None]:
+    def prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> tuple[str | None, list[int] | None]:
         """(prompt, prompt_tokens) for the daemons' GENERATE, exactly one of them set: the ids of
         the rendered text, tokenized without special tokens, for a checkpoint's template and
         tokenizer.json; the text itself for the default template or without tokenizer.json."""
-        text = self.render(messages)
+        text = self.render(messages, tools)
         if self._tokenizer is None:
             return text, None
         return None, list(self._tokenizer.encode(text, add_special_tokens=False).ids)

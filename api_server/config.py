@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from api_server.tools.parsers import PARSERS
 from common.daemon.rundir import StartupError, child_pids, read_pid
 from common.model_dir import model_dir_problem
 from common.settings import instance_name, opt
@@ -83,6 +84,16 @@ class ApiConfig:
             "--served-model-name",
             show_default="the checkpoint dir's name, or pdkv-tiny",
             help="Model id in /v1/models and requests.",
+        ),
+    )
+    tool_parser: str | None = field(
+        default=None,
+        metadata=opt(
+            "--tool-parser",
+            choices=tuple(PARSERS),
+            show_default="the one the chat template's text shows, if any",
+            help="How tool calls are read from a model's text with tool_choice auto: hermes, "
+            "llama3_json or mistral.",
         ),
     )
     client_socket: tuple[str, ...] = field(

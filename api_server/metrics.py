@@ -107,6 +107,7 @@ class DaemonCollector(Collector):
             inflight.add_metric(who, st.inflight)
         yield from (up, blocks, inflight)
         yield from self._prefix_cache()
+        yield from self._host_tier()
         yield from self._link()
 
     def _prefix_cache(self) -> Iterator[Metric]:
@@ -134,6 +135,41 @@ class DaemonCollector(Collector):
                 family.add_metric(who, cache.get(key, 0))
             cached.add_metric(who, cache.get("cached_blocks", 0))
         yield from (*families.values(), cached)
+
+    def _host_tier(self) -> Iterator[Metric]:
+        """The host KV tier's counters (`host_tier_*` in STATUS_REPLY's `prefix_cache`): this
+        daemon's reads and writes, and the tier's size and occupancy (shared by the host)."""
+        counters = {
+            "hits": "blocks read from the host tier whole",
+            "misses": "lookups that stopped at a block the host tier lacks",
+            "checksum_failures": "host tier reads whose checksum failed (recomputed)",
+            "stale": "host tier reads whose slot was rewritten meanwhile (recomputed)",
+            "stored": "blocks this daemon wrote into the host tier",
+            "bytes_read": "bytes copied from the host tier into the pool",
+            "bytes_written": "bytes copied from the pool into the host tier",
+            "evictions": "blocks evicted from the host tier (all daemons)",
+        }
+        gauges = {
+            "capacity_bytes": "host tier size in bytes",
+            "used": "host tier slots holding a block",
+            "slots": "host tier slots",
+        }
+        labels = ["role", INSTANCE_LABEL]
+        families: dict[str, Metric] = {
+            key: CounterMetricFamily(f"pdkv_host_tier_{key}", text, labels=labels)
+            for key, text in counters.items()
+        }
+        families |= {
+            key: GaugeMetricFamily(f"pdkv_host_tier_{key}", text, labels=labels)
+            for key, text in gauges.items()
+        }
+        for role, st in self.statuses.items():
+            cache = st.prefix_cache if st is not None else {}
+            if not cache.get("host_tier_enabled"):
+                continue
+            for key, family in families.items():
+                family.add_metric([role, self.instance(role)], cache.get(f"host_tier_{key}", 0))
+        yield from families.values()
 
     def _link(self) -> Iterator[Metric]:
         """The first prefill's links (labelled with its instance) and the decode's link count."""
@@ -235,7 +271,26 @@ class Metrics:
             buckets=_HANDOFF,
             registry=r,
         )
+        self.tool_requests = Counter(
+            "pdkv_api_tool_requests",
+            "chat requests that offer tools, by tool_choice (none, auto, required, named)",
+            ["tool_choice"],
+            registry=r,
+        )
         self.tokens = Counter("pdkv_api_tokens", "tokens by kind", ["kind"], registry=r)
+        self.structured = Counter(
+            "pdkv_api_structured_requests",
+            "requests whose output is constrained (response_format, guided_*), by kind "
+            "(json_object, json_schema, regex, choice, grammar)",
+            ["kind"],
+            registry=r,
+        )
+        self.grammar_compile = Histogram(
+            "pdkv_api_grammar_compile_seconds",
+            "compiles of a grammar the API's cache did not hold (schema to token masks)",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.inflight = Gauge(
             "pdkv_api_requests_in_flight",
             "requests the API is serving",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from api_server.generation import Done, Piece
 from api_server.logprobs import ChoiceLogprobs, Echo, LogprobFormat
 from api_server.metrics import Metrics
 from api_server.sse import DONE, event, json_response
+from api_server.tools.assembler import ToolAssembler, fold
 
 Events = AsyncIterator[tuple[int, Piece | Done]]
 
@@ -87,6 +88,11 @@ class Reply:
     include_usage: bool = False
     fmt: LogprobFormat | None = None  # when the request asked for logprobs
     echoes: list[Echo] | None = None  # completions with echo: each choice's prompt
+    # chat with tools read from the answer: a new assembler per choice (api_server.tools)
+    tools: Callable[[], ToolAssembler | None] | None = None
+
+    def assembler(self) -> ToolAssembler | None:
+        return None if self.tools is None else self.tools()
 
     def echo(self, index: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[index]
@@ -149,11 +155,24 @@ async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
     metrics.finished(reply.shape.endpoint, "ok", time.perf_counter() - reply.started)
     choices = []
     for i, done in enumerate(ended):
+        if (assembler := reply.assembler()) is not None:
+            choices.append(_with_tools(i, assembler, parts[i], done))
+            continue
         echo = reply.echo(i)
         text = (echo.text if echo else "") + "".join(parts[i])
         logprobs = reply.logprobs(i, lps[i], with_echo=True)
         choices.append(reply.shape.whole(i, text, done.finish_reason, logprobs))
     return json_response(reply.body(reply.shape.object, choices, usage=usage(ended, reply.n)))
+
+
+def _with_tools(
+    index: int, assembler: ToolAssembler, parts: list[str], done: Done
+) -> dict[str, Any]:
+    """A whole chat choice whose text is read for tool calls: the fold of its streamed deltas."""
+    deltas = [d for text in parts for d in assembler.feed(text)]
+    last, reason = assembler.finish(done.finish_reason)
+    message = fold(deltas + last)
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
 
 
 async def streamed(reply: Reply, events: Events, metrics: Metrics) -> Response:
@@ -177,7 +196,7 @@ async def _sse(
     extra = {"usage": None} if reply.include_usage else {}
     outcome = "client_disconnect"
     dones: dict[int, Done] = {}
-    choices = [_StreamedChoice() for _ in range(reply.choices)]
+    choices = [_StreamedChoice(assembler=reply.assembler()) for _ in range(reply.choices)]
     try:
         async with contextlib.aclosing(events):
             if shape.chat:
@@ -221,6 +240,7 @@ class _StreamedChoice:
     prompt: ChoiceLogprobs = field(default_factory=ChoiceLogprobs)  # held until its echo
     echoed: bool = False
     offset: int = 0  # characters of its text sent so far (text_offset)
+    assembler: ToolAssembler | None = None  # chat with tools: its text read for calls
 
 
 def _chunks(
@@ -228,6 +248,8 @@ def _chunks(
 ) -> list[dict[str, Any]]:
     """The chunks of one event of choice `index`: its echo first (once, when its prompt
     logprobs are all in: at its first token or its end), then its text and logprobs."""
+    if state.assembler is not None:
+        return _tool_chunks(index, item, state.assembler)
     if isinstance(item, Piece) and item.prompt:
         state.prompt.prompt.extend(item.prompt)
         if not item.text and not item.logprobs:
@@ -246,6 +268,18 @@ def _chunks(
     logprobs = reply.logprobs(index, piece, with_echo=False, offset=state.offset)
     state.offset += len(item.text)
     out.append(reply.shape.delta(index, item.text, logprobs))
+    return out
+
+
+def _tool_chunks(index: int, item: Piece | Done, assembler: ToolAssembler) -> list[dict[str, Any]]:
+    """The chunks of one event of a chat choice whose text is read for tool calls."""
+    if isinstance(item, Piece):
+        deltas, reason = assembler.feed(item.text), None
+    else:
+        deltas, reason = assembler.finish(item.finish_reason)
+    out = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    if reason is not None:
+        out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
     return out
 
 

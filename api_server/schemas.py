@@ -2,13 +2,16 @@
 
 Fields that do not change the output (`user`, `store`, `metadata`, ...) are accepted and
 ignored. Fields that would change it in a way pdkv does not implement are refused unless they
-hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`, a `response_format` other than
-text, `tools` and tool messages. Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
+hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`. `response_format` (text,
+json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
+`guided_grammar` constrain the output (api_server/structured.py). Tools (`tools`, `tool_choice`,
+`parallel_tool_calls`, `tool` messages and assistant `tool_calls`) are decoded here and checked by
+api_server.tools. Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
 (completions: an int, the top alternatives; chat: a bool with `top_logprobs`), `echo`,
 `presence_penalty`, `frequency_penalty`, `seed`. `top_k`, `ignore_eos`, `repetition_penalty`,
 `min_tokens` and `stop_token_ids` are extra fields, as vLLM accepts them (the openai client passes
 them with `extra_body`). Chat roles are system, user and assistant, and developer (OpenAI's newer
-name for system, rendered as system).
+name for system, rendered as system), and tool for a call's result.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from api_server.errors import ApiError, bad_field, unsupported
+from api_server.structured import structured_of
 from common.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_STOP_STRINGS = 4
@@ -26,7 +30,13 @@ MAX_STOP_STRINGS = 4
 MAX_N = 16
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
-_ROLES = {"system": "system", "user": "user", "assistant": "assistant", "developer": "system"}
+_ROLES = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "developer": "system",
+    "tool": "tool",
+}
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -51,6 +61,11 @@ class _Request(msgspec.Struct, kw_only=True):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
+    # structured output, vLLM's extra fields (api_server/structured.py)
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -59,12 +74,15 @@ class CompletionRequest(_Request, kw_only=True):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's calls (api_server.tools.history)
+    tool_call_id: str | None = None  # a tool message's: the call it answers
 
 
 class ChatRequest(_Request, kw_only=True):
@@ -72,6 +90,10 @@ class ChatRequest(_Request, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tool_choice: str | dict[str, Any] | None = None  # tools: checked by api_server.tools.spec
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated form of tools: refused
+    function_call: str | dict[str, Any] | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
@@ -109,18 +131,13 @@ def _refuse_unsupported(req: _Request) -> None:
     unsupported_fields = {
         "logit_bias": req.logit_bias,
         "suffix": getattr(req, "suffix", None),
-        "tools": getattr(req, "tools", None),
         "best_of": getattr(req, "best_of", None) not in (None, 1),
+        "functions": getattr(req, "functions", None),
+        "function_call": getattr(req, "function_call", None),
     }
     for name, value in unsupported_fields.items():
         if value not in (None, False, [], {}):
             raise unsupported(name, f"{name} is not supported by pdkv")
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None and fmt.get("type") != "text":
-        raise unsupported(
-            "response_format",
-            f"response_format {fmt.get('type')!r} is not supported by pdkv (only 'text')",
-        )
     if isinstance(req, ChatRequest) and req.top_logprobs is not None and not req.logprobs:
         raise bad_field("top_logprobs", "top_logprobs needs logprobs: true")
 
@@ -158,6 +175,7 @@ def sampling(req: _Request, *, max_tokens: int | None, default_max: int) -> Samp
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             min_tokens=req.min_tokens,
             stop_token_ids=tuple(req.stop_token_ids or ()),
+            structured=structured_of(req),
         ).validate()
     except SamplingParamsError as exc:
         field = str(exc).split(" ", 1)[0]
@@ -186,13 +204,16 @@ def stop_strings(req: _Request) -> list[str]:
 
 
 def message_role(msg: ChatMessage, index: int) -> str:
-    """The role a template sees: system, user or assistant (developer is system)."""
+    """The role a template sees: system, user, assistant or tool (developer is system)."""
     if msg.role in _ROLES:
         return _ROLES[msg.role]
-    if msg.role in ("tool", "function"):
-        why = f"{msg.role} messages need tools, which pdkv does not support"
+    if msg.role == "function":
+        why = "function messages (OpenAI's deprecated form) are not supported: use tool messages"
     else:
-        why = f"role {msg.role!r} is not one pdkv knows: use system, user, assistant or developer"
+        why = (
+            f"role {msg.role!r} is not one pdkv knows: use system, user, assistant, developer "
+            "or tool"
+        )
     raise unsupported(f"messages[{index}].role", why)
 
 

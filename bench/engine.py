@@ -59,7 +59,9 @@ SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
             "num_hidden_layers": 32,
             "num_attention_heads": 32,
             "num_key_value_heads": 8,
-            "max_position_embeddings": 8192,
+            # Llama-3.1-8B's context (Llama-3's 8192 leaves no room after an 8192-token prompt);
+            # its llama3 RoPE scaling is left out: random weights, the compute is the same
+            "max_position_embeddings": 131072,
             "rope_theta": 500000.0,
         },
     ),

@@ -33,6 +33,11 @@
 #           (default "1 4")
 #   shapes  (not in the default STEPS) bench/engine.py at the 8B shapes, one process, no HF side:
 #           --shape llama3-8b, then qwen3-8b ($SHAPES), 64 rows each (issue 41)
+#   serve8b (not in the default STEPS) a random Llama-3-8B-shape bf16 checkpoint (built once in
+#           $CKPT8), then bench/serve.py per workload in $WORKLOADS (default 2048x512): the
+#           daemons against one process at the rates $RATES8 (default 1,2), $REQ8 requests each
+#           (default 32), $BLOCKS8 pool blocks (default 4096 = 8 GiB of KV a daemon), goodput
+#           at TTFT p99 <= 2 s and ITL <= 50 ms (issue 41 item 3)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
 # brings back at most eight files.
 set -uo pipefail
@@ -116,6 +121,28 @@ mps_stop() {
   echo quit | nvidia-cuda-mps-control 2>/dev/null
   unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
 }
+if want serve8b; then
+  CKPT8="${CKPT8:-/tmp/pdkv-llama3.1-8b-shape}"  # a new shape: a new name
+  if [ ! -d "$CKPT8" ]; then
+    step "serve8b checkpoint"
+    "$PY" -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench'); \
+from engine import build_checkpoint; build_checkpoint(Path('$CKPT8'), 'llama3-8b')" 2>&1 \
+      | tail -3 | tee -a "$log"
+  fi
+  # SERVE8_MPS=1: both daemons (and the one process) under MPS, as in nanomps
+  mps=""; [ "${SERVE8_MPS:-0}" = 1 ] && mps_start && mps="_mps"
+  for w in ${WORKLOADS:-2048x512}; do
+    step "serve8b $w$mps"
+    timeout "${SERVE8_TIMEOUT:-480}" "$PY" bench/serve.py --model "$CKPT8" --device cuda:0 \
+      --workload "$w" --num-blocks "${BLOCKS8:-4096}" --requests "${REQ8:-32}" \
+      --sweep "${RATES8:-1,2}" --slo-ttft-ms 2000 --slo-itl-ms 50 --progress 30 \
+      --plot "$R/serve8b_$w${mps}_sweep.png" --goodput-plot "$R/serve8b_$w${mps}_goodput.png" \
+      --json "$R/serve8b_$w$mps.json" > "$R/serve8b_$w$mps.log" 2>&1
+    grep -vE "^\s+(daemons|local).* @ |warm-up" "$R/serve8b_$w$mps.log" | tail -30 | tee -a "$log"
+    pack
+  done
+  [ -n "$mps" ] && mps_stop
+fi
 if want nanomps && mps_start; then  # both daemons under MPS; NANOMPS: entries as in NANO
   for spec in ${NANOMPS:-on}; do
     nano "mps_${spec/+/_pf}" PDKV_OVERLAP_STEPS="${spec%%+*}" PDKV_PREFILL_FIRST_MS="$(pf "$spec")"

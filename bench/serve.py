@@ -43,6 +43,14 @@ and each daemons run reports the KV its decode pulled (blocks, MiB).
         --rate 20 --shared-prefix 1536 --prompt-len 128:128
     python bench/serve.py --model ~/tinyllama --device cuda:0 --target cache --requests 64 \
         --rate 4 --turns 8 --prompt-len 200:200 --output-len 32:32
+
+Target `tier` (bench/serve_tier.py, the host KV tier): `--requests` conversations of `--turns`
+turns whose every turn re-sends the whole conversation with the model's own answers and a new
+message (`--message-len`), through a pair with `--host-cache-gb` and one without; per turn TTFT
+p50/p99 and the prefill's computed tokens, the tokens of both pairs compared.
+
+    python bench/serve.py --target tier --turns 8 --requests 32 --prompt-len 128:128 \
+        --message-len 32:32 --output-len 32:32 --num-blocks 288 --host-cache-gb 1
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ sys.path.insert(0, str(ROOT))  # the repo's `common`, whatever the current direc
 
 import serve_goodput as goodput  # noqa: E402
 import serve_load as load  # noqa: E402
+import serve_tier  # noqa: E402
 import serve_workloads  # noqa: E402
 from serve_api import api_stream, model_id, own_api  # noqa: E402
 from serve_daemons import (  # noqa: E402
@@ -94,6 +103,7 @@ TARGETS = {
     "all": ["daemons", "api", "local"],
     "served": ["daemons", "api"],  # one pair, its socket then its HTTP API
     "cache": ["daemons", "daemons-no-cache"],  # the prefix cache on, then off, one workload
+    "tier": ["tier"],  # real multi-turn conversations, the host KV tier on, then off (serve_tier)
 }
 
 
@@ -112,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sweep", type=_rates, help="comma-separated rates, e.g. 1,2,4,8 (not --rate)")
     ap.add_argument("--prompt-len", type=load.parse_range, default=(16, 128), metavar="MIN:MAX")
     ap.add_argument("--output-len", type=load.parse_range, default=(8, 64), metavar="MIN:MAX")
+    ap.add_argument(
+        "--workload",
+        type=_workload,
+        metavar="INxOUT",
+        help="fixed lengths, e.g. 2048x512 or 8192x512 (the 8B-class figures people compare): "
+        "--prompt-len IN:IN and --output-len OUT:OUT",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--shared-prefix",
@@ -126,6 +143,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         metavar="T",
         help="conversations of T turns (default 1: none)",
+    )
+    ap.add_argument(
+        "--message-len",
+        type=load.parse_range,
+        default=(32, 64),
+        metavar="MIN:MAX",
+        help="target tier: each later turn's new message (default 32:64)",
+    )
+    ap.add_argument(
+        "--host-cache-gb", type=float, default=1.0, help="target tier: the tier's size (default 1)"
     )
     ap.add_argument("--target", choices=list(TARGETS), default="both", help="default both")
     ap.add_argument("--model", metavar="DIR", help="HF checkpoint dir; default: the tiny model")
@@ -203,6 +230,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_batch = NANO_REQUESTS
         need = NANO_REQUESTS * -(-2 * NANO_LEN[1] // args.block_size)
         args.num_blocks = max(args.num_blocks, need)
+    if args.workload:
+        if args.nano:
+            ap.error("--workload and --nano each set the lengths: give one")
+        args.prompt_len, args.output_len = ((n, n) for n in args.workload)
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests must be >= 1 and --rate > 0")
     if args.shared_prefix < 0 or args.turns < 1:
@@ -211,6 +242,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error("goodput needs both --slo-ttft-ms and --slo-itl-ms")
     args.rates = args.sweep or [args.rate]
     return args
+
+
+def _workload(text: str) -> tuple[int, int]:
+    """'2048x512' -> (2048, 512): a prompt and an output length, each >= 1."""
+    prompt, sep, output = text.lower().partition("x")
+    if not sep or not prompt.isdigit() or not output.isdigit() or min(int(prompt), int(output)) < 1:
+        raise argparse.ArgumentTypeError(f"workload {text!r} must be INxOUT, e.g. 2048x512")
+    return int(prompt), int(output)
 
 
 def _rates(text: str) -> list[float]:
@@ -292,15 +331,30 @@ def run_target(
 
 
 def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[load.RequestSpec]:
-    """The measured requests of one rate: drawn, then with a shared prefix and in turns."""
-    specs = load.make_workload(
-        args.requests, rate, args.prompt_len, args.output_len, vocab, args.seed
-    )
+    """The measured requests of one rate: drawn, then with a shared prefix and in turns. Each
+    rate of a sweep draws its own prompts (seed + its index), so a pair with the prefix cache
+    does not find a later rate's prompts cached from an earlier one (one process has no cache)."""
+    seed = args.seed + 1009 * args.rates.index(rate)
+    specs = load.make_workload(args.requests, rate, args.prompt_len, args.output_len, vocab, seed)
     if args.shared_prefix:
         specs = serve_workloads.shared_prefix(specs, args.shared_prefix, vocab, args.seed)
     if args.turns > 1:
         specs = serve_workloads.multi_turn(specs, args.turns, vocab, args.seed)
     return specs
+
+
+def common_options(args: argparse.Namespace) -> list[str]:
+    """Both daemons' options of a pair of our own."""
+    common = ["--device", args.device, "--num-blocks", str(args.num_blocks)]
+    common += ["--block-size", str(args.block_size)]
+    for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
+        if value:
+            common += [opt, str(value)]
+    if args.model:  # prompts are token ids: a checkpoint without tokenizer.json serves as well
+        common += ["--allow-byte-tokenizer"]
+    if args.torch_threads:
+        common += ["--torch-threads", str(args.torch_threads)]
+    return common
 
 
 @contextlib.contextmanager
@@ -311,15 +365,7 @@ def daemons_socket(args: argparse.Namespace, *, cache: bool = True) -> Iterator[
         asyncio.run(wait_linked(sock, [], timeout=10))
         yield sock
         return
-    common = ["--device", args.device, "--num-blocks", str(args.num_blocks)]
-    common += ["--block-size", str(args.block_size)]
-    for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
-        if value:
-            common += [opt, str(value)]
-    if args.model:  # prompts are token ids: a checkpoint without tokenizer.json serves as well
-        common += ["--allow-byte-tokenizer"]
-    if args.torch_threads:
-        common += ["--torch-threads", str(args.torch_threads)]
+    common = common_options(args)
     decode = ["--max-batch", str(args.max_batch)]
     if args.decode_device:  # the last --device on the command line wins
         decode += ["--device", args.decode_device]
@@ -457,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure("console", "WARNING")
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     runs: list[dict] = []
+    if args.target == "tier":
+        return run_tier(args, date)
     try:
         names = TARGETS[args.target]
         if "daemons" in names or "api" in names:
@@ -500,6 +548,27 @@ def main(argv: list[str] | None = None) -> int:
         finite = [{**r, "rate": _json_rate(r["rate"])} for r in runs]
         args.json.write_text(json.dumps({**header, "runs": finite}, indent=1, allow_nan=False))
     return 1 if any(r["summary"]["failed"] for r in runs) else 0
+
+
+def run_tier(args: argparse.Namespace, date: str) -> int:
+    """--target tier (bench/serve_tier.py): its own table; --json gets both runs."""
+    if args.turns < 2:
+        print("--target tier needs --turns 2 or more", file=sys.stderr)
+        return 2
+    header = {"machine": machine(), "date": date, "model": args.model or "tiny"}
+    header |= {"device": resolve_device(args.device), "conversations": args.requests}
+    header |= {k: getattr(args, k) for k in ("turns", "num_blocks", "block_size", "host_cache_gb")}
+    header |= {"prompt_len": list(args.prompt_len), "message_len": list(args.message_len)}
+    header |= {"output_len": list(args.output_len), "rate": _json_rate(args.rate)}
+    print(f"serve bench, target tier: {header}")
+    try:
+        runs = serve_tier.run(args, common_options(args), vocab_size(args.model))
+    except PairFailed as e:
+        print(f"the daemons did not come up: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.write_text(json.dumps({**header, "runs": runs}, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

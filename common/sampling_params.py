@@ -56,6 +56,10 @@ class StructuredOutput(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise SamplingParamsError(
                 f"structured.spec must be a string of at most {MAX_STRUCTURED_SPEC} characters"
             )
+        if self.kind == "json_object" and self.spec:
+            raise SamplingParamsError('structured.spec must be "" for kind json_object')
+        if self.kind != "json_object" and not self.spec:
+            raise SamplingParamsError(f"structured.spec must not be empty for kind {self.kind}")
         return self
 
 

@@ -11,7 +11,9 @@ import structlog
 
 from common.daemon.runtime import ModelRuntime
 from common.errors import OutOfBlocks, PdkvError
+from common.kv.tier_io import settle
 from common.protocol import ErrorCode, Handoff
+from decode_server.grammars import start as start_grammar
 from decode_server.peer import Peer
 from decode_server.sequence import Sequence, blocks_needed, seq_key
 
@@ -28,6 +30,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         consumer.validate(h, rt.model.config.vocab_size)
         if h.sampling.max_tokens < 1:  # max_tokens 0 (prompt logprobs only) never leaves P
             raise ValueError("a HANDOFF with max_tokens 0 has nothing to decode")
+        grammar = start_grammar(rt, h.sampling, stop_ids)  # GrammarError: before any block
     except (ValueError, PdkvError) as exc:
         refuse(peer, h.request_id, str(exc))
         return None
@@ -44,6 +47,7 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
     cache = rt.prefix
     names = cache.names(h.prompt_tokens) if cache is not None else []
     hit = cache.hit(names, h.num_tokens) if cache is not None else []
+    settle(rt)  # the host tier's write-backs are done reading blocks freed meanwhile
     try:
         blocks = rt.allocator.allocate(
             seq_key(peer.link_id, h.request_id), need - len(hit), reuse=hit
@@ -73,6 +77,8 @@ def admit(rt: ModelRuntime, peer: Peer, h: Handoff, stop_ids: frozenset[int]) ->
         names=names,
         cached_blocks=len(hit),
         prompt=list(h.prompt_tokens) if h.sampling.repetition_penalty != 1.0 else [],
+        tier=None if rt.host_tier is None else rt.host_tier.conversation(h.prompt_tokens, names),
+        grammar=grammar,
     )
 
 

@@ -28,6 +28,7 @@ import torch
 
 from common.daemon.runtime import ModelRuntime
 from common.model.sampling import SamplingError, carry_tokens
+from decode_server.grammars import StepMasks, mask_launched
 from decode_server.overlap import Launched, Readback
 from decode_server.phase import FIRST_DUE
 from decode_server.sequence import Sequence
@@ -69,6 +70,8 @@ class AheadSteps:
         self._ahead: Launched | None = None  # the step launched and not read yet
         self._launch_first: Sequence | None = None  # queued with its first token on the GPU
         self._readback = Readback(max_batch, rt.device)
+        self._max_batch = max_batch
+        self._masks: StepMasks | None = None  # constrained rows' masks (torch thread)
         self.overlapped = 0  # steps launched ahead of the previous step's read
         self.held = 0  # steps that could have been launched ahead but were held (`hold`)
 
@@ -121,7 +124,7 @@ class AheadSteps:
         first when it may run ahead too; or, for a batch that may not, the plain step's."""
         ahead = self._ahead
         launch = self._launchable(active, ahead)
-        ahead_ok = all(s.plain for s in launch)
+        ahead_ok = all(s.steps_ahead for s in launch)
         first = None  # decided here, on the loop: the torch thread reads no phase KV_READY moves
         if ahead is None and self._launch_first is not None:  # launched alone, and ahead
             first, self._launch_first = self._launch_first, None
@@ -162,17 +165,22 @@ class AheadSteps:
         is that one sequence, its first token on the GPU (`_launch`)."""
         new = self._launch(launch, ahead, first) if launch else None
         if ahead is None:
+            if new is not None and new.logits is not None:
+                self._mask(new, None, [])
             return new, [], []
         if not all(s.generated for s in ahead.firsts):  # ended before KV_READY: maybe never
             ahead.wait(LAUNCHED_STEP_WAIT_S)  # the prefill's forward ends: raises, else
         tokens = ahead.read()
+        if new is not None and new.logits is not None:  # its masks need these tokens
+            self._mask(new, ahead, tokens)
         self._parts.last_step_ns = (*ahead.clock, time.monotonic_ns())
         return new, ahead.batch, tokens
 
     def _launch(
         self, batch: list[Sequence], ahead: Launched | None, first: Sequence | None = None
     ) -> Launched:
-        """Torch thread: queue one step of `batch` (all plain) without reading it; a sequence in
+        """Torch thread: queue one step of `batch` (all `steps_ahead`) without reading it; a
+        constrained row's token is masked later (`_mask`), before its readback. A sequence in
         `ahead` takes that step's argmax as its token, one position further. `first` (the whole
         batch, nothing ahead): its first token is taken from `first.first_on_device` on the GPU
         and its position is the prompt's end, whatever the host holds by now (KV_READY may
@@ -199,9 +207,25 @@ class AheadSteps:
                     carry_tokens(tok, torch.from_numpy(src).to(rt.device), carry[1])
                 logits = parts._eager(tok, positions, slots, tables)
                 argmax = torch.argmax(logits, dim=-1)
-            host, done = self._readback.start(argmax, logits)
+            constrained = any(s.grammar is not None for s in batch)
+            host, done = (None, None) if constrained else self._readback.start(argmax, logits)
         self.overlapped += ahead is not None
         keys = {s.key: i for i, s in enumerate(batch)}
         clock = (started, prepared, replaying, time.monotonic_ns())
         firsts = [] if first is None else [first]
-        return Launched(batch, keys, argmax, host, done, clock, firsts)
+        return Launched(
+            batch, keys, argmax, host, done, clock, firsts, logits if constrained else None
+        )
+
+    def _mask(self, new: Launched, ahead: Launched | None, tokens: Tokens) -> None:
+        """Torch thread: the constrained rows of `new` (launched, its readback not started)
+        masked once the host has the tokens of `ahead` (read: `tokens`), then its readback
+        started: the masks are filled while the GPU runs `new`'s forward."""
+        if self._masks is None:
+            self._masks = StepMasks(self._max_batch, new.logits.shape[-1])
+        carried = {} if ahead is None else ahead.rows
+        keys = [s.key for s in new.batch]
+        with self.rt.on_stream():
+            mask_launched(self._masks, new.batch, new.argmax, new.logits, carried, tokens, keys)
+            new.host, new.done = self._readback.start(new.argmax, new.logits)
+        new.logits = None

@@ -49,6 +49,7 @@ from common.model.sampling import (
 from common.sampling_params import TokenLogprob
 from decode_server.ahead import AheadSteps
 from decode_server.block_tables import BlockTables
+from decode_server.grammars import StepMasks
 from decode_server.sequence import Sequence
 from decode_server.warm import warm_wait
 
@@ -85,6 +86,7 @@ class DecodeEngine:
         # on the torch thread, read on the loop after the step returned
         self.last_step_ns = (0, 0, 0, 0, 0)
         self._tables = BlockTables()  # torch thread only
+        self._masks: StepMasks | None = None  # grammar masks (torch thread), made on first use
 
     @property
     def warm_waits_enabled(self) -> bool:
@@ -221,11 +223,18 @@ class DecodeEngine:
     def _draw(
         self, batch: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None
     ) -> Drawn:
-        """Torch thread: each sequence's token (penalties and min_tokens applied, per row, in one
-        batch) and its logprob entry. A batch of plain sequences (greedy, nothing to process or
-        report) takes the argmax without a pass per sequence."""
+        """Torch thread: each sequence's token (grammar masks, penalties and min_tokens applied,
+        per row, in one batch) and its logprob entry. A batch of plain sequences (greedy,
+        nothing to process or report) takes the argmax without a pass per sequence. Called
+        after the step's forward was launched: on CUDA the grammar masks are computed on the
+        host while the GPU runs it, and the draw's copy to the host is the step's sync."""
         if all(s.plain for s in batch):
             return argmax_isolated(logits, argmax), None
+        masks = None
+        if any(s.grammar is not None for s in batch):
+            if self._masks is None:
+                self._masks = StepMasks(self.max_batch, logits.shape[-1])
+            masks = self._masks.fill(batch)
         generators = [make_generator(s.sampling, len(s.generated)) for s in batch]
         params = [s.sampling for s in batch]
         for s in batch:
@@ -242,6 +251,7 @@ class DecodeEngine:
             histories=[s.history for s in batch],
             eos_ids=() if not batch else batch[0].stop_ids,
             argmax=argmax,
+            masks=masks,
         )
         return out, None if all(lp is None for lp in lps) else lps
 

@@ -3,8 +3,9 @@
 Without it, the GPU idles between two steps while the host reads a step's tokens, the loop
 answers them (STEP_TOKENS, FINISH, admission) and the next step's inputs are filled: at 256
 sequences in flight that was a large part of each step (issue 24). With it, for a batch whose
-every sequence is plain (greedy, nothing drawn or reported on the host: `Sequence.plain`), the
-engine launches step N+1 before it reads step N: a sequence that was in step N gets N's device
+every sequence is plain (greedy, nothing drawn or reported on the host: `Sequence.plain`; or
+greedy under a grammar, its row's argmax masked before it is read or carried:
+`Sequence.steps_ahead`, decode_server/ahead.py), the engine launches step N+1 before it reads step N: a sequence that was in step N gets N's device
 argmax as its input token (`sampling.carry_tokens`, on the GPU) at the position after N's; the host
 then reads N's tokens from pinned memory (`Launched.read`) while the GPU runs N+1, and the loop's
 work on N's results overlaps it.
@@ -41,13 +42,16 @@ class Launched:
     batch: list[Sequence]
     rows: dict[str, int]  # seq.key -> its row in this step
     argmax: torch.Tensor  # [n] int64 on the device; valid until the next step's launch
-    host: torch.Tensor  # [2, n] int64 on the host: ids, finite flags, once `done` completed
+    host: Any  # [2, n] int64 host tensor: ids, finite flags, once `done` completed (None: not yet)
     done: Any  # torch.cuda.Event recorded after the copy; None where the copy was synchronous
     # monotonic ns: the launch began, its inputs were computed, its graph's replay was called,
     # every kernel was queued (DecodeEngine.last_step_ns)
     clock: tuple[int, int, int, int]
     # the sequences launched with their first token on the GPU (KV_LAUNCHED: engine.py)
     firsts: list[Sequence] = field(default_factory=list)
+    # a step with constrained rows: its logits, until their masks are applied and its readback
+    # started (AheadSteps._cycle, once the step before is read); None once started
+    logits: Any = None
 
     def wait(self, bound_s: float) -> None:
         """Wait on the host for the step to complete, polling, at most `bound_s`: RuntimeError

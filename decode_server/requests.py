@@ -23,6 +23,7 @@ import structlog
 from common.daemon.runtime import ModelRuntime
 from common.daemon.throughput import Throughput
 from common.errors import OutOfBlocks
+from common.kv.tier_io import settle, writeback
 from common.protocol import ErrorCode, Handoff, KvLaunched, KvReady, make_error
 from decode_server.admission import admit
 from decode_server.answers import Outbox, finish, out_of_phase
@@ -118,6 +119,7 @@ class DecodeRequests(SequenceTable):
                 finally:
                     self._stepping = False
                     self._free_ended()
+                writeback(self.rt, results)  # the blocks it filled, before any is freed
                 self.step_done(results)  # no sleep(0) after: every step suspends in rt.run,
                 # and link traffic (a HANDOFF joining the next step) is handled meanwhile
         finally:
@@ -139,6 +141,7 @@ class DecodeRequests(SequenceTable):
         owner = f"warm-pull@{peer.link_id}"  # no sequence key: those are LINK/REQUEST
         if consumer is None:
             return
+        settle(self.rt)  # the host tier's write-backs are done reading freed blocks
         try:
             (scratch,) = alloc.allocate(owner, 1)
         except OutOfBlocks:

@@ -15,6 +15,7 @@ from decode_server.phase import Phase
 
 if TYPE_CHECKING:
     from common.transfer.interface import PullPlan
+    from decode_server.grammars import SequenceGrammar
     from decode_server.peer import Peer
 
 
@@ -60,16 +61,34 @@ class Sequence:
     # v12, started on KV_LAUNCHED (launched.py): the device int64 [1] its pull copies the first
     # token into, read by its first step's launch
     first_on_device: Any = None
+    # its blocks past the prompt's full ones, named as they fill, for the host KV tier
+    # (common/kv/tier_io.Conversation); None: the tier is off
+    tier: Any = None
+    # its structured output's matcher (decode_server/grammars.py); None: unconstrained
+    grammar: SequenceGrammar | None = None
     # unique across links (request ids are only unique per prefill daemon): seq_key, made once
     key: str = field(init=False)
-    # greedy, no penalty, no min_tokens, no logprobs: its token is the argmax of the raw logits,
+    # greedy, no penalty, no min_tokens, no logprobs, no grammar: its token is the argmax of the
+    # raw logits,
     # so a step of such sequences only skips the draw's per-sequence work (DecodeEngine._draw)
     plain: bool = field(init=False)
+    # plain, or greedy under a grammar with nothing else to process or report: it may run in a
+    # step launched ahead (decode_server/ahead.py masks its row before the token is carried)
+    steps_ahead: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.key = seq_key(self.link.link_id, self.request_id)
         p = self.sampling
-        self.plain = p.greedy and not p.penalized and p.min_tokens == 0 and p.logprobs is None
+        self.plain = (
+            p.greedy
+            and not p.penalized
+            and p.min_tokens == 0
+            and p.logprobs is None
+            and p.structured is None
+        )
+        self.steps_ahead = self.plain or (
+            p.greedy and not p.penalized and p.min_tokens == 0 and p.logprobs is None
+        )
 
     @property
     def position(self) -> int:
@@ -82,7 +101,13 @@ class Sequence:
 
     def check_finished(self) -> str | None:
         """Set and return the finish reason after a token was appended, or None (the rule is
-        the reference's own, so both stop at the same token)."""
+        the reference's own, so both stop at the same token; a grammar whose text is complete
+        ends the sequence, "stop")."""
+        if self.grammar is not None:
+            self.grammar.catch_up(self.generated)
+            if self.grammar.done:
+                self.finish_reason = "stop"
+                return self.finish_reason
         self.finish_reason = finish_reason(self.generated, self.sampling, self.stop_ids)
         return self.finish_reason
 

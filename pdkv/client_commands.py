@@ -130,7 +130,23 @@ def _prefix_cache_text(cache: dict[str, int]) -> str:
     return (
         f"  prefix cache hit {rate} of {queried} tokens ({cache.get('named_blocks', 0)} blocks, "
         f"{cache.get('evictions', 0)} evicted)"
+    ) + _host_tier_text(cache)
+
+
+def _host_tier_text(cache: dict[str, int]) -> str:
+    """The host KV tier's part (`host_tier_*` keys; "" when off): its size and occupancy, this
+    daemon's reads and writes, and any checksum failure."""
+    if not cache.get("host_tier_enabled"):
+        return ""
+    t = {k.removeprefix("host_tier_"): v for k, v in cache.items() if k.startswith("host_tier_")}
+    text = (
+        f"  host tier {t.get('used', 0)}/{t.get('slots', 0)} blocks "
+        f"({t.get('capacity_bytes', 0) / 2**30:.2f} GiB, {t.get('evictions', 0)} evicted), "
+        f"{t.get('hits', 0)} read, {t.get('stored', 0)} written"
     )
+    if t.get("checksum_failures"):
+        text += f", {t['checksum_failures']} CHECKSUM FAILURES"
+    return text
 
 
 def _status_line(role: str, st: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from common.model.paged import slots_for
 from common.model.prefill import prefill_many, split_rows
 from common.model.sampling import SamplingError, SamplingParams, draw, make_generator
 from common.sampling_params import TokenLogprob
+from common.structured import bitmask, grammars_for
 from common.transfer import Producer
 
 #: most prompts of one forward whose first token goes to the mailbox (KV_LAUNCHED): an idle
@@ -26,18 +27,20 @@ MAX_LAUNCHED = 4
 def launches_early(p: SamplingParams) -> bool:
     """Whether a request's first token may go to the decode on the GPU (KV_LAUNCHED): plain
     greedy, so that token is the raw logits' argmax on both sides, and more tokens to come."""
-    plain = p.greedy and not p.penalized and p.min_tokens == 0
+    plain = p.greedy and not p.penalized and p.min_tokens == 0 and p.structured is None
     return plain and p.logprobs is None and p.prompt_logprobs is None and p.max_tokens > 1
 
 
 @dataclass(frozen=True, slots=True)
 class FirstToken:
     """What one prompt's prefill gives its request: the first token (None when max_tokens is 0:
-    only the prompt is scored), its logprob entry and the prompt's (when asked)."""
+    only the prompt is scored), its logprob entry and the prompt's (when asked); `complete`:
+    its grammar's text is complete after this token (the request ends, "stop")."""
 
     token: int | None
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    complete: bool = False
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ def run_prefill_batch(
             for i, p in zip(last, params, strict=True)
         ]
         generators = [make_generator(p, 0) for p in params]
+        matchers, masks = _first_masks(rt, params, vocab)
         firsts, lps = draw(
             logits,
             params,
@@ -152,8 +156,9 @@ def run_prefill_batch(
             histories=histories,
             eos_ids=rt.model.config.stop_token_ids,
             argmax=argmax,  # the mailbox's tokens, where it has some: the same argmax
+            masks=masks,
         )
-        for i, p, first, lp in zip(last, params, firsts, lps, strict=True):
+        for j, (i, p, first, lp) in enumerate(zip(last, params, firsts, lps, strict=True)):
             if isinstance(first, SamplingError):
                 answers[i] = first
                 continue
@@ -162,8 +167,32 @@ def run_prefill_batch(
             if p.max_tokens == 0:  # only the prompt is scored
                 answers[i] = FirstToken(None, None, scored)
             else:
-                answers[i] = FirstToken(first, lp, scored)
+                m = matchers.get(j)
+                complete = m is not None and (not m.accept(first) or m.terminated)
+                answers[i] = FirstToken(first, lp, scored, complete)
         return answers
+
+
+def _first_masks(
+    rt: ModelRuntime, params: list[SamplingParams], vocab: int
+) -> tuple[dict, tuple[list[int], torch.Tensor] | None]:
+    """The grammar masks of the constrained prompts' first tokens (computed on the host after
+    the forward was launched) and their matchers by row; nothing when none is constrained. The
+    grammars were compiled at admission (the cache's hits here)."""
+    rows = [j for j, p in enumerate(params) if p.structured is not None]
+    if not rows:
+        return {}, None
+    config = rt.model.config
+    cache = grammars_for(rt.tokenizer, config.vocab_size, config.stop_token_ids)
+    mask = bitmask.allocate(len(rows), vocab)
+    mask.zero_()
+    matchers = {}
+    for k, j in enumerate(rows):
+        structured = params[j].structured
+        assert structured is not None
+        matchers[j] = m = cache.compile(structured).matcher()
+        m.fill(mask, k)
+    return matchers, (rows, mask)
 
 
 def _early_rows(

@@ -47,7 +47,9 @@ from common.protocol import (
     StepTokens,
     Tokens,
 )
+from common.structured import grammars_for
 from common.transfer import Producer
+from prefill_server import host_tier
 from prefill_server.admission import Capacity
 from prefill_server.batcher import PrefillBatcher
 from prefill_server.config import PrefillConfig
@@ -265,6 +267,10 @@ class RequestPipeline:
         self.requests[rid] = req
         timeout_s = self.cfg.handoff_timeout_s
         try:
+            if (spec := req.sampling.structured) is not None:  # GrammarError: BAD_REQUEST
+                config = self.rt.model.config  # compiled off the loop, before any block
+                cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
+                await asyncio.to_thread(cache.compile, spec)
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.names = self.prefix.names(req.prompt_tokens)
             n = len(req.prompt_tokens)
@@ -274,6 +280,8 @@ class RequestPipeline:
             req.blocks, hit = await self.capacity.blocks(
                 rid, n, timeout_s, req.names, lookup=lookup
             )
+            if lookup and self.rt.host_tier is not None:  # past the pool's cache: the host tier
+                hit += await host_tier.restore(self.rt.host_tier, req, hit)
             req.cached_tokens = hit * self.rt.layout.block_size
             req.event_slot = await self.capacity.slot(timeout_s)
             answer, shared = await self._prefill(req)
@@ -285,7 +293,9 @@ class RequestPipeline:
                 return
             req.generated.append(first)
             stops = self.rt.model.config.stop_token_ids
-            reason = finish_reason(req.generated, req.sampling, stops)
+            reason = (
+                "stop" if answer.complete else finish_reason(req.generated, req.sampling, stops)
+            )
             if not reason:
                 await self.handoff.ready(req, first)  # after an early HANDOFF: KV_READY
             yield self.output.tokens(
@@ -351,6 +361,8 @@ class RequestPipeline:
             self.prefix.complete(req.names)  # its blocks' names, while the forward runs
             result = await future
             self.prefix.publish(req.request_id, req.names)
+            if self.rt.host_tier is not None:  # written through, ahead of any reuse of its blocks
+                host_tier.write_through(self.rt, req)
             return result
         finally:
             future.cancel()  # the request went away while queued: skip its prompt

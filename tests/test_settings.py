@@ -200,7 +200,8 @@ def test_common_declares_settings_without_click() -> None:
 def test_pipelined_forwards_default_by_device_and_the_flag_or_env_overrides() -> None:
     """--pipeline-forwards unset: on for a CPU prefill, off on CUDA (not measured there yet);
     either flag, or PDKV_PIPELINE_FORWARDS, decides on any device."""
-    assert PrefillConfig().pipelined("cpu") and not PrefillConfig().pipelined("cuda")
+    assert PrefillConfig().pipelined("cpu") and PrefillConfig().pipelined("cuda")
+    assert not PrefillConfig(pipeline_forwards=False).pipelined("cuda")
     assert PrefillConfig(pipeline_forwards=True).pipelined("cuda")
     assert not PrefillConfig(pipeline_forwards=False).pipelined("cpu")
     seen: list[Any] = []

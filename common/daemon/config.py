@@ -187,6 +187,29 @@ class DaemonConfig:
             "instead, to be restarted).",
         ),
     )
+    # -- the host KV tier (issue 43; common/kv/host_tier.py): these two lines together ----------
+    host_cache_gb: float = field(
+        default=0.0,
+        metadata=opt(
+            "--host-cache-gb",
+            min=0,
+            help="Size of the host KV tier in GiB: a shared-memory region every daemon on the host "
+            "maps, holding the KV of full blocks (prompts' and generated answers') by the prefix "
+            "cache's names, so a later prompt that starts the same way (the next turn of a "
+            "conversation) copies them instead of computing them. The first daemon to map it sets "
+            "its size. 0: off.",
+        ),
+    )
+    host_cache_path: Path | None = field(
+        default=None,
+        metadata=opt(
+            "--host-cache-path",
+            metavar="FILE",
+            show_default="/dev/shm/pdkv-UID-<runtime dir>-tier-<block layout>",
+            help="The host KV tier's shared-memory file: daemons that name the same file share "
+            "one tier (by default those of one runtime dir).",
+        ),
+    )
     max_prompt_tokens: int = field(
         default=8192,
         metadata=opt(

@@ -103,6 +103,8 @@ class ModelRuntime:
     graphs: Any = None
     #: this daemon's hold on the host's one copy of the weights (--share-weights), else None
     weights: SharedWeights | None = None
+    #: the host KV tier's copies to and from `pool` (common/kv/tier_io.py); None: --host-cache-gb 0
+    host_tier: Any = None
 
     @property
     def compat(self) -> dict[str, Any]:
@@ -162,6 +164,7 @@ class ModelRuntime:
             PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
             weights=weights,
         )
+        rt.host_tier = open_host_tier(cfg, rt)
         if warm is not None and stream is not None and model.use_kernels:
             max_blocks = min(
                 blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
@@ -217,8 +220,26 @@ class ModelRuntime:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.host_tier is not None:
+            self.host_tier.close()
         if self.weights is not None:  # after the torch thread: nothing reads them any more
             self.weights.close()
+
+
+def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
+    """The daemon's PoolTier over the host tier (--host-cache-gb), None when off; TierError
+    (a startup error: one line, exit 3) when the size holds no block."""
+    if not cfg.host_cache_gb:
+        return None
+    from common.kv.host_tier import HostTier, default_path
+    from common.kv.tier_io import PoolTier
+
+    path = cfg.host_cache_path or default_path(cfg.runtime_dir, rt.layout.to_wire())
+    tier = HostTier.open(
+        path, slot_bytes=rt.layout.block_nbytes, capacity_bytes=int(cfg.host_cache_gb * 2**30)
+    )
+    seed = rt.prefix.seed if rt.prefix is not None else b""
+    return PoolTier(tier, rt.pool, seed, rt.stream)
 
 
 def load_weights(

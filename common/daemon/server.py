@@ -173,4 +173,7 @@ class DaemonServer:
 
     def prefix_cache_stats(self) -> dict[str, int]:
         """STATUS_REPLY's `prefix_cache` ({}: this daemon keeps none)."""
-        return self.rt.prefix.stats() if self.rt.prefix is not None else {}
+        stats = self.rt.prefix.stats() if self.rt.prefix is not None else {}
+        if self.rt.host_tier is not None:  # the host tier's, `host_tier_` before each key
+            stats |= {f"host_tier_{k}": v for k, v in self.rt.host_tier.stats().items()}
+        return stats

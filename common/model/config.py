@@ -5,7 +5,8 @@ fixed seed), so the demo and the tests never download anything. `from_hf()` acce
 of a checkpoint of every architecture in `common.model.architectures` (Llama, Mistral, Qwen2,
 Qwen3), sets the switches that architecture declares (`qkv_bias`, `qk_norm`), and refuses, with a
 ModelError that names the field, every feature this implementation does not compute (o/MLP bias,
-activations other than SiLU, RoPE variants other than default/linear/llama3, a sliding window).
+activations other than SiLU, RoPE variants other than default/linear/llama3), and reads each
+layer's sliding window by the architecture's rule (`layer_windows`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import msgspec
 
 from common.errors import ModelError
-from common.model.architectures import architecture_of, refuse_unsupported
+from common.model.architectures import architecture_of, layer_windows, refuse_unsupported
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -32,7 +33,10 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checkpoint lists several (Llama 3 instruct does). `stop_token_ids` is their union.
     `architecture` is the Hugging Face name the config came from (part of the digest, so two
     architectures never fingerprint alike); `qkv_bias` adds a bias to the q/k/v projections,
-    `qk_norm` a per-head RMSNorm on q and k before RoPE.
+    `qk_norm` a per-head RMSNorm on q and k before RoPE. `layer_windows` holds each layer's
+    sliding window W (the query at position i sees keys j with 0 <= i - j < W; 0: full causal
+    attention), or is empty when no layer slides; `window(layer)` reads it. Being a field, it is
+    part of the digest, so a prefill and a decode that window differently never pair.
     """
 
     vocab_size: int
@@ -58,6 +62,7 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     architecture: str = "LlamaForCausalLM"
     qkv_bias: bool = False
     qk_norm: bool = False
+    layer_windows: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -72,6 +77,18 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"rope type {self.rope_type!r} is not implemented; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+
+        if self.layer_windows and (
+            len(self.layer_windows) != self.num_layers or min(self.layer_windows) < 0
+        ):
+            raise ModelError(
+                f"layer_windows {self.layer_windows} must hold one window >= 0 per layer "
+                f"({self.num_layers})"
+            )
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
@@ -132,6 +149,7 @@ class LlamaConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 architecture=arch_name,
                 qkv_bias=arch.qkv_bias,
                 qk_norm=arch.qk_norm,
+                layer_windows=layer_windows(arch, raw),
                 **_rope_fields(raw),
             )
         except KeyError as exc:

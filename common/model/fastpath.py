@@ -4,7 +4,8 @@ Same arithmetic as `LlamaModel._run_layers` with the torch path's attention, in 
 layer: RMSNorm fused with the residual add, the qkv matmul (with its bias, Qwen2), RoPE fused with
 the KV store, attention (paged decode or varlen causal prefill), the o matmul, RMSNorm, gate_up,
 SiLU·up, down; a model with `qk_norm` (Qwen3) adds two launches, the per-head RMSNorm of q and k
-in place before RoPE. Nothing here
+in place before RoPE. A layer with a sliding window (`config.window(layer)`) hands it to its
+attention kernel as a plain argument, so a captured graph keeps each layer's. Nothing here
 synchronizes with the host or depends on host values other than shapes, so a decode forward can be
 captured in a CUDA graph.
 """
@@ -89,7 +90,8 @@ def decode_forward(
     a row with slot -1 and length 0 (a padded graph slot) writes nothing and reads nothing."""
 
     def attend(q, k, v, layer):
-        return paged_decode_attention(q, kv, layer, block_tables, seq_lens)
+        window = model.config.window(layer)
+        return paged_decode_attention(q, kv, layer, block_tables, seq_lens, window=window)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
     return _final_logits(model, residual, delta)
@@ -110,9 +112,10 @@ def prefill_forward(
     single = cu_seqlens.numel() == 2 and tokens.device.type == "cuda"
 
     def attend(q, k, v, layer):
-        if single:  # one sequence: torch's flash kernel is as fast and needs no varlen
+        window = model.config.window(layer)
+        if single and not window:  # one sequence: torch's flash kernel is as fast, no varlen
             return model._causal_attention(q, k, v)
-        return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen)
+        return varlen_causal_attention(q, k, v, cu_seqlens, max_seqlen, window=window)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
     return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)
@@ -135,7 +138,9 @@ def prefill_context_forward(
     tokens' K/V is stored first (RoPE + store), then attention reads every key from the pool."""
 
     def attend(q, k, v, layer):
-        return varlen_context_attention(q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen)
+        args = (cu_seqlens, starts, block_tables, max_seqlen)
+        window = model.config.window(layer)
+        return varlen_context_attention(q, kv, layer, *args, window=window)
 
     residual, delta = _layers(model, tokens, positions, slot_mapping, kv, attend)
     return _final_logits(model, residual, delta, cu_seqlens[1:] - 1 if rows is None else rows)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from common.model.config import LlamaConfig
 from common.model.kernels import kernels_usable
-from common.model.paged import context_attention, paged_attention, scatter_kv
+from common.model.paged import causal_mask, context_attention, paged_attention, scatter_kv
 
 
 @dataclass
@@ -129,7 +129,7 @@ class LlamaModel:
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             scatter_kv(kv, layer, slots, k, v)
-            return self._causal_attention(q, k, v)
+            return self._causal_attention(q, k, v, self.config.window(layer))
 
         h = self._run_layers(tokens, torch.arange(tokens.numel(), device=self.device), attend)
         return self._logits(h[-1:])[0]
@@ -193,8 +193,9 @@ class LlamaModel:
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             scatter_kv(kv, layer, slots, k, v)
+            window = self.config.window(layer)
             parts = [
-                self._causal_attention(q[a:b], k[a:b], v[a:b])
+                self._causal_attention(q[a:b], k[a:b], v[a:b], window)
                 for a, b in itertools.pairwise(bounds)
             ]
             return torch.cat(parts)
@@ -220,8 +221,9 @@ class LlamaModel:
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             scatter_kv(kv, layer, slots, k, v)  # first: the new tokens read their own K/V back
+            window = self.config.window(layer)
             parts = [
-                context_attention(q[a:b], kv, layer, table[s], starts[s])
+                context_attention(q[a:b], kv, layer, table[s], starts[s], window=window)
                 for s, (a, b) in enumerate(itertools.pairwise(bounds))
             ]
             return torch.cat(parts)
@@ -255,7 +257,7 @@ class LlamaModel:
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
             scatter_kv(kv, layer, slots, k, v)
-            return paged_attention(q, kv, layer, tables, lens)
+            return paged_attention(q, kv, layer, tables, lens, window=self.config.window(layer))
 
         return self._logits(self._run_layers(tokens, positions, attend))
 
@@ -265,7 +267,7 @@ class LlamaModel:
         (tokens,) = self._on_device(tokens)
 
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-            return self._causal_attention(q, k, v)
+            return self._causal_attention(q, k, v, self.config.window(layer))
 
         return self._logits(
             self._run_layers(tokens, torch.arange(tokens.numel(), device=self.device), attend)
@@ -310,13 +312,19 @@ class LlamaModel:
         xf = x.float()
         return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
 
-    def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Dense causal attention of one sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def _causal_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int = 0
+    ) -> torch.Tensor:
+        """Dense causal attention of one sequence: q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D];
+        with a sliding `window` W > 0, position i sees only positions above i - W."""
+        n = q.shape[0]
+        mask = causal_mask(torch.arange(n, device=q.device), n, window) if 0 < window < n else None
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
-            is_causal=True,
+            attn_mask=mask,
+            is_causal=mask is None,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)

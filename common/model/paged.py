@@ -101,12 +101,15 @@ def paged_attention(
     seq_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """One query token per row attending over its paged cache: q [B, Hq, D] -> [B, Hq, D].
 
     Grouped-query attention: query head h reads KV head h // (Hq // Hkv). Positions >= seq_lens[b]
-    are masked out (scores to -inf, values to 0, so garbage in unused slots cannot leak). Scores and
-    softmax are computed in fp32; the result has q's dtype. Each row's result depends only on its
+    are masked out, and with a sliding `window` W > 0 so are those < seq_lens[b] - W (the query
+    at position seq_lens[b] - 1 sees W keys, itself included): scores to -inf, values to 0, so
+    garbage in unused slots cannot leak. Scores and softmax are computed in fp32; the result has
+    q's dtype. Each row's result depends only on its
     own q, block table and length (no cross-row reduction).
     """
     b, hq, d = q.shape
@@ -114,9 +117,11 @@ def paged_attention(
     hkv = k.shape[2]
     group = hq // hkv
     length = k.shape[1]
-    valid = (
-        torch.arange(length, device=q.device)[None, :] < seq_lens.to(q.device)[:, None]
-    )  # [B, L]
+    at = torch.arange(length, device=q.device)[None, :]
+    lens = seq_lens.to(q.device)[:, None]
+    valid = at < lens  # [B, L]
+    if window:
+        valid &= at >= lens - window
     qf = q.float().view(b, hkv, group, d)
     kf = k.float()
     vf = v.float().masked_fill(~valid[:, :, None, None], 0.0)
@@ -127,6 +132,14 @@ def paged_attention(
     return out.reshape(b, hq, d).to(q.dtype)
 
 
+def causal_mask(positions: torch.Tensor, keys: int, window: int = 0) -> torch.Tensor:
+    """[len(positions), keys] bool: the query at position i may see key j, i.e. j <= i and, with a
+    sliding `window` W > 0, i - j < W (transformers' sliding-window rule)."""
+    j = torch.arange(keys, device=positions.device)[None, :]
+    i = positions[:, None]
+    return (j <= i) & (j > i - window) if window else j <= i
+
+
 def context_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -135,22 +148,21 @@ def context_attention(
     start: int,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of one sequence's new tokens over its whole paged cache: q [L, Hq, D] holds
     positions start .. start+L-1, whose K/V (and the `start` positions before them: a cached
     prefix, or earlier chunks) are already in `kv` through `block_table` [M] -> [L, Hq, D].
 
-    Query i attends to positions 0 .. start+i (grouped-query: head h reads KV head h // group);
-    computed by torch's SDPA in q's dtype, as the dense prefill computes it.
+    Query i attends to positions 0 .. start+i (grouped-query: head h reads KV head h // group),
+    with a sliding `window` W > 0 only to those above start+i-W; computed by torch's SDPA in q's
+    dtype, as the dense prefill computes it.
     """
     n = q.shape[0]
     end = start + n
     k, v = gather_kv(kv, layer, block_table[None, : blocks_for(end, kv.shape[3])])
     k, v = k[0, :end].to(q.dtype), v[0, :end].to(q.dtype)
-    allowed = (
-        torch.arange(end, device=q.device)[None, :]
-        <= torch.arange(start, end, device=q.device)[:, None]
-    )
+    allowed = causal_mask(torch.arange(start, end, device=q.device), end, window)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],

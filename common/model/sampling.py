@@ -23,6 +23,10 @@ from common.errors import PdkvError
 from common.model import logits as logits_mod
 from common.model.logits import TokenHistory
 from common.sampling_params import SamplingParams, SamplingParamsError, TokenLogprob
+from common.structured import bitmask
+
+Masks = tuple[list[int], torch.Tensor]
+"""The grammar masks of a batch's constrained rows: (their rows, host int32 bitmask [len, words])."""
 
 _MASK64 = (1 << 64) - 1
 
@@ -181,12 +185,16 @@ def draw(
     histories: Sequence[TokenHistory | None],
     eos_ids: frozenset[int] | set[int],
     argmax: torch.Tensor | None = None,
+    masks: Masks | None = None,
 ) -> tuple[list[int | SamplingError], list[TokenLogprob | None]]:
     """One step's tokens for `logits` [B, vocab] (as `sample_batch_isolated`) after each row's
-    penalties and min_tokens mask (common.model.logits.process; row b is at generation step
-    steps[b]), and each row's logprobs when its params ask (of the raw logits). `argmax` is used
-    only when no row's logits were processed."""
-    processed = logits_mod.process(logits, params, histories, steps, eos_ids)
+    grammar mask (`masks`: the constrained rows and their bitmask, one masked pass for the
+    batch: common.structured.bitmask.apply), penalties and min_tokens mask
+    (common.model.logits.process; row b is at generation step steps[b]), and each row's logprobs
+    when its params ask (of the raw logits). `argmax` is used only when no row's logits were
+    processed."""
+    masked = logits if masks is None else bitmask.apply(logits, masks[0], masks[1])
+    processed = logits_mod.process(masked, params, histories, steps, eos_ids)
     if processed is not logits:
         argmax = None
     out = sample_batch_isolated(processed, params, generators, argmax=argmax, raw=logits)

@@ -166,14 +166,6 @@ def test_fields_that_would_change_the_output_are_refused_not_ignored(real: Stack
         (lambda: api.completions.create(prompt="fox", logit_bias={"5": 3}, **base), "logit_bias"),
         (
             lambda: api.chat.completions.create(
-                messages=[{"role": "user", "content": "fox"}],
-                response_format={"type": "json_object"},
-                **base,
-            ),
-            "response_format",
-        ),
-        (
-            lambda: api.chat.completions.create(
                 messages=[{"role": "wizard", "content": "fox"}], **base
             ),
             "messages[0].role",

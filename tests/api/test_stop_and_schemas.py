@@ -58,10 +58,6 @@ def decode(body: str) -> schemas.CompletionRequest:
         ('{"model": "m", "prompt": "x", "n": 0}', "n"),
         ('{"model": "m", "messages": [], "top_logprobs": 2}', "top_logprobs"),
         ('{"model": "m", "prompt": "x", "logit_bias": {"5": 1}}', "logit_bias"),
-        (
-            '{"model": "m", "messages": [], "response_format": {"type": "json_object"}}',
-            "response_format",
-        ),
     ],
 )
 def test_bad_fields_are_named(body: str, param: str) -> None:

@@ -169,6 +169,16 @@ def test_nano_is_nano_vllms_shape_and_sizes_the_pool_for_it() -> None:
         serve.parse_args(["--nano", "--sweep", "1,2"])
 
 
+def test_workload_sets_fixed_lengths() -> None:
+    import serve
+
+    args = serve.parse_args(["--workload", "2048x512", "--rate", "2"])
+    assert (args.prompt_len, args.output_len, args.rates) == ((2048, 2048), (512, 512), [2.0])
+    for bad in (["--workload", "2048"], ["--workload", "0x5"], ["--workload", "1x1", "--nano"]):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
+
+
 def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
     """Target cache: one workload of conversations behind a shared prefix on a pair with the
     prefix cache and one without; the same tokens from both, and every later turn reused at
@@ -234,3 +244,24 @@ def test_kept_logs_give_the_prefills_idle_between_queued_forwards(tmp_path: Path
     assert row["forward_ms"] > 0 and row["gap_ms"] > 0 and 0 < row["gap_share"] < 1, row
     assert 0 < row["gap_p50_ms"] <= row["gap_max_ms"], row
     assert "idle between them" in proc.stdout
+
+
+def test_tier_target_runs_real_conversations_on_and_off(tmp_path: Path) -> None:
+    """Target tier: conversations carrying the model's answers, through a pair with the host
+    tier and one without; the same tokens from both, the tier's pair computing only each later
+    turn's new message and the rest of the block its answer ended in; the tier file removed."""
+    out = tmp_path / "tier.json"
+    argv = [sys.executable, str(SERVE), "--target", "tier", "--turns", "3", "--requests", "3"]
+    argv += ["--prompt-len", "40:40", "--message-len", "10:10", "--output-len", "20:20"]
+    argv += ["--num-blocks", "16", "--host-cache-gb", "0.01", "--device", "cpu"]
+    argv += ["--json", str(out)]
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tokens equal with the tier on and off: True" in proc.stdout
+    on, off = json.loads(out.read_text())["runs"]
+    assert (on["host_tier"], off["host_tier"]) == (True, False)
+    assert [on["turns"][t]["prompt_mean"] for t in ("0", "1", "2")] == [40, 70, 100]
+    for t in ("1", "2"):  # the answer's last token and the message, the rest of a block at most
+        assert on["turns"][t]["computed_mean"] <= 10 + 16 + 1
+        assert on["turns"][t]["computed_mean"] < off["turns"][t]["computed_mean"]

@@ -3,6 +3,7 @@ RestartPreventExitStatus=3): bad --device, --dtype or --model, never a traceback
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,7 @@ def _corrupt_checkpoint(path: Path) -> Path:
         (["--dtype", "foo"], "'foo' is not one pdkv's model runs in"),
         (["--model", "CORRUPT"], "cannot read"),
         (["--model", "NO_TOKENIZER"], "--allow-byte-tokenizer"),
-        (["--model", "WINDOW"], "sliding_window=16, below max_position_embeddings=256"),
+        (["--model", "WINDOW"], "layer_types holds 'chunked_attention'; pdkv computes only"),
         (["--model", "GEMMA"], "architectures is ['GemmaForCausalLM']; pdkv implements only"),
     ],
     ids=[
@@ -46,7 +47,7 @@ def _corrupt_checkpoint(path: Path) -> Path:
         "dtype-foo",
         "corrupt-model",
         "no-tokenizer",
-        "sliding-window",
+        "unknown-layer-type",
         "unknown-architecture",
     ],
 )
@@ -58,9 +59,12 @@ def test_bad_setting_exits_3_with_one_clear_line(
     elif "NO_TOKENIZER" in args:
         save_hf_llama(tmp_path / "bare")
         args = ["--model", str(tmp_path / "bare"), "--device", "cpu"]
-    elif "WINDOW" in args:
-        save_hf_model(tmp_path / "mistral", "mistral", sliding_window=16)
-        args = ["--model", str(tmp_path / "mistral"), "--device", "cpu", "--allow-byte-tokenizer"]
+    elif "WINDOW" in args:  # sliding windows load; an attention kind pdkv lacks does not
+        save_hf_model(tmp_path / "qwen3", "qwen3", use_sliding_window=True, sliding_window=16)
+        config = tmp_path / "qwen3" / "config.json"
+        raw = json.loads(config.read_text())
+        config.write_text(json.dumps({**raw, "layer_types": ["chunked_attention"] * 2}))
+        args = ["--model", str(tmp_path / "qwen3"), "--device", "cpu", "--allow-byte-tokenizer"]
     elif "GEMMA" in args:
         save_hf_llama(tmp_path / "gemma")
         config = tmp_path / "gemma" / "config.json"

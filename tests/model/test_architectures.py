@@ -3,8 +3,9 @@
 A random fp32 checkpoint of each family, saved by transformers (tests/support/checkpoints.py), is
 the oracle: pdkv's logits equal transformers' within fp32 rounding and greedy tokens equal
 `generate(do_sample=False)` token for token, through the torch path and (on CUDA, or on the CPU
-with TRITON_INTERPRET=1) through the Triton kernels. What pdkv does not compute is refused at load
-with the field named.
+with TRITON_INTERPRET=1) through the Triton kernels, a sliding window shorter than the prompt
+included (Mistral's on every layer, Qwen's on the layers from max_window_layers on). What pdkv
+does not compute is refused at load with the field named.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import os
 import re
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from common.errors import ModelError
-from common.model import LlamaConfig, SamplingParams, generate, load_model
+from common.model import LlamaConfig, SamplingParams, generate, load_model, slots_for
 from common.model.kernels import kernels_usable
 from tests.support.checkpoints import save_hf_model
 
@@ -106,25 +108,66 @@ def test_missing_architecture_tensor_is_named(tmp_path: Path, family: str, drop:
         load_model(tmp_path, allow_byte_tokenizer=True)
 
 
-@pytest.mark.parametrize(
-    ("family", "config", "says"),
-    [
-        ("mistral", {"sliding_window": 16}, "sliding_window=16, below max_position_embeddings=256"),
-        (
-            "qwen3",
-            {"use_sliding_window": True, "sliding_window": 32, "max_window_layers": 1},
-            "sliding_window=32, below max_position_embeddings=256",
-        ),
-    ],
-    ids=["mistral", "qwen3"],
-)
-def test_a_sliding_window_is_refused_in_one_line(
-    tmp_path: Path, family: str, config: dict, says: str
+# A window shorter than the prompt: Mistral slides every layer; Qwen from max_window_layers on
+WINDOWED = [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+]
+WINDOW_PROMPT = [1, *range(40, 60)]  # 21 tokens; blocks of 4, so windows cross blocks
+
+
+def _windowed_equals_transformers(model, hf, family: str) -> None:  # type: ignore[no-untyped-def]
+    """Logits (the whole prompt at once, and its last 12 positions after the first 9 are
+    cached), and 16 greedy tokens at block size 4, equal transformers'; without the window the
+    logits would differ (so the window is applied, and matters)."""
+    windows = model.config.layer_windows
+    assert windows == ((8, 8) if family == "mistral" else (0, 8 if family == "qwen2" else 5))
+    prompt = torch.tensor(WINDOW_PROMPT)
+    with torch.no_grad():
+        expected = hf(prompt[None]).logits[0].float()
+    tol = REL_TOL * expected.abs().max()
+    kv = model.new_kv_cache(8, 4)
+    table = [5, 0, 3, 7, 1, 6]
+    last = model.prefill(prompt, slots_for(table, 0, len(prompt), 4), kv)
+    assert (last - expected[-1]).abs().max() <= tol
+    model.prefill_batch([prompt[:9]], [slots_for(table, 0, 9, 4)], kv)
+    cached = model.prefill_batch(
+        [prompt[9:]], [slots_for(table, 9, 12, 4)], kv, [True], starts=[9], block_tables=[table]
+    )
+    assert (cached - expected[9:]).abs().max() <= tol
+    want = _hf_greedy(hf, WINDOW_PROMPT, 16)
+    assert generate(model, WINDOW_PROMPT, SamplingParams(max_tokens=16), block_size=4) == want
+    model.config = msgspec.structs.replace(model.config, layer_windows=())
+    try:
+        assert (model.forward_dense(prompt) - expected).abs().max() > 100 * tol
+    finally:
+        model.config = msgspec.structs.replace(model.config, layer_windows=windows)
+
+
+@pytest.mark.parametrize(("family", "config"), WINDOWED, ids=[f for f, _ in WINDOWED])
+def test_sliding_window_torch_path_equals_transformers(
+    tmp_path: Path, family: str, config: dict
 ) -> None:
-    save_hf_model(tmp_path, family, **config)
-    with pytest.raises(ModelError, match=says) as refused:
-        load_model(tmp_path, allow_byte_tokenizer=True)
-    assert "\n" not in str(refused.value)
+    hf = save_hf_model(tmp_path, family, **config)
+    model, _ = load_model(tmp_path, allow_byte_tokenizer=True)
+    model.use_kernels = False
+    with torch.no_grad():
+        expected = hf(torch.tensor([WINDOW_PROMPT])).logits[0].float()
+    ours = model.forward_dense(torch.tensor(WINDOW_PROMPT))
+    assert (ours - expected).abs().max() <= REL_TOL * expected.abs().max()
+    _windowed_equals_transformers(model, hf, family)
+
+
+@KERNELS
+@pytest.mark.parametrize(("family", "config"), WINDOWED, ids=[f for f, _ in WINDOWED])
+def test_sliding_window_kernel_path_equals_transformers(
+    tmp_path: Path, family: str, config: dict
+) -> None:
+    hf = save_hf_model(tmp_path, family, **config)
+    model, _ = load_model(tmp_path, allow_byte_tokenizer=True)
+    assert model.use_kernels
+    _windowed_equals_transformers(model, hf, family)
 
 
 @pytest.mark.parametrize(
@@ -140,6 +183,7 @@ def test_a_window_no_position_reaches_loads(tmp_path: Path, family: str, config:
     hf = save_hf_model(tmp_path, family, **config)
     model, _ = load_model(tmp_path, allow_byte_tokenizer=True)
     model.use_kernels = False
+    assert model.config.layer_windows == ()  # plain causal attention: the unmasked kernels
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0].float()
     ours = model.forward_dense(torch.tensor(PROMPT))
@@ -170,19 +214,15 @@ QWEN25 = {
 
 
 @pytest.mark.parametrize(
-    ("changes", "refused"),
+    ("changes", "windows"),
     [
-        ({}, False),
-        ({"use_sliding_window": True}, True),
-        ({"use_sliding_window": True, "max_window_layers": 4}, False),
+        ({}, ()),
+        ({"use_sliding_window": True}, (0, 0, 4096, 4096)),
+        ({"use_sliding_window": True, "max_window_layers": 4}, ()),
     ],
     ids=["switch-off", "layers-2-3-slide", "no-layer-slides"],
 )
-def test_qwen_window_without_layer_types_follows_the_switch(changes: dict, refused: bool) -> None:
-    raw = {**QWEN25, **changes}
-    if refused:
-        with pytest.raises(ModelError, match="sliding_window=4096, below max_position_embeddings"):
-            LlamaConfig.from_hf(raw)
-    else:
-        config = LlamaConfig.from_hf(raw)
-        assert (config.qkv_bias, config.qk_norm) == (True, False)
+def test_qwen_window_without_layer_types_follows_the_switch(changes: dict, windows: tuple) -> None:
+    config = LlamaConfig.from_hf({**QWEN25, **changes})
+    assert (config.qkv_bias, config.qk_norm) == (True, False)
+    assert config.layer_windows == windows

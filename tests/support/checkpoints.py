@@ -134,31 +134,36 @@ _WINDOW_FIELDS = ("sliding_window", "use_sliding_window", "max_window_layers")
 
 
 def save_hf_model(
-    path: Path, family: str = "llama", *, tie: bool = False, rope: dict | None = None, **kw
+    path: Path,
+    family: str = "llama",
+    *,
+    tie: bool = False,
+    rope: dict | None = None,
+    config: dict | None = None,
+    **kw,
 ) -> object:
     """A small random fp32 `family` model (a key of HF_FAMILIES) saved as safetensors under
     `path`; returns the model. Keywords that name a config field set it (e.g. sliding_window);
-    the rest go to save_pretrained. Skips the test where transformers is not installed."""
+    `config` overrides any other field of the small shape (e.g. a full-width vocabulary); the
+    rest go to save_pretrained. Skips the test where transformers is not installed."""
     transformers = pytest.importorskip("transformers")
     config_cls, model_cls = (getattr(transformers, n) for n in _HF_CLASSES[family])
-    # Mistral's default window (4096) would be refused: none unless the test asks for one
+    # Mistral's default window (4096): none unless the test asks for one
     fields: dict = {"sliding_window": None} if family == "mistral" else {}
     fields |= {k: kw.pop(k) for k in list(kw) if k in _WINDOW_FIELDS}
-    config = config_cls(
-        vocab_size=300,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
+    shape = dict(
+        vocab_size=300, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=256
+    )
+    hf_config = config_cls(
         tie_word_embeddings=tie,
         initializer_range=0.2,  # wide logits: greedy argmax must not hinge on 1e-7 differences
         bos_token_id=1,
         eos_token_id=2,
-        **HF_FAMILIES[family],
-        **fields,
+        **(shape | HF_FAMILIES[family] | fields | (config or {})),
         **({"rope_parameters": rope} if rope else {}),
     )
     torch.manual_seed(0)
-    model = model_cls(config).eval()
+    model = model_cls(hf_config).eval()
     if family in ("qwen2", "qwen3"):  # transformers starts biases at 0 and norms at 1: move them
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -7,7 +7,10 @@ takes one (row, KV head, split of the context) and reads that row's blocks throu
 with the GQA query heads of that KV head packed as the rows of one matrix product; a second kernel
 merges the splits (flash-decoding). The grid depends only on the table's width, so a CUDA graph
 captured at one width replays for every batch of that bucket. A row of length 0 (a padded graph
-slot) reads nothing and yields zeros.
+slot) reads nothing and yields zeros. With a sliding window W (`window`, a plain argument, so
+each layer's launch keeps its own in a captured graph) a row reads only its last W positions:
+the splits start at the row's window (a launch has one per PARTITION of the window, not of the
+table), and the blocks before it are never loaded.
 """
 
 from __future__ import annotations
@@ -20,14 +23,19 @@ PARTITION = 256  # context tokens per split of the paged-decode kernel
 
 
 @triton.jit
-def online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr):
+def online_softmax_step(
+    q, k, v, keep, m_i, l_i, acc, scale, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr = False
+):
     """One tile of flash attention: fold keys k / values v [N, D] (where `keep` [M, N]) into the
-    running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32."""
+    running max m_i, sum l_i and output acc of queries q [M, D]; scores and sums in fp32.
+    EMPTY_ROWS: a row may have kept no key yet (a sliding window that starts past this tile); it
+    then stays at m -inf, l 0, acc 0 instead of turning NaN."""
     s = tl.dot(q, tl.trans(k), input_precision="ieee") if IEEE else tl.dot(q, tl.trans(k))
     s = tl.where(keep, s * scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    m_use = tl.where(m_new > float("-inf"), m_new, 0.0) if EMPTY_ROWS else m_new
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = tl.dot(p, v, input_precision="ieee") if IEEE else tl.dot(p.to(v.dtype), v)
     return m_new, l_i, acc * alpha[:, None] + pv
@@ -43,6 +51,7 @@ def _paged_decode_split(
     part_ml_ptr,
     layer,
     scale,
+    window,
     stride_qb,
     stride_qh,
     stride_kb,
@@ -58,6 +67,7 @@ def _paged_decode_split(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PARTITION: tl.constexpr,
+    SLIDING: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -65,7 +75,10 @@ def _paged_decode_split(
     split = tl.program_id(2)
     num_kv = tl.num_programs(1)
     seq_len = tl.load(lens_ptr + row).to(tl.int32)
-    start = split * PARTITION
+    base = 0
+    if SLIDING:  # the query (position seq_len - 1) sees positions seq_len - window .. on
+        base = tl.maximum(seq_len - window, 0)
+    start = base + split * PARTITION
     end = tl.minimum(start + PARTITION, seq_len)
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -87,7 +100,7 @@ def _paged_decode_split(
         k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
         keep = valid[None, :]
-        m_i, l_i, acc = online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE, False)
     part = (row * num_kv * GROUP + heads) * num_splits + split  # [GROUP_PAD]
     gmask = offs_g < GROUP
     tl.store(part_o_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=gmask[:, None])
@@ -128,9 +141,12 @@ def _paged_decode_merge(
     )
 
 
-def decode_splits(table_width: int, block_size: int) -> int:
-    """Splits of the context for a block table `table_width` blocks wide."""
-    return max(1, -(-(table_width * block_size) // PARTITION))
+def decode_splits(table_width: int, block_size: int, window: int = 0) -> int:
+    """Splits of the context for a block table `table_width` blocks wide: one per PARTITION
+    positions it holds, or with a sliding `window` > 0 at most one per PARTITION of the window
+    (split s then starts s * PARTITION after the row's window does)."""
+    keys = table_width * block_size
+    return max(1, -(-(min(keys, window) if window else keys) // PARTITION))
 
 
 def paged_decode_attention(
@@ -142,16 +158,18 @@ def paged_decode_attention(
     *,
     scale: float | None = None,
     out: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`paged.paged_attention` by kernel: q [B, Hq, D] (last dim contiguous) -> [B, Hq, D].
 
     `block_tables` [B, W] and `seq_lens` [B] are int32 or int64 on q's device; positions at or past
-    a row's length are never read. Scores, softmax and the sum are fp32; the result has q's dtype.
+    a row's length, and with a sliding `window` > 0 those before its last `window`, are never
+    read. Scores, softmax and the sum are fp32; the result has q's dtype.
     """
     b, hq, d = q.shape
     _, _, _, block_size, hkv, _ = kv.shape
     group = hq // hkv
-    splits = decode_splits(block_tables.shape[1], block_size)
+    splits = decode_splits(block_tables.shape[1], block_size, window)
     part_o = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, hq, splits, 2), dtype=torch.float32, device=q.device)
     out = torch.empty((b, hq, d), dtype=q.dtype, device=q.device) if out is None else out
@@ -165,6 +183,7 @@ def paged_decode_attention(
         part_ml,
         layer,
         scale if scale is not None else d**-0.5,
+        window,
         q.stride(0),
         q.stride(1),
         kv.stride(0),
@@ -180,6 +199,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=64 if d <= 64 else 32,
         PARTITION=PARTITION,
+        SLIDING=window > 0,
         IEEE=ieee,
         num_warps=4,
     )

@@ -16,6 +16,10 @@ It is laid out like the paged-decode kernel:
   on the device; the key tiles below the tile's first position need no mask, only the last one
   or two (the diagonal) are masked, and keys past the last query are never read. A used split
   that gets no keys stores m = -inf, l = 0; an unused one does nothing;
+- with a sliding window W (a plain argument: a graph keeps each layer's), a tile's keys start
+  instead at the BLOCK_N tile holding its first query's window start (start + m0 - W + 1), the
+  splits are counted over the keys from there, and only the key tiles every row sees (from its
+  last query's window start to its first query) go unmasked;
 - a tile of one split writes its rows of the output; with more, each split writes fp32 partial
   (acc, m, l) and `context_merge` (one program per token and KV head, counting its tile's
   splits the same way) combines them.
@@ -98,6 +102,7 @@ def _context_attention(
     num_warps: int | None = None,
     num_stages: int = 2,
     rows: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`varlen_context_attention` with its launch choices open (the tests and the bench force
     them; None takes `context_splits`'s splits, and 8 warps for tiles of 128 x 64 or more and in
@@ -120,6 +125,7 @@ def _context_attention(
     else:
         part_o = part_ml = out  # not read or written
     group = hq // hkv
+    block_n = 64 if d <= 64 else 32
     context_split[(q_tiles, hkv, num_seqs * splits)](
         q,
         kv,
@@ -131,6 +137,7 @@ def _context_attention(
         block_tables,
         layer,
         (scale if scale is not None else d**-0.5) * LOG2E,
+        window,
         n,
         hq,
         splits,
@@ -149,9 +156,10 @@ def _context_attention(
         HEAD_DIM=d,
         BLOCK_SIZE=block_size,
         BLOCK_Q=block_q,
-        BLOCK_N=64 if d <= 64 else 32,
+        BLOCK_N=block_n,
         SPLIT_KEYS=SPLIT_KEYS,
         SPLIT=splits > 1,
+        SLIDING=window > 0,
         IEEE=fp32,
         num_warps=num_warps,
         num_stages=num_stages,
@@ -163,6 +171,7 @@ def _context_attention(
             out,
             cu_seqlens,
             starts,
+            window,
             num_seqs,
             n,
             hq,
@@ -175,6 +184,8 @@ def _context_attention(
             BLOCK_Q=block_q,
             SPLIT_KEYS=SPLIT_KEYS,
             SEQS_PAD=max(2, triton.next_power_of_2(num_seqs)),
+            BLOCK_N=block_n,
+            SLIDING=window > 0,
             num_warps=1 if group_pad * d <= 512 else 2,
         )
     return out
@@ -190,13 +201,15 @@ def varlen_context_attention(
     max_seqlen: int,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`varlen_causal_attention` with a paged context: q [N, Hq, D] of sequences concatenated
     (`cu_seqlens`); sequence s's tokens are its positions starts[s] .. starts[s]+len-1, and the
     K/V of its positions 0 .. starts[s]+len-1 (the new tokens' own already stored) is in `kv`
     [num_blocks, layers, 2, block_size, Hkv, D] through `block_tables` [S, W]. Each token attends
-    to its sequence's positions up to its own. All on q's device; returns [N, Hq, D] of q's dtype.
-    This is `common.model.paged.context_attention` for every sequence at once.
+    to its sequence's positions up to its own (with a sliding `window` W > 0, only to the last W
+    of them: key tiles wholly before a query tile's windows are never read). All on q's device;
+    returns [N, Hq, D] of q's dtype. This is `common.model.paged.context_attention` for every sequence at once.
 
     The launch (grid, splits, scratch sizes) depends only on q's and kv's shapes, the number of
     sequences, W and `max_seqlen`, never on the values of `cu_seqlens` or `starts`, so a CUDA
@@ -204,7 +217,7 @@ def varlen_context_attention(
     length 0 reads and writes nothing; rows past cu_seqlens[-1] are left unwritten.
     """
     return _context_attention(
-        q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen, scale=scale
+        q, kv, layer, cu_seqlens, starts, block_tables, max_seqlen, scale=scale, window=window
     )
 
 

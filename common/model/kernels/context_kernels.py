@@ -41,6 +41,7 @@ def context_split(
     tables_ptr,
     layer,
     qk_scale,
+    window,
     num_tokens,
     num_heads,
     num_splits,
@@ -62,6 +63,7 @@ def context_split(
     BLOCK_N: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     # the causal triangle's last (longest) query tiles are launched first
@@ -73,8 +75,9 @@ def context_split(
     length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
     m0 = mblock * BLOCK_Q
     start = tl.load(starts_ptr + seq).to(tl.int32)
-    end = start + tl.minimum(m0 + BLOCK_Q, length)  # the tile's keys: 0 .. its last position
-    if m0 < length and split < tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits):
+    end = start + tl.minimum(m0 + BLOCK_Q, length)  # the tile's keys: k0 .. its last position
+    k0 = _first_key(start + m0, window, BLOCK_N, SLIDING)
+    if m0 < length and split < tl.minimum((end - k0 + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits):
         # row r: query m0 + r // GROUP_PAD of the tile, query head kvh * GROUP + r % GROUP_PAD
         offs_r = tl.arange(0, BLOCK_Q * GROUP_PAD)
         qi = m0 + offs_r // GROUP_PAD
@@ -88,38 +91,79 @@ def context_split(
             mask=rmask[:, None],
             other=0.0,
         )
-        pos = start + qi  # each row's position: it sees keys 0 .. pos
-        # keys [0, end) of the tile (past its last query every key is masked), split evenly in
-        # whole BLOCK_N tiles over the splits it uses: of the launch's, one per SPLIT_KEYS keys
-        # (a short context takes one, written straight to the output; the merge skips its
-        # tokens). A used split past `end` is empty and stores m -inf, l 0, acc 0
-        used = tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
-        chunk = ((end + used - 1) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        lo = split * chunk
+        pos = start + qi  # each row's position: it sees keys 0 (or pos - window + 1) .. pos
+        # keys [k0, end) of the tile (past its last query every key is masked; before k0 its
+        # first query's window), split evenly in whole BLOCK_N tiles over the splits it uses: of
+        # the launch's, one per SPLIT_KEYS keys (a short context takes one, written straight to
+        # the output; the merge skips its tokens). A used split past `end` is empty and stores
+        # m -inf, l 0, acc 0
+        used = tl.minimum((end - k0 + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
+        chunk = ((end - k0 + used - 1) // used + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        lo = k0 + split * chunk
         hi = tl.minimum(lo + chunk, end)
-        # keys below the tile's first position are seen by every row: those tiles need no mask
-        mid = lo + tl.maximum(tl.minimum(hi, start + m0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+        # keys from the tile's last position's window start to its first position are seen by
+        # every row: the whole BLOCK_N tiles among them [u0, u1) need no mask
+        u0 = lo
+        if SLIDING:  # the last row (position end - 1) sees keys from end - window on
+            ahead = tl.maximum(end - window - lo + BLOCK_N - 1, 0) // BLOCK_N * BLOCK_N
+            u0 = tl.minimum(lo + ahead, hi)
+        u1 = u0 + tl.maximum(tl.minimum(hi, start + m0 + 1) - u0, 0) // BLOCK_N * BLOCK_N
         m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM], tl.float32)
         head_base = kv_ptr + layer * stride_kl + kvh * stride_kh
         table = tables_ptr + seq * stride_tb
-        for n0 in range(lo, mid, BLOCK_N):
+        if SLIDING:  # keys some rows' windows have left behind
+            m_i, l_i, acc = _fold_masked(
+                q,
+                m_i,
+                l_i,
+                acc,
+                qk_scale,
+                head_base,
+                table,
+                lo,
+                u0,
+                pos,
+                window,
+                offs_d,
+                stride_kb,
+                stride_kt,
+                stride_kkv,
+                BLOCK_SIZE,
+                BLOCK_N,
+                SLIDING,
+                IEEE,
+            )
+        for n0 in range(u0, u1, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             block = tl.load(table + offs_n // BLOCK_SIZE)
             tok = head_base + block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
             k = tl.load(tok[:, None] + offs_d[None, :])
             v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :])
             m_i, l_i, acc = _fold(q, k, v, None, m_i, l_i, acc, qk_scale, False, IEEE)
-        for n0 in range(mid, hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            valid = offs_n < hi
-            block = tl.load(table + offs_n // BLOCK_SIZE, mask=valid, other=0)
-            tok = head_base + block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
-            k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
-            keep = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
-            m_i, l_i, acc = _fold(q, k, v, keep, m_i, l_i, acc, qk_scale, True, IEEE)
+        # the diagonal: keys past some rows' positions
+        m_i, l_i, acc = _fold_masked(
+            q,
+            m_i,
+            l_i,
+            acc,
+            qk_scale,
+            head_base,
+            table,
+            u1,
+            hi,
+            pos,
+            window,
+            offs_d,
+            stride_kb,
+            stride_kt,
+            stride_kkv,
+            BLOCK_SIZE,
+            BLOCK_N,
+            SLIDING,
+            IEEE,
+        )
         rows = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         if SPLIT:  # a launch of several splits: partials, unless this tile uses one
             if used > 1:
@@ -132,6 +176,54 @@ def context_split(
                 _write_rows(o_ptr + rows, acc, l_i, rmask)
         else:
             _write_rows(o_ptr + rows, acc, l_i, rmask)
+
+
+@triton.jit
+def _first_key(first_pos, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """The first key a query tile reads: 0, or with a sliding window the start of the BLOCK_N
+    tile holding its first query's (at `first_pos`) earliest key."""
+    k0 = first_pos * 0
+    if SLIDING:
+        k0 = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    return k0
+
+
+@triton.jit
+def _fold_masked(
+    q,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    head_base,
+    table,
+    lo,
+    hi,
+    pos,
+    window,
+    offs_d,
+    stride_kb,
+    stride_kt,
+    stride_kkv,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Fold keys [lo, hi) from the pool into the rows at positions `pos`, each keeping the keys
+    j <= pos (and, SLIDING, j > pos - window)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid = offs_n < hi
+        block = tl.load(table + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        tok = head_base + block.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+        k = tl.load(tok[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(tok[:, None] + stride_kkv + offs_d[None, :], mask=valid[:, None], other=0.0)
+        keep = (offs_n[None, :] <= pos[:, None]) & valid[None, :]
+        if SLIDING:
+            keep &= offs_n[None, :] > pos[:, None] - window
+        m_i, l_i, acc = _fold(q, k, v, keep, m_i, l_i, acc, qk_scale, True, IEEE)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -148,6 +240,7 @@ def context_merge(
     o_ptr,
     cu_ptr,
     starts_ptr,
+    window,
     num_seqs,
     num_tokens,
     num_heads,
@@ -160,6 +253,8 @@ def context_merge(
     BLOCK_Q: tl.constexpr,
     SPLIT_KEYS: tl.constexpr,
     SEQS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
 ):
     token = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -171,8 +266,10 @@ def context_merge(
     first = tl.load(cu_ptr + seq).to(tl.int32)
     length = tl.load(cu_ptr + seq + 1).to(tl.int32) - first
     m0 = (token - first) // BLOCK_Q * BLOCK_Q
-    end = tl.load(starts_ptr + seq).to(tl.int32) + tl.minimum(m0 + BLOCK_Q, length)
-    used = tl.minimum((end + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
+    start = tl.load(starts_ptr + seq).to(tl.int32)
+    end = start + tl.minimum(m0 + BLOCK_Q, length)
+    k0 = _first_key(start + m0, window, BLOCK_N, SLIDING)
+    used = tl.minimum((end - k0 + SPLIT_KEYS - 1) // SPLIT_KEYS, num_splits)
     # tokens past the last sequence have no partials; a tile of one split wrote its output
     if token < tl.load(cu_ptr + num_seqs) and used > 1:
         offs_g = tl.arange(0, GROUP_PAD)

@@ -1,6 +1,8 @@
 """Causal varlen prefill attention: several sequences concatenated along the token axis
 (cumulative lengths `cu_seqlens`), each attending only to its own earlier tokens, folded tile by
-tile with the same flash-attention step as the paged-decode kernel (attention.py).
+tile with the same flash-attention step as the paged-decode kernel (attention.py). With a
+sliding window W a token sees only its sequence's last W tokens up to itself, and a query tile
+starts its keys at the first tile its earliest query sees.
 
 The same attention over a paged context (each sequence's new tokens after positions already in
 the pool, every key read through the block table) is `varlen_context_attention`, in
@@ -24,6 +26,7 @@ def _varlen_causal(
     o_ptr,
     cu_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -36,6 +39,7 @@ def _varlen_causal(
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     mblock = tl.program_id(0)
@@ -59,7 +63,10 @@ def _varlen_causal(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         hi = tl.minimum(m0 + BLOCK_M, length)
-        for n0 in range(0, hi, BLOCK_N):
+        lo = 0
+        if SLIDING:  # keys before the tile's first query's window are seen by no row of it
+            lo = tl.maximum(m0 - window + 1, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, hi, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             nmask = offs_n < length
             cols = (first + offs_n).to(tl.int64)
@@ -74,7 +81,9 @@ def _varlen_causal(
                 other=0.0,
             )
             keep = (offs_m[:, None] >= offs_n[None, :]) & nmask[None, :]
-            m_i, l_i, acc = online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE)
+            if SLIDING:
+                keep &= offs_m[:, None] - offs_n[None, :] < window
+            m_i, l_i, acc = online_softmax_step(q, k, v, keep, m_i, l_i, acc, scale, IEEE, SLIDING)
         res = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -91,12 +100,13 @@ def varlen_causal_attention(
     max_seqlen: int,
     *,
     scale: float | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention per sequence of a concatenated batch: q [N, Hq, D], k/v [N, Hkv, D].
 
     Sequence s holds tokens cu_seqlens[s] .. cu_seqlens[s+1]-1 (int32 or int64, on q's device);
-    each token attends to its own sequence's tokens up to itself. Last dims contiguous; returns a
-    new [N, Hq, D] tensor of q's dtype.
+    each token attends to its own sequence's tokens up to itself, with a sliding `window` W > 0
+    only to the last W of them. Last dims contiguous; returns a new [N, Hq, D] tensor of q's dtype.
     """
     n, hq, d = q.shape
     hkv = k.shape[1]
@@ -110,6 +120,7 @@ def varlen_causal_attention(
         out,
         cu_seqlens,
         scale if scale is not None else d**-0.5,
+        window,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -122,6 +133,7 @@ def varlen_causal_attention(
         HEAD_DIM=d,
         BLOCK_M=block_m,
         BLOCK_N=64,
+        SLIDING=window > 0,
         IEEE=q.dtype == torch.float32,
         num_warps=4,
         num_stages=2,

@@ -1,0 +1,136 @@
+"""Structured output on a random-weight transformers checkpoint (issue 42's GPU check, run on the
+CPU too): greedy tokens under a JSON schema through both daemons equal transformers' `generate`
+on the same checkpoint in fp32 with the same grammar library's masks as its logits processor, and
+every answer validates. The checkpoint has no tokenizer: the daemons read its ids as bytes
+(--allow-byte-tokenizer), and the oracle's grammar is built over the same byte vocabulary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+
+from common import client
+from common.cuda import cuda_available
+from common.model.tokenizer import ByteTokenizer
+from common.sampling_params import SamplingParams, StructuredOutput
+from common.structured import bitmask, grammars_for
+from tests.support.checkpoints import save_hf_model
+from tests.support.daemons import Pair
+from tests.support.schemas import SCHEMAS
+
+transformers = pytest.importorskip("transformers")
+SMALL = [SCHEMAS[i] for i in (1, 4, 6, 8, 9, 13, 16, 18, 20, 23)]
+MAX_TOKENS = 120
+
+
+class _Masks(transformers.LogitsProcessor):
+    def __init__(self, matcher, prompt_len: int, vocab: int) -> None:  # type: ignore[no-untyped-def]
+        self.m, self.start, self.seen = matcher, prompt_len, 0
+        self.mask = bitmask.allocate(1, vocab)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        new = input_ids[0, self.start :].tolist()
+        for t in new[self.seen :]:
+            assert self.m.accept(t)
+        self.seen = len(new)
+        self.mask.zero_()
+        self.m.fill(self.mask, 0)
+        return bitmask.apply(scores, [0], self.mask)
+
+
+class _Complete(transformers.StoppingCriteria):
+    def __init__(self, masks: _Masks) -> None:
+        self.masks = masks
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        last = int(input_ids[0, -1])
+        done = self.masks.m.accept(last) and self.masks.m.terminated
+        self.masks.m.rollback(1)  # the processor accepts it at the next call
+        return torch.tensor([done], device=input_ids.device)
+
+
+def hf_constrained(model, prompt: list[int], schema: dict, device: str) -> list[int]:  # type: ignore[no-untyped-def]
+    vocab = model.config.vocab_size
+    grammars = grammars_for(ByteTokenizer(), vocab, {model.config.eos_token_id})
+    matcher = grammars.compile(StructuredOutput("json_schema", json.dumps(schema))).matcher()
+    masks = _Masks(matcher, len(prompt), vocab)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([masks]),
+            stopping_criteria=transformers.StoppingCriteriaList([_Complete(masks)]),
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def schemas_equal_transformers(pair: Pair, model, device: str) -> None:  # type: ignore[no-untyped-def]
+    prompts = [[1, *f"answer {i}: ".encode()] for i in range(len(SMALL))]
+
+    async def run() -> list[client.Result]:
+        return await asyncio.gather(
+            *(
+                client.generate(
+                    pair.client_socket,
+                    prompt_tokens=p,
+                    sampling=SamplingParams(
+                        max_tokens=MAX_TOKENS,
+                        structured=StructuredOutput("json_schema", json.dumps(s)),
+                    ),
+                )
+                for p, s in zip(prompts, SMALL, strict=True)
+            )
+        )
+
+    for i, (prompt, schema, res) in enumerate(zip(prompts, SMALL, asyncio.run(run()), strict=True)):
+        assert res.finish is not None and res.finish.reason == "stop", (i, res.tokens)
+        jsonschema.validate(json.loads(bytes(res.tokens).decode()), schema)
+        assert res.tokens == hf_constrained(model, prompt, schema, device), i
+
+
+def _pair(tmp: Path, ckpt: Path, *args: str) -> Pair:
+    common = ["--model", str(ckpt), "--allow-byte-tokenizer", "--dtype", "float32", *args]
+    return Pair(tmp, extra={"decode": common, "prefill": common})
+
+
+@pytest.mark.parametrize("overlap", ["off", "always"])
+def test_random_checkpoint_schemas_equal_transformers_on_cpu(tmp_path_factory, overlap) -> None:  # type: ignore[no-untyped-def]
+    """`--overlap-steps always`: the constrained steps are launched ahead too, each one's
+    masks filled once the step before is read, before its tokens are carried or read."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    model = save_hf_model(ckpt)
+    pair = _pair(tmp_path_factory.mktemp("rt"), ckpt)
+    try:
+        pair.start("decode", "--overlap-steps", overlap)
+        pair.start("prefill")
+        schemas_equal_transformers(pair, model, "cpu")
+        assert pair.stop_all() == {"prefill": 0, "decode": 0}
+        stats = [json.loads(line) for line in pair.daemons["decode"].log_text().splitlines()]
+        ran = next(e for e in stats if e.get("event") == "decode_loop_stopped")
+        assert (ran["overlapped"] > 0) == (overlap == "always"), ran
+    finally:
+        pair.kill_all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not cuda_available(), reason="CUDA unavailable (no driver or no GPU)")
+def test_random_checkpoint_schemas_equal_transformers_on_cuda(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+    """The same with both daemons and transformers on cuda:0, fp32 (the decode's steps replay
+    CUDA graphs; the masks are filled while the step's kernels run)."""
+    ckpt = tmp_path_factory.mktemp("ckpt")
+    model = save_hf_model(ckpt).to("cuda:0")
+    pair = _pair(tmp_path_factory.mktemp("rt"), ckpt, "--device", "cuda:0")
+    try:
+        pair.start("decode")
+        pair.start("prefill")
+        schemas_equal_transformers(pair, model, "cuda:0")
+        assert pair.stop_all() == {"prefill": 0, "decode": 0}
+    finally:
+        pair.kill_all()
