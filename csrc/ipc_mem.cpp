@@ -9,35 +9,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dlpack.h"
 #include "ipc_mem.h"
 
 namespace pdkv {
 namespace {
-
-// The few DLPack (v0.8 ABI, "dltensor" capsule) structs torch.from_dlpack consumes.
-struct DLDevice {
-  int32_t device_type;  // kDLCUDA = 2
-  int32_t device_id;
-};
-struct DLDataType {
-  uint8_t code;  // kDLUInt = 1
-  uint8_t bits;
-  uint16_t lanes;
-};
-struct DLTensor {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;
-  uint64_t byte_offset;
-};
-struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(DLManagedTensor* self);
-};
 
 struct Mapping {
   void* base = nullptr;

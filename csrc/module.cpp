@@ -6,6 +6,7 @@
 
 #include "device.h"
 #include "ipc_mem.h"
+#include "vmm.h"
 
 namespace py = pybind11;
 
@@ -34,6 +35,11 @@ PYBIND11_MODULE(_cuda, m) {
   m.def("open_count", &pdkv::open_count, py::arg("handle"));
   m.def("open_allocations", &pdkv::open_allocations);
   m.def("take_close_errors", &pdkv::take_close_errors);
+
+  m.def("vmm_granularity", &pdkv::vmm_granularity, py::arg("device"));
+  m.def("vmm_create", &pdkv::vmm_create, py::arg("nbytes"), py::arg("device"));
+  m.def("vmm_import", &pdkv::vmm_import, py::arg("fd"), py::arg("size"), py::arg("nbytes"),
+        py::arg("device"), py::arg("read_only"));
 
   m.def("event_create", &pdkv::event_create, py::arg("device"));
   m.def("event_handle", &pdkv::event_handle, py::arg("event"));

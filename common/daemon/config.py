@@ -175,6 +175,18 @@ class DaemonConfig:
             "used first when the pool needs room.",
         ),
     )
+    share_weights: bool = field(
+        default=True,
+        metadata=opt(
+            "--share-weights",
+            negatable=True,
+            help="Keep one copy of the weights per host and device: a daemon whose model, dtype "
+            "and device match a daemon already serving them (same runtime dir) maps that one's "
+            "weights instead of loading its own; if the owner exits, the other serves on and "
+            "takes the weights over (on CUDA without the extension's VMM arenas it exits 1 "
+            "instead, to be restarted).",
+        ),
+    )
     # -- the host KV tier (issue 43; common/kv/host_tier.py): these two lines together ----------
     host_cache_gb: float = field(
         default=0.0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
+import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,10 +26,11 @@ from common.daemon.config import DaemonConfig
 from common.daemon.sched import default_slice
 from common.daemon.throughput import Throughput
 from common.errors import PdkvError
+from common.ipc.weights import SharedWeights, WeightsKey, acquire
 from common.kv.allocator import BlockAllocator
 from common.kv.pool import KVPool, PoolLayout
 from common.kv.prefix_cache import PrefixCache
-from common.model.loader import load_model, resolve_dtype
+from common.model.loader import ModelSource, resolve_dtype
 from common.model.paged import blocks_for
 from common.protocol import ModelCard, compat_fields, fingerprint
 from common.transfer.regions import default_backend
@@ -98,6 +101,8 @@ class ModelRuntime:
     #: the daemon's CUDA graphs, made by its warm-up (load's `warm`): the decode's DecodeRunner,
     #: the prefill's PrefillGraphs; None on CPU, without a warm-up or with graphs off
     graphs: Any = None
+    #: this daemon's hold on the host's one copy of the weights (--share-weights), else None
+    weights: SharedWeights | None = None
     #: the host KV tier's copies to and from `pool` (common/kv/tier_io.py); None: --host-cache-gb 0
     host_tier: Any = None
 
@@ -124,9 +129,7 @@ class ModelRuntime:
         threads = cfg.torch_threads or (1 if cfg.model is None else 0)
         if threads:
             torch.set_num_threads(threads)
-        model, tokenizer = load_model(
-            cfg.model, device=device, dtype=dtype, allow_byte_tokenizer=cfg.allow_byte_tokenizer
-        )
+        model, tokenizer, weights = load_weights(cfg, device, dtype, backend)
         layers, kv_heads, head_dim = model.kv_layout_args()
         layout = PoolLayout(
             num_blocks=cfg.num_blocks,
@@ -159,6 +162,7 @@ class ModelRuntime:
             stream,
             model_card(cfg.model, model.config.max_position_embeddings),
             PrefixCache(allocator, layout, model.fingerprint, cfg.prefix_cache),
+            weights=weights,
         )
         rt.host_tier = open_host_tier(cfg, rt)
         if warm is not None and stream is not None and model.use_kernels:
@@ -218,6 +222,8 @@ class ModelRuntime:
         self.executor.shutdown(wait=True, cancel_futures=True)
         if self.host_tier is not None:
             self.host_tier.close()
+        if self.weights is not None:  # after the torch thread: nothing reads them any more
+            self.weights.close()
 
 
 def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
@@ -234,3 +240,50 @@ def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
     )
     seed = rt.prefix.seed if rt.prefix is not None else b""
     return PoolTier(tier, rt.pool, seed, rt.stream)
+
+
+def load_weights(
+    cfg: DaemonConfig, device: torch.device, dtype: torch.dtype, backend: str
+) -> tuple[Any, Any, SharedWeights | None]:
+    """(model, tokenizer, the shared weights or None): with --share-weights the model's arena
+    is the host's one copy for its key (common.ipc.weights), mapped or loaded and served here;
+    without, an arena of its own."""
+    source = ModelSource.find(cfg.model, device=device, dtype=dtype)
+    tokenizer = source.tokenizer(allow_bytes=cfg.allow_byte_tokenizer)  # refused before loading
+    if not cfg.share_weights:
+        arena = source.layout.allocate(device)
+        source.fill(arena)
+        return source.model(arena), tokenizer, None
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = WeightsKey(source.fingerprint, dtype_name, _device_key(device), source.files_id)
+    shared = acquire(
+        cfg.runtime_dir, key, source.layout, device, backend, source.fill, on_lost=_owner_lost
+    )
+    log.info("weights", role=shared.role, owner_pid=shared.owner_pid, key=key.digest)
+    return source.model(shared.arena), tokenizer, shared
+
+
+def _device_key(device: torch.device) -> str:
+    if device.type != "cuda":
+        return device.type
+    from common.cuda import device_uuid
+
+    return device_uuid(device.index or 0)
+
+
+def _owner_lost(owner_pid: int) -> None:
+    """A CUDA importer's owner went away: its mapping may be gone with it, so no kernel may read
+    it again. Exit now with the status that asks to be restarted (lifecycle.EXIT_FATAL)."""
+    from common.daemon.lifecycle import EXIT_FATAL
+
+    log.critical(
+        "weights_owner_lost",
+        owner_pid=owner_pid,
+        exit_code=EXIT_FATAL,
+        hint="the daemon whose weights this one mapped exited; restart this one (or start it "
+        "with --no-share-weights)",
+    )
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(EXIT_FATAL)

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 import torch
 
 from common.errors import ModelError
+from common.model.arena import WeightsLayout
 from common.model.config import BYTE_VOCAB, LlamaConfig
 from common.model.llama import LayerWeights, LlamaModel, LlamaWeights
 from common.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -68,26 +70,110 @@ def load_model(
     A checkpoint directory needs config.json (a supported architecture), *.safetensors
     (one file or shards) and tokenizer.json; without tokenizer.json it loads only with
     `allow_byte_tokenizer` (then the byte tokenizer, whose text is garbage for a real model).
-    Raises ModelError for anything missing, unreadable or unsupported, naming it.
+    Raises ModelError for anything missing, unreadable or unsupported, naming it. The weights
+    are views of one arena (common.model.arena), loaded in place.
     """
     device = torch.device(device)
-    if model_dir is None:
-        model = tiny_model(seed=seed, device=device, dtype=dtype)
-        c = model.config
-        tokenizer: Tokenizer = ByteTokenizer(
-            bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id
-        )
-    else:
-        path = Path(model_dir)
-        config = read_config(path)
-        dtype = resolve_dtype(dtype, device, tiny=False)
-        weights, files = read_checkpoint(path, config, device=device, dtype=dtype)
-        model = LlamaModel(
-            config, weights, fingerprint=_checkpoint_fingerprint(path, config, files)
-        )
-        tokenizer = _checkpoint_tokenizer(path, config, allow_bytes=allow_byte_tokenizer)
+    source = ModelSource.find(model_dir, device=device, dtype=dtype, seed=seed)
+    arena = source.layout.allocate(device)
+    source.fill(arena)
+    model = source.model(arena)
+    tokenizer = source.tokenizer(allow_bytes=allow_byte_tokenizer)
     log.info("model_loaded", model=model.fingerprint, device=str(device), dtype=str(model.dtype))
     return model, tokenizer
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model as known before any weight is read: its config, dtype, fingerprint and arena
+    layout (config.json and the safetensors headers only). `fill` reads the weights into an
+    arena of `layout`; `model` wraps an arena (filled here or mapped from another process)."""
+
+    config: LlamaConfig
+    dtype: torch.dtype
+    fingerprint: str
+    layout: WeightsLayout
+    model_dir: Path | None = None
+    files: tuple[Path, ...] = ()
+    seed: int = TINY_SEED
+
+    @classmethod
+    def find(
+        cls,
+        model_dir: str | Path | None,
+        *,
+        device: torch.device,
+        dtype: torch.dtype | str | None,
+        seed: int = TINY_SEED,
+    ) -> ModelSource:
+        """The source of `model_dir` (None: the tiny model of `seed`); ModelError as load_model."""
+        if model_dir is None:
+            config = LlamaConfig.tiny()
+            dt = resolve_dtype(dtype, device, tiny=True)
+            layout = WeightsLayout.of(config, dt, separate_head=not config.tie_word_embeddings)
+            return cls(config, dt, f"tiny-seed{seed}-{config.digest()}", layout, seed=seed)
+        path = Path(model_dir)
+        config = read_config(path)
+        dt = resolve_dtype(dtype, device, tiny=False)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelError(f"{path} has no *.safetensors files (pdkv reads safetensors only)")
+        keys = _keys(files)  # headers only; a corrupt file is refused before anything loads
+        own_head = not config.tie_word_embeddings or "lm_head.weight" in keys
+        layout = WeightsLayout.of(config, dt, separate_head=own_head)
+        fp = _checkpoint_fingerprint(path, config, files)
+        return cls(config, dt, fp, layout, path, tuple(files), seed)
+
+    def fill(self, arena: torch.Tensor) -> None:
+        """Read the weights into `arena` (a flat uint8 tensor of layout.nbytes, any device)."""
+        if self.model_dir is None:
+            self.layout.fill(arena, tiny_weights(self.config, self.seed))
+        else:
+            read_checkpoint(self.model_dir, self.config, self.layout, arena, list(self.files))
+
+    @property
+    def files_id(self) -> str:
+        """Which files on this host the weights come from (resolved path, device, inode, size,
+        mtime of each): two daemons reading the same checkpoint agree, a copy elsewhere or a
+        file rewritten since does not. The fingerprint alone names the checkpoint by its config
+        and file sizes, which an edited copy can share."""
+        h = hashlib.sha256()
+        for f in self.files:
+            st = f.stat()
+            h.update(
+                f"{f.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns};".encode()
+            )
+        return h.hexdigest()[:16]
+
+    def model(self, arena: torch.Tensor) -> LlamaModel:
+        return LlamaModel(self.config, self.layout.weights(arena), fingerprint=self.fingerprint)
+
+    def tokenizer(self, *, allow_bytes: bool) -> Tokenizer:
+        if self.model_dir is None:
+            c = self.config
+            return ByteTokenizer(bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id)
+        return _checkpoint_tokenizer(self.model_dir, self.config, allow_bytes=allow_bytes)
+
+
+def _keys(files: list[Path]) -> set[str]:
+    """Every tensor name in `files` (headers only)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as fh:
+                names.update(fh.keys())
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+            raise _unreadable(file, exc) from exc
+    return names
+
+
+def _unreadable(file: Path, exc: Exception) -> ModelError:
+    return ModelError(
+        f"cannot read {file}: {type(exc).__name__}: {exc} (a truncated or corrupt "
+        "download? fetch the checkpoint again)"
+    )
 
 
 def tiny_model(
@@ -101,8 +187,13 @@ def tiny_model(
     benchmarks) with weights drawn from `seed`; its fingerprint names the seed and config digest."""
     config = config or LlamaConfig.tiny()
     device = torch.device(device)
-    weights = _cast(tiny_weights(config, seed), device, resolve_dtype(dtype, device, tiny=True))
-    return LlamaModel(config, weights, fingerprint=f"tiny-seed{seed}-{config.digest()}")
+    dt = resolve_dtype(dtype, device, tiny=True)
+    layout = WeightsLayout.of(config, dt, separate_head=not config.tie_word_embeddings)
+    arena = layout.allocate(device)
+    layout.fill(arena, tiny_weights(config, seed))
+    return LlamaModel(
+        config, layout.weights(arena), fingerprint=f"tiny-seed{seed}-{config.digest()}"
+    )
 
 
 def tiny_weights(config: LlamaConfig, seed: int) -> LlamaWeights:
@@ -181,94 +272,87 @@ def _hf_names(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return names
 
 
+def _targets(config: LlamaConfig) -> dict[str, tuple[str, int, int]]:
+    """Hugging Face tensor name -> (arena slot, first row, end row) it is read into: q/k/v into
+    the rows of `qkv` (and `qkv_bias`), gate/up into `gate_up`; -1 rows: the whole slot."""
+    c = config
+    q, kv, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+    out = {
+        "model.embed_tokens.weight": ("embed", -1, -1),
+        "model.norm.weight": ("norm", -1, -1),
+        "lm_head.weight": ("lm_head", -1, -1),
+    }
+    rows = {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}
+    for n in range(c.num_layers):
+        p, s = f"model.layers.{n}.", f"layers.{n}."
+        out |= {
+            p + "input_layernorm.weight": (s + "input_norm", -1, -1),
+            p + "post_attention_layernorm.weight": (s + "post_norm", -1, -1),
+            p + "self_attn.o_proj.weight": (s + "o", -1, -1),
+            p + "mlp.gate_proj.weight": (s + "gate_up", 0, i),
+            p + "mlp.up_proj.weight": (s + "gate_up", i, 2 * i),
+            p + "mlp.down_proj.weight": (s + "down", -1, -1),
+            p + "self_attn.q_norm.weight": (s + "q_norm", -1, -1),
+            p + "self_attn.k_norm.weight": (s + "k_norm", -1, -1),
+        }
+        for x, (a, b) in rows.items():
+            out[p + f"self_attn.{x}_proj.weight"] = (s + "qkv", a, b)
+            out[p + f"self_attn.{x}_proj.bias"] = (s + "qkv_bias", a, b)
+    return out
+
+
 def read_checkpoint(
-    model_dir: Path, config: LlamaConfig, *, device: torch.device, dtype: torch.dtype
-) -> tuple[LlamaWeights, list[Path]]:
-    """Weights from every *.safetensors in `model_dir` (shards merged), and the files read."""
+    model_dir: Path,
+    config: LlamaConfig,
+    layout: WeightsLayout,
+    arena: torch.Tensor,
+    files: list[Path],
+) -> None:
+    """Read every tensor of `files` that the model uses into its place in `arena` (one tensor
+    at a time: no second copy of the weights is ever held)."""
     from safetensors import safe_open
 
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"{model_dir} has no *.safetensors files (pdkv reads safetensors only)")
     expected = _hf_names(config)
-    tensors: dict[str, torch.Tensor] = {}
+    if not layout.separate_head:
+        expected.pop("lm_head.weight")
+    targets = _targets(config)
+    found: set[str] = set()
     unused: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as fh:
                 for key in fh.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if key in expected:
-                        tensors[key] = fh.get_tensor(key).to(device=device, dtype=dtype)
-                    elif not key.endswith(_IGNORED_SUFFIXES):
-                        unused.append(key)
+                    if key not in expected:
+                        if not key.endswith(_IGNORED_SUFFIXES) and key != "lm_head.weight":
+                            unused.append(key)
+                        continue
+                    tensor = fh.get_tensor(key)
+                    _check_shape(model_dir, key, tuple(tensor.shape), expected[key])
+                    slot, a, b = targets[key]
+                    view = layout.view(arena, slot)
+                    (view if a < 0 else view[a:b]).copy_(tensor)
+                    found.add(key)
+        except ModelError:
+            raise
         except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
-            raise ModelError(
-                f"cannot read {file}: {type(exc).__name__}: {exc} (a truncated or corrupt "
-                "download? fetch the checkpoint again)"
-            ) from exc
-    if config.tie_word_embeddings and "lm_head.weight" not in tensors:
-        tensors["lm_head.weight"] = tensors.get("model.embed_tokens.weight")  # type: ignore[assignment]
-    _check_tensors(model_dir, expected, tensors)
-    if unused:
-        log.warning("checkpoint_tensors_unused", count=len(unused), first=unused[:5])
-    return _assemble(config, tensors), files
-
-
-def _check_tensors(
-    model_dir: Path, expected: dict[str, tuple[int, ...]], tensors: dict[str, torch.Tensor | None]
-) -> None:
-    missing = [name for name in expected if tensors.get(name) is None]
+            raise _unreadable(file, exc) from exc
+    missing = [name for name in expected if name not in found]
     if missing:
         shown = ", ".join(missing[:8]) + (
             f" and {len(missing) - 8} more" if len(missing) > 8 else ""
         )
         raise ModelError(f"checkpoint {model_dir} lacks tensors: {shown}")
-    for name, shape in expected.items():
-        found = tuple(tensors[name].shape)  # type: ignore[union-attr]
-        if found != shape:
-            raise ModelError(
-                f"tensor {name} in {model_dir} has shape {found}, config.json implies {shape}"
-            )
+    if unused:
+        log.warning("checkpoint_tensors_unused", count=len(unused), first=unused[:5])
 
 
-def _assemble(config: LlamaConfig, t: dict[str, torch.Tensor]) -> LlamaWeights:
-    layers = []
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        qkv = [t.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"]
-        gate_up = [t.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")]
-        bias = [t.pop(p + f"self_attn.{x}_proj.bias") for x in "qkv"] if config.qkv_bias else None
-        layers.append(
-            LayerWeights(
-                input_norm=t[p + "input_layernorm.weight"],
-                qkv=torch.cat(qkv, dim=0),
-                o=t[p + "self_attn.o_proj.weight"],
-                post_norm=t[p + "post_attention_layernorm.weight"],
-                gate_up=torch.cat(gate_up, dim=0),
-                down=t[p + "mlp.down_proj.weight"],
-                qkv_bias=torch.cat(bias) if bias else None,
-                q_norm=t.get(p + "self_attn.q_norm.weight"),
-                k_norm=t.get(p + "self_attn.k_norm.weight"),
-            )
+def _check_shape(
+    model_dir: Path, name: str, found: tuple[int, ...], shape: tuple[int, ...]
+) -> None:
+    if found != shape:
+        raise ModelError(
+            f"tensor {name} in {model_dir} has shape {found}, config.json implies {shape}"
         )
-    return LlamaWeights(
-        embed=t["model.embed_tokens.weight"],
-        layers=layers,
-        norm=t["model.norm.weight"],
-        lm_head=t["lm_head.weight"],
-    )
-
-
-def _cast(w: LlamaWeights, device: torch.device, dtype: torch.dtype) -> LlamaWeights:
-    def mv(x: torch.Tensor | None) -> torch.Tensor | None:
-        return None if x is None else x.to(device=device, dtype=dtype)
-
-    embed = mv(w.embed)
-    layers = [
-        LayerWeights(*(mv(getattr(lw, f)) for f in lw.__dataclass_fields__)) for lw in w.layers
-    ]
-    head = embed if w.lm_head is w.embed else mv(w.lm_head)
-    return LlamaWeights(embed=embed, layers=layers, norm=mv(w.norm), lm_head=head)
 
 
 def _checkpoint_fingerprint(model_dir: Path, config: LlamaConfig, files: list[Path]) -> str:
