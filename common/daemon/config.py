@@ -175,16 +175,18 @@ class DaemonConfig:
             "used first when the pool needs room.",
         ),
     )
-    share_weights: bool = field(
-        default=True,
+    share_weights: bool | None = field(  # None: shares_weights() picks by device
+        default=None,
         metadata=opt(
             "--share-weights",
             negatable=True,
+            show_default="on on CPU, off on CUDA",
             help="Keep one copy of the weights per host and device: a daemon whose model, dtype "
             "and device match a daemon already serving them (same runtime dir) maps that one's "
             "weights instead of loading its own; if the owner exits, the other serves on and "
             "takes the weights over (on CUDA without the extension's VMM arenas it exits 1 "
-            "instead, to be restarted).",
+            "instead, to be restarted). Off on CUDA until its GPU tests have run there "
+            "(tests/integration/test_gpu_shared_weights.py).",
         ),
     )
     # -- the host KV tier (issue 43; common/kv/host_tier.py): these two lines together ----------
@@ -231,6 +233,13 @@ class DaemonConfig:
 
     def uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) | {os.getuid()}
+
+    def shares_weights(self, device_type: str) -> bool:
+        """--share-weights, or on on CPU (tested: the pair's PSS one copy lower) and off on
+        CUDA, whose VMM path has not run on a GPU yet."""
+        if self.share_weights is not None:
+            return self.share_weights
+        return device_type == "cpu"
 
 
 __all__ = ["DaemonConfig"]

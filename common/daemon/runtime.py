@@ -250,7 +250,7 @@ def load_weights(
     without, an arena of its own."""
     source = ModelSource.find(cfg.model, device=device, dtype=dtype)
     tokenizer = source.tokenizer(allow_bytes=cfg.allow_byte_tokenizer)  # refused before loading
-    if not cfg.share_weights:
+    if not cfg.shares_weights(device.type):
         arena = source.layout.allocate(device)
         source.fill(arena)
         return source.model(arena), tokenizer, None

@@ -102,7 +102,15 @@ def _events(d, event: str) -> list[dict]:  # type: ignore[no-untyped-def]
 def _pair_used(factory: pytest.TempPathFactory, path: Path, *flags: str) -> tuple:
     pair = Pair(short_dir(factory))
     # fp32: transformers' greedy tokens are the oracle
-    args = (*_args(path), "--dtype", "float32", "--num-blocks", "256", *flags)
+    # sharing is off on CUDA by default until these tests have run there: asked for here
+    args = (
+        *_args(path),
+        "--dtype",
+        "float32",
+        "--num-blocks",
+        "256",
+        *(flags or ("--share-weights",)),
+    )
     try:
         pair.start("decode", *args)
         pair.start("prefill", *args)
@@ -136,7 +144,7 @@ def test_gpu_owner_killed(tmp_path_factory: pytest.TempPathFactory, checkpoint: 
 
     path, want, _ = checkpoint
     pair = Pair(short_dir(tmp_path_factory))
-    args = (*_args(path), "--dtype", "float32", "--num-blocks", "256")
+    args = (*_args(path), "--dtype", "float32", "--num-blocks", "256", "--share-weights")
     try:
         prefill = pair.start("prefill", *args)  # first: the owner
         decode = pair.start("decode", *args)
