@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -112,8 +113,8 @@ def schemas_equal_transformers(pair: Pair, model, device: str) -> None:  # type:
 
 
 def _margin_at(
-    model, prompt: list[int], schema: dict, got: list[int], want: list[int], device: str
-) -> str:  # type: ignore[no-untyped-def]
+    model: Any, prompt: list[int], schema: dict, got: list[int], want: list[int], device: str
+) -> str:
     """Transformers' masked logits where `got` parts from `want`: its top one and those of both
     tokens, to tell a near-tie (fp32 sums in another order) from a wrong mask or input."""
     k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
