@@ -1,6 +1,7 @@
 """JSON schemas for the structured-output tests (issue 42): nested objects, arrays, enums, numbers
 with bounds, required and optional fields, strings with patterns. Strings, arrays and numbers are
-bounded so that any answer the grammar allows ends well within the tests' max_tokens."""
+bounded (a number's decimals too: `multipleOf`) so that any answer the grammar allows ends well
+within the tests' max_tokens, whatever logits a device computes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,14 @@ def _obj(props: dict[str, Any], required: list[str] | None = None) -> dict[str, 
 
 
 _NAME = {"type": "string", "maxLength": 12}
+
+
+def _money(top: int) -> dict[str, Any]:
+    """A number in [0, top] of at most two decimals: a JSON number's fraction (and exponent)
+    is unbounded otherwise, and a random model may write digits until max_tokens."""
+    return {"type": "number", "minimum": 0, "maximum": top, "multipleOf": 0.01}
+
+
 _AGE = {"type": "integer", "minimum": 0, "maximum": 120}
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -30,7 +39,7 @@ SCHEMAS: list[dict[str, Any]] = [
             "qty": {"type": "integer", "minimum": 1, "maximum": 9},
         }
     ),
-    _obj({"score": {"type": "number", "minimum": 0, "maximum": 1}}),
+    _obj({"score": _money(1)}),
     _obj({"temp": {"type": "integer", "minimum": -40, "maximum": 50}}),
     _obj({"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}),
     _obj(
@@ -77,7 +86,7 @@ SCHEMAS: list[dict[str, Any]] = [
     _obj({"email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}}),
     _obj(
         {
-            "price": {"type": "number", "minimum": 0, "maximum": 100},
+            "price": _money(100),
             "currency": {"enum": ["EUR", "USD"]},
         }
     ),

@@ -1,0 +1,106 @@
+"""What the structured-output tests (issue 42) say when an answer is wrong: every failing answer
+with its index, finish reason, token count and text, and the daemons' errors and warnings, so
+that a run whose output is cut short (a GPU run) still names what failed and where."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jsonschema
+import pytest
+
+from common import client
+from tests.support.daemons import Pair
+
+#: characters of an answer's text, and of one log line, a message quotes
+TEXT_CHARS = 160
+#: error and warning lines of each daemon's log a message quotes (the last ones)
+LOG_LINES = 12
+
+
+def require_grammar_library() -> None:
+    """Fail at once, saying so, where llguidance cannot be imported (the GPU machine installs it
+    from bench/device_wheels.sh's wheels): every constrained request would fail INTERNAL."""
+    try:
+        import llguidance  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"llguidance is not importable ({exc}): run bench/device_wheels.sh first")
+
+
+def describe(res: client.Result | BaseException) -> str:
+    """One answer in a line: its finish reason, token count and (the start of) its text."""
+    if isinstance(res, BaseException):
+        return f"raised {type(res).__name__}: {res}"
+    reason = None if res.finish is None else res.finish.reason
+    return f"finish={reason} tokens={len(res.tokens)} text={res.text[:TEXT_CHARS]!r}"
+
+
+def invalid(res: client.Result | BaseException, schema: dict[str, Any]) -> str | None:
+    """Why `res` is not a finished ("stop") answer that parses and validates; None when it is."""
+    if isinstance(res, BaseException):
+        return "failed"
+    if res.finish is None or res.finish.reason != "stop":
+        return "did not stop"
+    try:
+        jsonschema.validate(json.loads(res.text), schema)
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return f"invalid ({str(exc).splitlines()[0][:TEXT_CHARS]})"
+    return None
+
+
+def daemon_trouble(pair: Pair | None) -> str:
+    """The last error and warning lines of each daemon's JSON log (empty when none)."""
+    if pair is None:
+        return ""
+    out = []
+    for role, daemon in pair.daemons.items():
+        lines = []
+        for line in daemon.log_text().splitlines():
+            try:
+                level = json.loads(line).get("level")
+            except ValueError:
+                level = "error" if "Traceback" in line or "Error" in line else None
+            if level in ("error", "warning", "critical"):
+                lines.append(f"  {role}: {line[: 2 * TEXT_CHARS]}")
+        out.extend(lines[-LOG_LINES:])
+    return "\n".join(["daemons' errors and warnings:", *out]) if out else ""
+
+
+def assert_valid(
+    results: Sequence[client.Result | BaseException],
+    schemas: Sequence[dict[str, Any]],
+    pair: Pair | None = None,
+    what: str = "answers",
+) -> None:
+    """Every result finished "stop" and validates against its schema; else one message naming
+    each failing answer (index, why, finish, tokens, text) and the daemons' trouble."""
+    bad = [
+        f"  #{i} {why}: {describe(res)}"
+        for i, (res, schema) in enumerate(zip(results, schemas, strict=True))
+        if (why := invalid(res, schema)) is not None
+    ]
+    if bad:
+        lengths = [len(r.tokens) for r in results if isinstance(r, client.Result)]
+        head = f"{what}: {len(bad)} of {len(results)} wrong (most tokens {max(lengths, default=0)})"
+        pytest.fail("\n".join([head, *bad[:40], daemon_trouble(pair)]), pytrace=False)
+
+
+def first_difference(got: Sequence[int], want: Sequence[int]) -> str:
+    """Where two token lists part: the index and each one's token there (or its end)."""
+    k = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    if k is None:
+        k = min(len(got), len(want))
+    at = lambda xs: xs[k] if k < len(xs) else "end"  # noqa: E731
+    return f"first differ at {k}: got {at(got)}, want {at(want)} (lengths {len(got)}, {len(want)})"
+
+
+__all__ = [
+    "assert_valid",
+    "daemon_trouble",
+    "describe",
+    "first_difference",
+    "invalid",
+    "require_grammar_library",
+]
