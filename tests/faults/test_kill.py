@@ -21,6 +21,10 @@ from tests.support.wait import poll
 @pytest.fixture  # one pair per test: a scenario that fails must not leave the next a dead daemon
 def kpair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultPair]:
     pair = new_pair(tmp_path_factory, "kill")
+    # requests not handed off when the decode dies wait this long for the link to come back,
+    # then fail LINK_LOST (the default 30 s made the 60-request kill take 31 s; the wait itself
+    # is tested in test_fake_decode.py)
+    pair.extra["prefill"] = ["--handoff-timeout", "3"]
     pair.start_both()
     yield pair
     pair.kill_all()

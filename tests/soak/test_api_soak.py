@@ -11,12 +11,12 @@ import api_soak
 
 
 def test_killed_workers_lose_only_their_own_requests(tmp_path: Path) -> None:
-    argv = ["--requests", "1200", "--kill-every", "1.0", "--out", str(tmp_path / "api_soak.json")]
+    argv = ["--requests", "600", "--kill-every", "1.0", "--out", str(tmp_path / "api_soak.json")]
     res = api_soak.run(api_soak.parse_args(argv))
     assert res["kills"] >= 1 and res["wrong"] == []
     assert all(k.split(":")[0] in api_soak.BROKEN for k in res["failures"]), res["failures"]
     assert res["api_up"] and res["api_stopped"] and res["daemons_stopped"]
-    assert res["ok"] >= 600  # most requests reach a live worker
+    assert res["ok"] >= 300  # most requests reach a live worker
     nothing = {"owned": 0, "leased": 0, "requests": 0}
     assert res["held"] == {"prefill": nothing, "decode": nothing}
     assert res["clean"]
