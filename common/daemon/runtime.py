@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -23,6 +24,7 @@ import torch
 
 from common.daemon import kernel_cache
 from common.daemon.config import DaemonConfig
+from common.daemon.memory import auto_num_blocks
 from common.daemon.sched import default_slice
 from common.daemon.throughput import Throughput
 from common.errors import PdkvError
@@ -132,13 +134,18 @@ class ModelRuntime:
         model, tokenizer, weights = load_weights(cfg, device, dtype, backend)
         layers, kv_heads, head_dim = model.kv_layout_args()
         layout = PoolLayout(
-            num_blocks=cfg.num_blocks,
+            num_blocks=1,
             num_layers=layers,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             block_size=cfg.block_size,
             dtype=dtype_name,
         )
+        if isinstance(cfg.num_blocks, int):
+            num_blocks = cfg.num_blocks
+        else:  # auto
+            num_blocks = auto_num_blocks(cfg, model, weights, device, layout.block_nbytes)
+        layout = dataclasses.replace(layout, num_blocks=num_blocks)
         pool = KVPool.create(layout, device=device)
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(
@@ -148,7 +155,7 @@ class ModelRuntime:
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
-        allocator = BlockAllocator(cfg.num_blocks)
+        allocator = BlockAllocator(num_blocks)
         rt = cls(
             model,
             tokenizer,
@@ -167,7 +174,7 @@ class ModelRuntime:
         rt.host_tier = open_host_tier(cfg, rt)
         if warm is not None and stream is not None and model.use_kernels:
             max_blocks = min(
-                blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
+                blocks_for(model.config.max_position_embeddings, cfg.block_size), num_blocks
             )
             rt.graphs = executor.submit(warm, rt, max_blocks).result()
         log.info("kernel_cache", **kernels)
@@ -178,7 +185,7 @@ class ModelRuntime:
             device=str(device),
             dtype=dtype_name,
             backend=backend,
-            num_blocks=cfg.num_blocks,
+            num_blocks=num_blocks,
             pool_mib=round(layout.nbytes / 2**20, 1),
         )
         return rt

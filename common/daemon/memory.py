@@ -1,0 +1,86 @@
+"""`--num-blocks auto` at start: the device's memory read (the driver's on CUDA, the host's on CPU),
+the daemon's own holdings and largest forward measured against it, and the decision logged.
+The arithmetic is common.daemon.pool_size's."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from common.daemon import pool_size
+from common.daemon.config import DaemonConfig
+
+log = structlog.get_logger(__name__)
+MEMINFO = Path("/proc/meminfo")
+
+
+def host_total() -> int:
+    """Bytes of physical memory of the host."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def host_available(meminfo: Path = MEMINFO) -> int:
+    """Bytes the kernel says can be allocated now without swapping (MemAvailable); the free
+    pages where /proc/meminfo has no such line."""
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(total, free now) bytes of `device`: the GPU's (cudaMemGetInfo), or the host's for cpu."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(total), int(free)
+    return host_total(), host_available()
+
+
+def held_bytes(model: Any, shared: Any, device: torch.device) -> int:
+    """What the daemon holds once loaded: the weights' arena when it pays for them (its own, or
+    the host's copy it owns; none when it maps another daemon's), or on CUDA what torch's
+    allocator holds, if that is more (the arena is one of its allocations, unless the
+    extension's VMM made it)."""
+    owned = shared is None or shared.role == "owner"
+    weights = model.weights.embed.untyped_storage().nbytes() if owned else 0
+    if device.type == "cuda":
+        return max(weights, int(torch.cuda.memory_allocated(device)))
+    return weights
+
+
+def auto_num_blocks(
+    cfg: DaemonConfig, model: Any, shared: Any, device: torch.device, block_bytes: int
+) -> int:
+    """The pool's blocks under `--num-blocks auto` (pool_size.plan), logged as `pool_sized`;
+    PoolSizeError (exit 3) when fewer than one longest sequence needs."""
+    dtype_bytes = model.dtype.itemsize
+    positions = model.config.max_position_embeddings
+    forward = cfg.largest_forward(device.type, positions, model.use_kernels)
+    reserve = pool_size.reserve_bytes(model.config, dtype_bytes, forward)
+    total, free = device_memory(device)
+    p = pool_size.plan(
+        total=total,
+        free=free,
+        fraction=cfg.memory_share(),
+        held=held_bytes(model, shared, device),
+        reserve=reserve,
+        block_bytes=block_bytes,
+    )
+    longest = cfg.longest_sequence(positions)
+    log.info(
+        "pool_sized",
+        role=cfg.role,
+        device=str(device),
+        forward_tokens=forward.tokens,
+        longest=longest,
+        **p.fields(),
+    )
+    pool_size.check(p, -(-longest // cfg.block_size), longest)
+    return p.blocks
