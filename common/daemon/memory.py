@@ -55,15 +55,17 @@ def held_bytes(model: Any, shared: Any, device: torch.device) -> int:
     return weights
 
 
-def auto_num_blocks(
+def auto_pool(
     cfg: DaemonConfig, model: Any, shared: Any, device: torch.device, block_bytes: int
-) -> int:
-    """The pool's blocks under `--num-blocks auto` (pool_size.plan), logged as `pool_sized`;
-    PoolSizeError (exit 3) when fewer than one longest sequence needs."""
+) -> pool_size.PoolPlan:
+    """The pool under `--num-blocks auto` (pool_size.plan), logged as `pool_sized`;
+    PoolSizeError (exit 3) when it holds fewer blocks than one longest sequence needs."""
     dtype_bytes = model.dtype.itemsize
     positions = model.config.max_position_embeddings
     forward = cfg.largest_forward(device.type, positions, model.use_kernels)
     reserve = pool_size.reserve_bytes(model.config, dtype_bytes, forward)
+    if device.type == "cuda":
+        reserve += pool_size.CUDA_WORKSPACES
     total, free = device_memory(device)
     p = pool_size.plan(
         total=total,
@@ -83,4 +85,32 @@ def auto_num_blocks(
         **p.fields(),
     )
     pool_size.check(p, -(-longest // cfg.block_size), longest)
-    return p.blocks
+    return p
+
+
+def peak_start(device: torch.device) -> int:
+    """CUDA: what torch's allocator holds now (the pool made), its peak reset; 0 on CPU."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return int(torch.cuda.memory_allocated(device))
+
+
+def log_peak(device: torch.device, base: int, p: pool_size.PoolPlan, role: str) -> None:
+    """CUDA, after the warm-up (every forward shape once, the graphs captured): the peak above
+    `base` (peak_start's) against the plan's reserve, logged as `pool_reserve_checked`, a
+    warning when the estimate fell short."""
+    if device.type != "cuda":
+        return
+    peak = int(torch.cuda.max_memory_allocated(device)) - base
+    held = int(torch.cuda.memory_allocated(device)) - base  # the graphs' pools, kept
+    fields = {
+        "role": role,
+        "warm_peak_mib": round(peak / 2**20, 1),
+        "kept_mib": round(held / 2**20, 1),
+        "reserve_mib": round(p.reserve / 2**20, 1),
+    }
+    if peak <= p.reserve:
+        log.info("pool_reserve_checked", **fields)
+    else:
+        log.warning("pool_reserve_short", **fields)

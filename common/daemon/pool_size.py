@@ -28,6 +28,9 @@ AUTO = "auto"
 #: memory that must stay free after the pool and the reserve: a share of the total, at least MIN
 MARGIN_SHARE = 0.02
 MARGIN_MIN = 512 * 2**20
+#: CUDA: cuBLAS's workspaces, taken from torch's allocator on first use (32 MiB per stream on
+#: Hopper; the daemon's stream and the default one)
+CUDA_WORKSPACES = 2 * 32 * 2**20
 _INDEX_BYTES = 8 * 6  # int64 per token: ids, positions, slots, their blocks and offsets, rows
 _MASK_PAIR_BYTES = 1 + 4  # an explicit attention mask: bool, and the float copy SDPA makes
 _FP32 = 4

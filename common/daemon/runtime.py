@@ -22,9 +22,8 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
-from common.daemon import kernel_cache
+from common.daemon import kernel_cache, memory
 from common.daemon.config import DaemonConfig
-from common.daemon.memory import auto_num_blocks
 from common.daemon.sched import default_slice
 from common.daemon.throughput import Throughput
 from common.errors import PdkvError
@@ -141,12 +140,15 @@ class ModelRuntime:
             block_size=cfg.block_size,
             dtype=dtype_name,
         )
+        plan = None
         if isinstance(cfg.num_blocks, int):
             num_blocks = cfg.num_blocks
         else:  # auto
-            num_blocks = auto_num_blocks(cfg, model, weights, device, layout.block_nbytes)
+            plan = memory.auto_pool(cfg, model, weights, device, layout.block_nbytes)
+            num_blocks = plan.blocks
         layout = dataclasses.replace(layout, num_blocks=num_blocks)
         pool = KVPool.create(layout, device=device)
+        base = memory.peak_start(device) if plan is not None else 0
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"pdkv-{role}-torch", initializer=default_slice
@@ -177,6 +179,8 @@ class ModelRuntime:
                 blocks_for(model.config.max_position_embeddings, cfg.block_size), num_blocks
             )
             rt.graphs = executor.submit(warm, rt, max_blocks).result()
+        if plan is not None:
+            memory.log_peak(device, base, plan, role)
         log.info("kernel_cache", **kernels)
         log.info(
             "model_loaded",
