@@ -1,5 +1,6 @@
-"""--num-blocks auto's arithmetic (common.daemon.pool_size) at its edges, and its reserve against
-the memory real forwards take (the tiny model on the CPU, measured in a process of their own)."""
+"""--num-blocks auto's arithmetic (common.daemon.pool_size) at its edges, its reserve against the
+memory real forwards take (the tiny model on the CPU, measured in a process of their own), and
+the host memory it is measured against (common.daemon.memory: a cgroup's limit bounds it)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from common.daemon import pool_size
+from common.daemon import memory, pool_size
 from common.daemon.pool_size import Forward, PoolSizeError, check, parse_num_blocks, plan
 from common.daemon.rundir import StartupError
 from common.model.config import LlamaConfig
@@ -174,3 +176,38 @@ def test_the_reserve_covers_a_real_largest_forward(role: str) -> None:
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured > 0
     assert measured <= reserve, f"{role}: measured {measured} bytes > reserve {reserve}"
+
+
+def _cgroup(tmp_path: Path, own: str, files: dict[str, str]) -> tuple[int, int]:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "self").write_text(own)
+    return memory.cgroup_memory(tmp_path, tmp_path / "self")
+
+
+def test_a_cgroup_v2_limit_bounds_the_host_memory(tmp_path: Path) -> None:
+    files = {"pod/memory.max": "4294967296\n", "pod/memory.current": "1000\n"}
+    assert _cgroup(tmp_path, "0::/pod\n", files) == (4 * GIB, 1000)
+
+
+def test_a_container_sees_its_cgroup_at_the_mount_root(tmp_path: Path) -> None:
+    files = {"memory.max": "2147483648\n", "memory.current": "5\n"}
+    assert _cgroup(tmp_path, "0::/kubepods/burstable/pod1\n", files) == (2 * GIB, 5)
+
+
+def test_cgroup_v1_limit_and_no_limit(tmp_path: Path) -> None:
+    own = "9:name=systemd:/\n4:memory:/job\n0::/\n"
+    files = {
+        "memory/job/memory.limit_in_bytes": "1073741824",
+        "memory/job/memory.usage_in_bytes": "7",
+    }
+    assert _cgroup(tmp_path, own, files) == (GIB, 7)
+    files["memory/job/memory.limit_in_bytes"] = "9223372036854771712"  # v1's "no limit"
+    assert _cgroup(tmp_path, own, files) == (0, 0)
+
+
+def test_no_cgroup_limit(tmp_path: Path) -> None:
+    assert _cgroup(tmp_path, "0::/\n", {"memory.max": "max\n", "memory.current": "9\n"}) == (0, 0)
+    assert _cgroup(tmp_path, "0::/\n", {}) == (0, 0)
+    assert memory.cgroup_memory(tmp_path, tmp_path / "absent") == (0, 0)

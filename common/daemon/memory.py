@@ -18,6 +18,10 @@ log = structlog.get_logger(__name__)
 MEMINFO = Path("/proc/meminfo")
 
 
+CGROUP = Path("/sys/fs/cgroup")
+_UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a huge number (2^63 less a page)
+
+
 def host_total() -> int:
     """Bytes of physical memory of the host."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -35,12 +39,45 @@ def host_available(meminfo: Path = MEMINFO) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def cgroup_memory(root: Path = CGROUP, own: Path = Path("/proc/self/cgroup")) -> tuple[int, int]:
+    """(limit, usage) bytes of this process's memory cgroup (v2's memory.max, v1's
+    limit_in_bytes), or (0, 0) without a limit: a container's, a systemd unit's MemoryMax=."""
+    try:
+        lines = own.read_text().splitlines()
+    except OSError:
+        return 0, 0
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            files, where = ("memory.max", "memory.current"), [root / path.lstrip("/"), root]
+        elif "memory" in controllers.split(","):
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            where = [root / "memory" / path.lstrip("/"), root / "memory"]
+        else:
+            continue
+        for d in where:  # a container sees its own cgroup at the mount's root
+            try:
+                limit = (d / files[0]).read_text().strip()
+                usage = int((d / files[1]).read_text())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < _UNLIMITED:
+                return int(limit), usage
+            break
+    return 0, 0
+
+
 def device_memory(device: torch.device) -> tuple[int, int]:
-    """(total, free now) bytes of `device`: the GPU's (cudaMemGetInfo), or the host's for cpu."""
+    """(total, free now) bytes of `device`: the GPU's (cudaMemGetInfo); for cpu the host's,
+    within the memory cgroup's limit when there is one."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(total), int(free)
-    return host_total(), host_available()
+    total, free = host_total(), host_available()
+    limit, usage = cgroup_memory()
+    if limit:
+        total, free = min(total, limit), min(free, max(0, limit - usage))
+    return total, free
 
 
 def held_bytes(model: Any, shared: Any, device: torch.device) -> int:

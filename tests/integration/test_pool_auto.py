@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from common import client
+from common.daemon.memory import cgroup_memory
 from common.daemon.pool_size import reserve_bytes
 from common.model import reference
 from common.model.arena import WeightsLayout
@@ -33,6 +34,8 @@ def _expected_blocks(cfg: DecodeConfig | PrefillConfig, held: int) -> int:
     """The formula, from the host's size, the tiny model's shapes and what the daemon holds."""
     tiny = LlamaConfig.tiny()
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit, _ = cgroup_memory()  # a container's limit, where there is one
+    total = min(total, limit) if limit else total
     forward = cfg.largest_forward("cpu", tiny.max_position_embeddings, kernels=False)
     reserve = reserve_bytes(tiny, 4, forward)
     block = 2 * tiny.num_layers * 16 * tiny.num_kv_heads * tiny.head_dim * 4  # K+V, fp32
