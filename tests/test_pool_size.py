@@ -197,7 +197,7 @@ def test_a_container_sees_its_cgroup_at_the_mount_root(tmp_path: Path) -> None:
 
 
 def test_cgroup_v1_limit_and_no_limit(tmp_path: Path) -> None:
-    own = "9:name=systemd:/\n4:memory:/job\n0::/\n"
+    own = "garbage\n9:name=systemd:/\n4:memory:/job\n0::/\n"
     files = {
         "memory/job/memory.limit_in_bytes": "1073741824",
         "memory/job/memory.usage_in_bytes": "7",

@@ -47,7 +47,10 @@ def cgroup_memory(root: Path = CGROUP, own: Path = Path("/proc/self/cgroup")) ->
     except OSError:
         return 0, 0
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":  # v2
             files, where = ("memory.max", "memory.current"), [root / path.lstrip("/"), root]
         elif "memory" in controllers.split(","):

@@ -143,6 +143,10 @@ class ModelRuntime:
         plan = None
         if isinstance(cfg.num_blocks, int):
             num_blocks = cfg.num_blocks
+            if cfg.memory_fraction is not None:
+                log.warning(
+                    "memory_fraction_unused", num_blocks=num_blocks, hint="--num-blocks auto"
+                )
         else:  # auto
             plan = memory.auto_pool(cfg, model, weights, device, layout.block_nbytes)
             num_blocks = plan.blocks
