@@ -85,8 +85,8 @@ class DaemonConfig:
             help="KV pool size in blocks, or auto: as many as fit in the daemon's "
             "--memory-fraction of the device's memory once its weights are loaded and its "
             'largest forward is reserved for (docs/operations.md, "Sizing the KV pools"; the '
-            "start log's pool_sized line shows every number). A fixed default, so that several "
-            "pairs can share one GPU as they come.",
+            "start log's pool_sized line shows every number). The default is a fixed count, "
+            "small enough for several pairs on one GPU (as the GPU tests run).",
         ),
     )
     memory_fraction: float | None = field(  # None: the role's default_memory_fraction

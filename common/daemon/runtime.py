@@ -24,6 +24,7 @@ import torch
 
 from common.daemon import kernel_cache, memory
 from common.daemon.config import DaemonConfig
+from common.daemon.pool_size import PoolPlan
 from common.daemon.sched import default_slice
 from common.daemon.throughput import Throughput
 from common.errors import PdkvError
@@ -140,16 +141,7 @@ class ModelRuntime:
             block_size=cfg.block_size,
             dtype=dtype_name,
         )
-        plan = None
-        if isinstance(cfg.num_blocks, int):
-            num_blocks = cfg.num_blocks
-            if cfg.memory_fraction is not None:
-                log.warning(
-                    "memory_fraction_unused", num_blocks=num_blocks, hint="--num-blocks auto"
-                )
-        else:  # auto
-            plan = memory.auto_pool(cfg, model, weights, device, layout.block_nbytes)
-            num_blocks = plan.blocks
+        num_blocks, plan = pool_blocks(cfg, model, weights, device, layout.block_nbytes)
         layout = dataclasses.replace(layout, num_blocks=num_blocks)
         pool = KVPool.create(layout, device=device)
         base = memory.peak_start(device) if plan is not None else 0
@@ -239,6 +231,19 @@ class ModelRuntime:
             self.host_tier.close()
         if self.weights is not None:  # after the torch thread: nothing reads them any more
             self.weights.close()
+
+
+def pool_blocks(
+    cfg: DaemonConfig, model: Any, weights: SharedWeights | None, device: torch.device, block: int
+) -> tuple[int, PoolPlan | None]:
+    """The pool's size in blocks of `block` bytes: --num-blocks, or under auto what the
+    device's memory holds (common.daemon.memory), with the plan it came from."""
+    if not isinstance(cfg.num_blocks, int):
+        plan = memory.auto_pool(cfg, model, weights, device, block)
+        return plan.blocks, plan
+    if cfg.memory_fraction is not None:
+        log.warning("memory_fraction_unused", num_blocks=cfg.num_blocks, hint="--num-blocks auto")
+    return cfg.num_blocks, None
 
 
 def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:
