@@ -36,8 +36,10 @@
 #   serve8b (not in the default STEPS) a random Llama-3-8B-shape bf16 checkpoint (built once in
 #           $CKPT8), then bench/serve.py per workload in $WORKLOADS (default 2048x512): the
 #           daemons against one process at the rates $RATES8 (default 1,2), $REQ8 requests each
-#           (default 32), $BLOCKS8 pool blocks (default 4096 = 8 GiB of KV a daemon), goodput
-#           at TTFT p99 <= 2 s and ITL <= 50 ms (issue 41 item 3)
+#           (default 32), pools sized by --num-blocks auto (each daemon's default
+#           --memory-fraction, $MEMFRAC8 for both if set; one process gets the decode's count;
+#           $BLOCKS8: a fixed count instead, e.g. 4096 = 8 GiB of KV a daemon), goodput at TTFT
+#           p99 <= 2 s and ITL <= 50 ms (issue 41 item 3)
 #   new     (not in the default STEPS) the GPU checks of the 2026-12-05 work not yet run or not
 #           yet passed there, each under its own limit: structured output (its two gpu tests,
 #           which failed on an H200 with no output back, then bench/structured_decode.py at the
@@ -186,10 +188,13 @@ from engine import build_checkpoint; build_checkpoint(Path('$CKPT8'), 'llama3-8b
   fi
   # SERVE8_MPS=1: both daemons (and the one process) under MPS, as in nanomps
   mps=""; [ "${SERVE8_MPS:-0}" = 1 ] && mps_start && mps="_mps"
+  frac8=()  # --memory-fraction goes with auto only
+  [ -z "${BLOCKS8:-}" ] && [ -n "${MEMFRAC8:-}" ] && frac8=(--memory-fraction "$MEMFRAC8")
   for w in ${WORKLOADS:-2048x512}; do
     step "serve8b $w$mps"
     timeout "${SERVE8_TIMEOUT:-480}" "$PY" bench/serve.py --model "$CKPT8" --device cuda:0 \
-      --workload "$w" --num-blocks "${BLOCKS8:-4096}" --requests "${REQ8:-32}" \
+      --workload "$w" --num-blocks "${BLOCKS8:-auto}" --requests "${REQ8:-32}" \
+      "${frac8[@]}" \
       --sweep "${RATES8:-1,2}" --slo-ttft-ms 2000 --slo-itl-ms 50 --progress 30 \
       --plot "$R/serve8b_$w${mps}_sweep.png" --goodput-plot "$R/serve8b_$w${mps}_goodput.png" \
       --json "$R/serve8b_$w$mps.json" > "$R/serve8b_$w$mps.log" 2>&1

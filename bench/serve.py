@@ -82,6 +82,7 @@ from serve_daemons import (  # noqa: E402
     decode_pulled_blocks,
     kv_block_bytes,
     own_pair,
+    pool_sizes,
     tcp_link,
     temp_runtime_dir,
     tree_cpu_s,
@@ -91,6 +92,7 @@ from serve_report import plot, print_table, same_output  # noqa: E402
 
 from api_server.config import api_file  # noqa: E402
 from common.daemon import logs  # noqa: E402
+from common.daemon.pool_size import AUTO, parse_num_blocks  # noqa: E402
 
 #: nano-vllm's bench.py: 256 sequences, input and output lengths drawn from 100..1024
 NANO_REQUESTS, NANO_LEN = 256, (100, 1024)
@@ -161,7 +163,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-device", help="daemons target: the decode's device (two GPUs); default --device"
     )
     ap.add_argument("--dtype", help="default float32 on CPU, bfloat16 on CUDA (as the daemons)")
-    ap.add_argument("--num-blocks", type=int, default=1024, help="KV pool blocks (every target)")
+    ap.add_argument(
+        "--num-blocks",
+        type=_num_blocks,
+        default=1024,
+        help="KV pool blocks (every target), or auto: the daemons size their pools from the "
+        "device's memory (--memory-fraction) and one process gets the decode's count",
+    )
+    ap.add_argument(
+        "--memory-fraction",
+        type=float,
+        help="with --num-blocks auto: both daemons' --memory-fraction (default: theirs)",
+    )
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=64, help="most sequences per decode step")
     ap.add_argument(
@@ -229,11 +242,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.prompt_len = args.output_len = NANO_LEN
         args.max_batch = NANO_REQUESTS
         need = NANO_REQUESTS * -(-2 * NANO_LEN[1] // args.block_size)
-        args.num_blocks = max(args.num_blocks, need)
+        if args.num_blocks != AUTO:
+            args.num_blocks = max(args.num_blocks, need)
     if args.workload:
         if args.nano:
             ap.error("--workload and --nano each set the lengths: give one")
         args.prompt_len, args.output_len = ((n, n) for n in args.workload)
+    names = TARGETS[args.target]
+    ours = not (args.client_socket or args.runtime_dir) and args.target != "tier"
+    ours = ours and ("daemons" in names or ("api" in names and not args.api_url))
+    if args.num_blocks == AUTO and not ours:
+        ap.error("--num-blocks auto sizes a pair the bench starts: not with this target or pair")
+    if args.memory_fraction is not None and args.num_blocks != AUTO:
+        ap.error("--memory-fraction goes with --num-blocks auto")
     if args.requests < 1 or args.rate <= 0:
         ap.error("--requests must be >= 1 and --rate > 0")
     if args.shared_prefix < 0 or args.turns < 1:
@@ -250,6 +271,13 @@ def _workload(text: str) -> tuple[int, int]:
     if not sep or not prompt.isdigit() or not output.isdigit() or min(int(prompt), int(output)) < 1:
         raise argparse.ArgumentTypeError(f"workload {text!r} must be INxOUT, e.g. 2048x512")
     return int(prompt), int(output)
+
+
+def _num_blocks(text: str) -> int | str:
+    try:
+        return parse_num_blocks(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _rates(text: str) -> list[float]:
@@ -346,6 +374,8 @@ def workload(args: argparse.Namespace, rate: float, vocab: int) -> list[load.Req
 def common_options(args: argparse.Namespace) -> list[str]:
     """Both daemons' options of a pair of our own."""
     common = ["--device", args.device, "--num-blocks", str(args.num_blocks)]
+    if args.memory_fraction is not None:
+        common += ["--memory-fraction", str(args.memory_fraction)]
     common += ["--block-size", str(args.block_size)]
     for opt, value in (("--model", args.model), ("--dtype", args.dtype)):
         if value:
@@ -404,6 +434,8 @@ def run_served(args: argparse.Namespace, names: list[str]) -> list[dict]:
             t = time.perf_counter()
             sock = stack.enter_context(daemons_socket(args))
             print(f"  daemons up in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            args.pools = pool_sizes(sock)
+            print(f"  pools: {args.pools}", file=sys.stderr, flush=True)
         if "daemons" in names:
             runs += with_pulls(
                 sock,
@@ -478,9 +510,10 @@ def run_local(args: argparse.Namespace) -> list[dict]:
     model, _ = load_model(args.model, device=device, dtype=dtype, allow_byte_tokenizer=True)
     print(f"  local model loaded in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
     budget = {"prefill_tokens": args.max_prefill_tokens} if args.max_prefill_tokens else {}
+    args.pools = {**getattr(args, "pools", {}), "local": local_blocks(args)}
     engine = LocalEngine(
         model,
-        num_blocks=args.num_blocks,
+        num_blocks=args.pools["local"],
         block_size=args.block_size,
         max_batch=args.max_batch,
         **budget,
@@ -491,6 +524,14 @@ def run_local(args: argparse.Namespace) -> list[dict]:
             lambda s: engine.stream(s.prompt, SamplingParams(s.output_len, ignore_eos=True)),
             args,
         )
+
+
+def local_blocks(args: argparse.Namespace) -> int:
+    """One process's pool: --num-blocks, or under auto the decode's (it holds the running
+    sequences' KV, as the one process's pool does: the same capacity on both sides)."""
+    if args.num_blocks != AUTO:
+        return args.num_blocks
+    return args.pools["decode"]
 
 
 def _json_rate(rate: float | None) -> float | str | None:
@@ -518,6 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     header |= {"device": resolve_device(args.device)}
     header |= {k: getattr(args, k) for k in ("requests", "seed", "max_batch", "max_prefill_tokens")}
     header |= {k: getattr(args, k) for k in ("num_blocks", "block_size", "warmup")}
+    header |= {"pools": getattr(args, "pools", None), "memory_fraction": args.memory_fraction}
     header |= {"prompt_len": list(args.prompt_len), "output_len": list(args.output_len)}
     header |= {"shared_prefix": args.shared_prefix, "turns": args.turns}
     header |= {"connection": args.connection, "link": args.link}

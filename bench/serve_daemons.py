@@ -225,6 +225,22 @@ def decode_pulled_blocks(prefill_sock: str) -> int:
     return asyncio.run(ask())
 
 
+def pool_sizes(prefill_sock: str) -> dict[str, int]:
+    """Blocks in the prefill's pool and in its first decode's on a Unix socket (STATUS)."""
+
+    async def ask() -> dict[str, int]:
+        st = await client.status(prefill_sock, timeout=10)
+        sizes = {"prefill": int(st.pool["total"])}
+        for link in st.links:
+            decode = str(link.get("decode", ""))
+            if decode and not decode.startswith("tcp://"):
+                sizes["decode"] = int((await client.status(decode, timeout=10)).pool["total"])
+                break
+        return sizes
+
+    return asyncio.run(ask())
+
+
 def kv_block_bytes(model: str | None, dtype: str | None, device: str, block_size: int) -> int:
     """Bytes of one KV block (K and V of every layer) of `model` in the daemons' dtype."""
     from common.model.config import LlamaConfig

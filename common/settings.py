@@ -81,9 +81,15 @@ def declared(cls: type) -> list[Setting]:
 
 
 def _value_type(hint: Any) -> type:
-    """int, float, str, bool, Path or tuple: `hint` without its `| None` and type arguments."""
-    if isinstance(hint, UnionType):
-        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    """int, float, str, bool, Path or tuple: `hint` without its `| None`, its Literal words (which
+    the option's `parse` accepts beside the type's values: `int | Literal["auto"]`) and its type
+    arguments."""
+    if isinstance(hint, UnionType) or typing.get_origin(hint) is typing.Union:
+        (hint,) = [
+            a
+            for a in typing.get_args(hint)
+            if a is not type(None) and typing.get_origin(a) is not typing.Literal
+        ]
     origin = typing.get_origin(hint) or hint
     if origin not in (int, float, str, bool, Path, tuple):
         raise TypeError(f"a declared setting cannot be of type {hint!r}")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from common.daemon.config import DaemonConfig
+from common.daemon.pool_size import Forward
 from common.settings import opt
 
 
@@ -19,6 +20,8 @@ class DecodeConfig(DaemonConfig):
     """The decode daemon: accepts links, pulls KV, runs the continuous-batching loop."""
 
     role: ClassVar[str] = "decode"
+    #: its pool holds every running sequence's whole context: the larger share of the pair's 0.9
+    default_memory_fraction: ClassVar[float] = 0.55
     max_batch: int = field(
         default=64, metadata=opt("--max-batch", min=1, help="Most sequences decoded in one step.")
     )
@@ -74,6 +77,15 @@ class DecodeConfig(DaemonConfig):
     @property
     def pidfile(self) -> Path:
         return self.runtime_dir / "decode.pid"
+
+    def largest_forward(self, device_type: str, max_positions: int, kernels: bool) -> Forward:
+        """A step of --max-batch rows; the torch attention gathers each row's K/V up to the
+        longest table's width (max_positions); the kernels' steps replay CUDA graphs, whose pool
+        holds one more step's activations."""
+        b = self.max_batch
+        if kernels:
+            return Forward(tokens=b, logit_rows=b, graph_tokens=b, graph_rows=b)
+        return Forward(tokens=b, logit_rows=b, gathered_keys=b * max_positions)
 
     def warm_wait_on(self, device_type: str) -> bool:
         """--warm-wait on a device of this type."""

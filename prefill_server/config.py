@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from common.daemon.config import DaemonConfig
+from common.daemon.pool_size import Forward
 from common.settings import opt
 
 
@@ -19,6 +20,8 @@ class PrefillConfig(DaemonConfig):
     """The prefill daemon: client front door, forward + scatter, handoff, leases."""
 
     role: ClassVar[str] = "prefill"
+    #: its pool holds prompts in flight and the prefix cache: the smaller share of the pair's 0.9
+    default_memory_fraction: ClassVar[float] = 0.35
     client_socket: Path | None = field(
         default=None,
         metadata=opt(
@@ -186,6 +189,28 @@ class PrefillConfig(DaemonConfig):
         """Most positions of one prompt computed in one forward (chunked prefill):
         --max-prefill-tokens when set, else 8192 on any device."""
         return self.max_prefill_tokens or 8192
+
+    def longest_sequence(self, max_positions: int) -> int:
+        """The longest prompt: the prefill's pool holds prompts only."""
+        return min(self.max_prompt_tokens, max_positions)
+
+    def largest_forward(self, device_type: str, max_positions: int, kernels: bool) -> Forward:
+        """A forward takes prompts up to the token budget, or one piece of a longer prompt (a
+        chunk, at most the longest prompt); one logits row a prompt (at most --max-pending of
+        them). The torch attention masks a piece over its whole context (a cached prefix, the
+        chunks before) explicitly; with the kernels, CUDA graphs up to --prefill-graph-tokens
+        (and 8 prompts) keep their pool."""
+        longest = self.longest_sequence(max_positions)
+        tokens = max(self.prefill_budget(device_type), min(self.prefill_chunk(), longest))
+        rows = min(tokens, self.max_pending)
+        if not kernels:
+            return Forward(
+                tokens=tokens, logit_rows=rows, mask_pairs=min(tokens, longest) * longest
+            )
+        graph = min(self.prefill_graph_tokens, self.prefill_budget(device_type))
+        return Forward(
+            tokens=tokens, logit_rows=rows, graph_tokens=graph, graph_rows=8 if graph else 0
+        )
 
     @property
     def decode_addresses(self) -> tuple[str, ...]:

@@ -61,7 +61,8 @@ def _changed(s: Setting, tmp_path: Path) -> Any:
     if s.type is int:
         return 2 if s.default is None else s.default + 1
     if s.type is float:
-        return 2.5 if s.default is None else s.default + 1.5
+        value = 2.5 if s.default is None else s.default + 1.5
+        return value if o.max is None or value <= o.max else o.max / 2  # a share: 0.5
     return f"{s.name}-value"
 
 
@@ -219,3 +220,31 @@ def test_pipelined_forwards_default_by_device_and_the_flag_or_env_overrides() ->
     ):
         assert runner.invoke(probe, args, env=env).exit_code == 0
     assert seen == [None, True, False]
+
+
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_num_blocks_auto_reaches_a_detached_daemon_and_reads_from_the_environment(
+    tmp_path: Path, role: str
+) -> None:
+    g = Globals(runtime_dir=tmp_path)
+    cfg = make_config(g, role=role, num_blocks="auto", memory_fraction=0.25)
+    argv = background_argv(g, cfg)
+    assert argv[argv.index("--num-blocks") + 1] == "auto"
+    assert make_config(g, role=role, **_parse(role, argv[argv.index("start") + 1 :])) == cfg
+    env = {"PDKV_NUM_BLOCKS": "auto", "PDKV_MEMORY_FRACTION": "0.25"}
+    assert make_config(g, role=role, **_parse(role, [], env=env)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--num-blocks", "0"], "positive number of blocks or auto, got '0'"),
+        (["--num-blocks", "lots"], "positive number of blocks or auto"),
+        (["--memory-fraction", "0"], "--memory-fraction"),
+        (["--memory-fraction", "1.5"], "--memory-fraction"),
+    ],
+)
+def test_a_bad_pool_size_is_a_usage_error(tmp_path: Path, args: list[str], says: str) -> None:
+    result = CliRunner().invoke(cli, ["--runtime-dir", str(tmp_path), "decode", "start", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.output

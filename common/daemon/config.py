@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
+from common.daemon.pool_size import Forward, parse_num_blocks
 from common.daemon.rundir import default_runtime_dir
 from common.settings import instance_name, int_tuple, opt
 
@@ -21,6 +22,8 @@ class DaemonConfig:
     """What both daemons share. Paths default to files in the runtime dir."""
 
     role: ClassVar[str | None] = None
+    #: --memory-fraction when unset (each daemon's config says why its share)
+    default_memory_fraction: ClassVar[float] = 0.5
     runtime_dir: Path = field(default_factory=default_runtime_dir)
     instance: str | None = field(
         default=None,
@@ -73,8 +76,36 @@ class DaemonConfig:
             "(torch storage IPC); auto picks by device.",
         ),
     )
-    num_blocks: int = field(
-        default=1024, metadata=opt("--num-blocks", min=1, help="KV pool size in blocks.")
+    num_blocks: int | Literal["auto"] = field(
+        default=1024,
+        metadata=opt(
+            "--num-blocks",
+            metavar="N|auto",
+            parse=parse_num_blocks,
+            help="KV pool size in blocks, or auto: as many as fit in the daemon's "
+            "--memory-fraction of the device's memory once its weights are loaded and its "
+            'largest forward is reserved for (docs/operations.md, "Sizing the KV pools"; the '
+            "start log's pool_sized line shows every number). The default is a fixed count, "
+            "small enough for several pairs on one GPU (as the GPU tests run).",
+        ),
+    )
+    memory_fraction: float | None = field(  # None: the role's default_memory_fraction
+        default=None,
+        metadata=opt(
+            "--memory-fraction",
+            metavar="F",
+            min=0,
+            min_open=True,
+            max=1,
+            show_default="0.55 decode, 0.35 prefill",
+            help="With --num-blocks auto: the share of the device's total memory (the host's on "
+            "CPU) this daemon may use, weights it loads, activations and pool together, as "
+            "vLLM's --gpu-memory-utilization is per instance. The decode gets more: its pool "
+            "holds every running sequence's whole context, the prefill's only prompts in flight "
+            "and its prefix cache. Together 0.9, leaving a tenth of a shared GPU for what "
+            "neither counts (CUDA contexts, cuBLAS workspaces, allocator slack); a daemon alone "
+            "on its device may take 0.9.",
+        ),
     )
     block_size: int = field(
         default=16,
@@ -233,6 +264,21 @@ class DaemonConfig:
 
     def uids(self) -> frozenset[int]:
         return frozenset(self.allowed_uids) | {os.getuid()}
+
+    def memory_share(self) -> float:
+        """--memory-fraction, or the role's default."""
+        if self.memory_fraction is not None:
+            return self.memory_fraction
+        return self.default_memory_fraction
+
+    def largest_forward(self, device_type: str, max_positions: int, kernels: bool) -> Forward:
+        """The largest forward this daemon runs (what --num-blocks auto reserves memory for), on
+        a model of `max_positions` positions, through the Triton kernels or not."""
+        raise NotImplementedError(f"{type(self).__name__} names no forward to size a pool for")
+
+    def longest_sequence(self, max_positions: int) -> int:
+        """Tokens of the longest sequence whose KV this daemon's pool must hold at once."""
+        return max_positions
 
     def shares_weights(self, device_type: str) -> bool:
         """--share-weights, or on on CPU (tested: the pair's PSS one copy lower) and off on

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -21,8 +22,9 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
-from common.daemon import kernel_cache
+from common.daemon import kernel_cache, memory
 from common.daemon.config import DaemonConfig
+from common.daemon.pool_size import PoolPlan
 from common.daemon.sched import default_slice
 from common.daemon.throughput import Throughput
 from common.errors import PdkvError
@@ -132,14 +134,17 @@ class ModelRuntime:
         model, tokenizer, weights = load_weights(cfg, device, dtype, backend)
         layers, kv_heads, head_dim = model.kv_layout_args()
         layout = PoolLayout(
-            num_blocks=cfg.num_blocks,
+            num_blocks=1,
             num_layers=layers,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
             block_size=cfg.block_size,
             dtype=dtype_name,
         )
+        num_blocks, plan = pool_blocks(cfg, model, weights, device, layout.block_nbytes)
+        layout = dataclasses.replace(layout, num_blocks=num_blocks)
         pool = KVPool.create(layout, device=device)
+        base = memory.peak_start(device) if plan is not None else 0
         fp = fingerprint(model_id=model.fingerprint, layout=layout.to_wire(), backend=backend)
         executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"pdkv-{role}-torch", initializer=default_slice
@@ -148,7 +153,7 @@ class ModelRuntime:
         if device.type == "cuda":
             executor.submit(torch.cuda.set_device, device).result()
             stream = executor.submit(torch.cuda.Stream, device).result()
-        allocator = BlockAllocator(cfg.num_blocks)
+        allocator = BlockAllocator(num_blocks)
         rt = cls(
             model,
             tokenizer,
@@ -167,9 +172,11 @@ class ModelRuntime:
         rt.host_tier = open_host_tier(cfg, rt)
         if warm is not None and stream is not None and model.use_kernels:
             max_blocks = min(
-                blocks_for(model.config.max_position_embeddings, cfg.block_size), cfg.num_blocks
+                blocks_for(model.config.max_position_embeddings, cfg.block_size), num_blocks
             )
             rt.graphs = executor.submit(warm, rt, max_blocks).result()
+        if plan is not None:
+            memory.log_peak(device, base, plan, role)
         log.info("kernel_cache", **kernels)
         log.info(
             "model_loaded",
@@ -178,7 +185,7 @@ class ModelRuntime:
             device=str(device),
             dtype=dtype_name,
             backend=backend,
-            num_blocks=cfg.num_blocks,
+            num_blocks=num_blocks,
             pool_mib=round(layout.nbytes / 2**20, 1),
         )
         return rt
@@ -224,6 +231,19 @@ class ModelRuntime:
             self.host_tier.close()
         if self.weights is not None:  # after the torch thread: nothing reads them any more
             self.weights.close()
+
+
+def pool_blocks(
+    cfg: DaemonConfig, model: Any, weights: SharedWeights | None, device: torch.device, block: int
+) -> tuple[int, PoolPlan | None]:
+    """The pool's size in blocks of `block` bytes: --num-blocks, or under auto what the
+    device's memory holds (common.daemon.memory), with the plan it came from."""
+    if not isinstance(cfg.num_blocks, int):
+        plan = memory.auto_pool(cfg, model, weights, device, block)
+        return plan.blocks, plan
+    if cfg.memory_fraction is not None:
+        log.warning("memory_fraction_unused", num_blocks=cfg.num_blocks, hint="--num-blocks auto")
+    return cfg.num_blocks, None
 
 
 def open_host_tier(cfg: DaemonConfig, rt: ModelRuntime) -> Any:

@@ -179,6 +179,38 @@ def test_workload_sets_fixed_lengths() -> None:
             serve.parse_args(bad)
 
 
+def test_auto_pools_are_for_a_pair_the_bench_starts() -> None:
+    import serve
+
+    args = serve.parse_args(["--num-blocks", "auto", "--memory-fraction", "0.3"])
+    assert (args.num_blocks, args.memory_fraction) == ("auto", 0.3)
+    assert serve.parse_args(["--nano", "--num-blocks", "auto"]).num_blocks == "auto"
+    for bad in (
+        ["--num-blocks", "auto", "--target", "local"],
+        ["--num-blocks", "auto", "--client-socket", "/tmp/x.sock"],
+        ["--num-blocks", "auto", "--target", "tier", "--turns", "2"],
+        ["--memory-fraction", "0.3"],
+        ["--num-blocks", "0"],
+    ):
+        with pytest.raises(SystemExit):
+            serve.parse_args(bad)
+
+
+def test_auto_pools_size_the_pair_and_one_process_gets_the_decodes(tmp_path: Path) -> None:
+    out = tmp_path / "auto.json"
+    argv = [sys.executable, str(SERVE), "--requests", "3", "--rate", "50", "--warmup", "0"]
+    argv += ["--prompt-len", PROMPT, "--output-len", OUTPUT, "--device", "cpu"]
+    argv += ["--num-blocks", "auto", "--memory-fraction", "0.02", "--max-batch", "4"]
+    argv += ["--json", str(out)]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "same tokens from daemons and local at 50/s: 3/3 requests" in proc.stdout
+    report = json.loads(out.read_text())
+    pools = report["pools"]
+    assert report["num_blocks"] == "auto" and report["memory_fraction"] == 0.02
+    assert pools["local"] == pools["decode"] > 1024 and pools["prefill"] > 512, pools
+
+
 def test_cache_target_with_shared_prefix_and_turns(tmp_path: Path) -> None:
     """Target cache: one workload of conversations behind a shared prefix on a pair with the
     prefix cache and one without; the same tokens from both, and every later turn reused at
