@@ -176,7 +176,7 @@ class Api:
         stops = schemas.stop_strings(req)
         model = await self._served(req)
         tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser)
-        params = constrained(params, tools)
+        params = constrained(params, tools, structured.source_field(req))
         try:
             prompt, prompt_tokens = model.template.prompt(messages, tools.template_tools)
         except TemplateError as exc:

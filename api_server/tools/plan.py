@@ -88,15 +88,15 @@ def plan(
     return ToolPlan(request, PARSERS[family], new_id)
 
 
-def constrained(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
-    """`params` with the constraint of `tools` (required, named); 400 when the request also
-    asked for a response_format, which would be a second constraint."""
+def constrained(params: SamplingParams, tools: ToolPlan, field: str) -> SamplingParams:
+    """`params` with the constraint of `tools` (required, named); 400 naming `field` (the
+    request's field that set `params.structured`) when the request also asked for one, which
+    would be a second constraint."""
     structured = tools.structured
     if structured is None:
         return params
     if params.structured is not None:
         raise bad_field(
-            "response_format",
-            "response_format cannot be combined with tool_choice required or a named function",
+            field, f"{field} cannot be combined with tool_choice required or a named function"
         )
     return msgspec.structs.replace(params, structured=structured)
