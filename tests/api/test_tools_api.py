@@ -128,6 +128,47 @@ def test_tool_choice_none_renders_the_tools_and_reads_nothing(qwen: Stack, ckpt:
     assert plain.usage.prompt_tokens == len(hf_ids(ckpt, HISTORY[:2], None))
 
 
+def logprob_entries(logprobs: object) -> list[tuple[str, float, list]]:
+    """(token, logprob, its top alternatives) of each entry of a chat logprobs object."""
+    content = getattr(logprobs, "content", None) or []
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+def streamed_entries(api, kw: dict) -> tuple[list, str, list]:  # type: ignore[no-untyped-def]
+    """(the entries of every chunk in order, the content, the calls' names) of `kw` streamed."""
+    got, content, names = [], "", []
+    for chunk in api.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            got += logprob_entries(choice.logprobs)
+            content += choice.delta.content or ""
+            names += [p.function.name for p in choice.delta.tool_calls or [] if p.id is not None]
+    return got, content, names
+
+
+def test_logprobs_with_tools_are_the_contents_tokens_of_the_plain_path(qwen: Stack) -> None:
+    """With tools read for calls, `logprobs.content` lists the tokens of the answer's content:
+    all of them when no call is made, each entry the one the same tokens get through the plain
+    path (tool_choice none); none when the answer is only calls; whole and streamed alike.
+    Text then a call: test_tools_mistral.py."""
+    api = qwen.api.sync_client()
+    kw = dict(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=12, temperature=0)
+    kw.update(logprobs=True, top_logprobs=2)
+    plain = api.chat.completions.create(**kw, tool_choice="none")
+    auto = api.chat.completions.create(**kw)
+    assert auto.choices[0].message.tool_calls is None  # the random model calls nothing here
+    assert auto.choices[0].message.content == plain.choices[0].message.content
+    want = logprob_entries(plain.choices[0].logprobs)
+    assert len(want) == plain.usage.completion_tokens
+    assert logprob_entries(auto.choices[0].logprobs) == want
+    assert streamed_entries(api, kw)[:2] == (want, plain.choices[0].message.content)
+
+    required = {**kw, "max_tokens": 80, "tool_choice": "required"}
+    only_calls = api.chat.completions.create(**required)
+    assert only_calls.choices[0].message.tool_calls
+    assert only_calls.choices[0].logprobs.content == []
+    assert streamed_entries(api, required)[0] == []
+
+
 BAD = [
     (
         {
@@ -164,7 +205,6 @@ BAD = [
     ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "logprobs": True}, "logprobs"),
     (
         {
             "messages": [
