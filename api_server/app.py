@@ -174,7 +174,7 @@ class Api:
         params = schemas.sampling(req, max_tokens=max_tokens, default_max=CHAT_DEFAULT_MAX_TOKENS)
         stops = schemas.stop_strings(req)
         model = await self._served(req)
-        tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser)
+        tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser, model.counter)
         params = constrained(params, tools, structured.source_field(req))
         try:
             prompt, prompt_tokens = model.template.prompt(messages, tools.template_tools)
@@ -197,6 +197,7 @@ class Api:
             stops=stops,
             stream=req.stream,
             max_tokens_param=limit,
+            markers=tools.markers,
         )
         shape = responses.Shape(endpoint="chat", chat=True)
         return await self._respond(rid, jobs, req, shape, started, model, tools=tools.assembler)
