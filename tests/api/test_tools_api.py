@@ -18,7 +18,14 @@ from api_server.tools.parsers import Hermes
 from common import client
 from common.sampling_params import SamplingParams
 from tests.support.api import Stack, metrics, openai
-from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids, tool_stack
+from tests.support.tool_checkpoint import (
+    MODEL,
+    TOOLS,
+    hf_ids,
+    logprob_entries,
+    streamed_entries,
+    tool_stack,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -126,23 +133,6 @@ def test_tool_choice_none_renders_the_tools_and_reads_nothing(qwen: Stack, ckpt:
         model=MODEL, messages=HISTORY[:2], max_tokens=4, temperature=0
     )
     assert plain.usage.prompt_tokens == len(hf_ids(ckpt, HISTORY[:2], None))
-
-
-def logprob_entries(logprobs: object) -> list[tuple[str, float, list]]:
-    """(token, logprob, its top alternatives) of each entry of a chat logprobs object."""
-    content = getattr(logprobs, "content", None) or []
-    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
-
-
-def streamed_entries(api, kw: dict) -> tuple[list, str, list]:  # type: ignore[no-untyped-def]
-    """(the entries of every chunk in order, the content, the calls' names) of `kw` streamed."""
-    got, content, names = [], "", []
-    for chunk in api.chat.completions.create(**kw, stream=True):
-        for choice in chunk.choices:
-            got += logprob_entries(choice.logprobs)
-            content += choice.delta.content or ""
-            names += [p.function.name for p in choice.delta.tool_calls or [] if p.id is not None]
-    return got, content, names
 
 
 def test_logprobs_with_tools_are_the_contents_tokens_of_the_plain_path(qwen: Stack) -> None:

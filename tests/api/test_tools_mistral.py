@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.api.test_tools_api import logprob_entries, streamed_entries
 from tests.support.api import Stack
 from tests.support.tool_checkpoint import (
     MISTRAL_SPECIALS,
@@ -21,6 +20,8 @@ from tests.support.tool_checkpoint import (
     MISTRAL_V11_TEMPLATE,
     TOOLS,
     hf_ids,
+    logprob_entries,
+    streamed_entries,
     tool_stack,
 )
 

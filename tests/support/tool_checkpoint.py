@@ -161,3 +161,20 @@ def hf_ids(ckpt: Path, messages: list[dict], tools: list[dict] | None) -> list[i
         chat.append(m)
     out = hf.apply_chat_template(chat, tools=tools, tokenize=True, add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def logprob_entries(logprobs: object) -> list[tuple[str, float, list]]:
+    """(token, logprob, its top alternatives) of each entry of a chat logprobs object."""
+    content = getattr(logprobs, "content", None) or []
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+def streamed_entries(api, kw: dict) -> tuple[list, str, list]:  # type: ignore[no-untyped-def]
+    """(the entries of every chunk in order, the content, the calls' names) of `kw` streamed."""
+    got, content, names = [], "", []
+    for chunk in api.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            got += logprob_entries(choice.logprobs)
+            content += choice.delta.content or ""
+            names += [p.function.name for p in choice.delta.tool_calls or [] if p.id is not None]
+    return got, content, names
