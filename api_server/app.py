@@ -38,7 +38,7 @@ from api_server.sse import json_response
 from api_server.tools.assembler import ToolAssembler
 from api_server.tools.history import template_messages
 from api_server.tools.plan import constrained, plan
-from api_server.tools.spec import refuse_with_logprobs, tool_request
+from api_server.tools.spec import tool_request
 from common.health import link_problem
 from common.protocol import StatusReply
 
@@ -167,7 +167,6 @@ class Api:
             raise bad_field("messages", "messages must hold at least one message")
         messages = template_messages(req.messages)
         tool_req = tool_request(req.tools, req.tool_choice, req.parallel_tool_calls)
-        refuse_with_logprobs(tool_req, req.logprobs)
         limit = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -175,8 +174,8 @@ class Api:
         params = schemas.sampling(req, max_tokens=max_tokens, default_max=CHAT_DEFAULT_MAX_TOKENS)
         stops = schemas.stop_strings(req)
         model = await self._served(req)
-        tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser)
-        params = constrained(params, tools)
+        tools = plan(tool_req, messages, model.template.source, self.cfg.tool_parser, model.counter)
+        params = constrained(params, tools, structured.source_field(req))
         try:
             prompt, prompt_tokens = model.template.prompt(messages, tools.template_tools)
         except TemplateError as exc:
@@ -198,6 +197,7 @@ class Api:
             stops=stops,
             stream=req.stream,
             max_tokens_param=limit,
+            markers=tools.markers,
         )
         shape = responses.Shape(endpoint="chat", chat=True)
         return await self._respond(rid, jobs, req, shape, started, model, tools=tools.assembler)

@@ -24,6 +24,7 @@ from api_server.metrics import Metrics
 from api_server.prompts import MAX_PROMPTS, Prompt
 from api_server.schemas import seeded
 from api_server.tokens import PromptCounter
+from api_server.tools.marker_text import MarkerText
 from common import client
 from common.errors import PdkvError
 from common.sampling_params import SamplingParams, TokenLogprob
@@ -42,6 +43,9 @@ class Job:
     stops: list[str] = field(default_factory=list)
     stream: bool = False
     max_tokens_param: str = "max_tokens"  # the request's name for sampling.max_tokens
+    # special-token ids whose text the answer must show (a tool parser's markers): the API
+    # decodes the ids itself (api_server.tools.marker_text); empty: the daemons' text
+    markers: dict[int, str] = field(default_factory=dict)
 
 
 def jobs(rid: str, prompts: list[Prompt], params: SamplingParams, n: int, **kw: Any) -> list[Job]:
@@ -130,6 +134,7 @@ async def run(
     detokenization); the rest ask for text with every TOKENS frame.
     """
     cutter = StopCutter(job.stops)
+    marked = MarkerText(counter.decode, job.markers) if job.markers else None
     started = last = time.perf_counter()
     completion = 0
     stream = conn.stream(
@@ -152,7 +157,7 @@ async def run(
                         metrics.itl.observe((now - last) / len(msg.tokens))
                     last = now
                     completion += len(msg.tokens)
-                text, hit = cutter.feed(msg.text)
+                text, hit = cutter.feed(msg.text if marked is None else _marked(marked, msg))
                 lps, prompt = [], []
                 if isinstance(msg, client.Tokens):
                     lps, prompt = msg.logprobs or [], msg.prompt_logprobs or []
@@ -198,6 +203,11 @@ async def run(
         type="service_unavailable",
         code="unavailable",
     )
+
+
+def _marked(marked: MarkerText, msg: client.Tokens | client.Finish) -> str:
+    """The text of `msg` with the markers in it: its ids' (TOKENS), the rest (FINISH)."""
+    return marked.feed(msg.tokens) if isinstance(msg, client.Tokens) else marked.flush()
 
 
 async def run_all(jobs: list[Job], **kw: Any) -> AsyncIterator[tuple[int, Piece | Done]]:

@@ -28,6 +28,7 @@ from api_server.logprobs import ChoiceLogprobs, Echo, LogprobFormat
 from api_server.metrics import Metrics
 from api_server.sse import DONE, event, json_response
 from api_server.tools.assembler import ToolAssembler, fold
+from api_server.tools.content_logprobs import ContentLogprobs
 
 Events = AsyncIterator[tuple[int, Piece | Done]]
 
@@ -94,6 +95,11 @@ class Reply:
     def assembler(self) -> ToolAssembler | None:
         return None if self.tools is None else self.tools()
 
+    def content_logprobs(self) -> ContentLogprobs | None:
+        """A tracker of which entries are content, for a chat choice read for tool calls
+        (None when the request did not ask for logprobs)."""
+        return None if self.fmt is None else ContentLogprobs(self.fmt.counter.decode)
+
     def echo(self, index: int) -> Echo | None:
         return None if self.echoes is None else self.echoes[index]
 
@@ -156,7 +162,7 @@ async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
     choices = []
     for i, done in enumerate(ended):
         if (assembler := reply.assembler()) is not None:
-            choices.append(_with_tools(i, assembler, parts[i], done))
+            choices.append(_with_tools(reply, i, assembler, parts[i], lps[i], done))
             continue
         echo = reply.echo(i)
         text = (echo.text if echo else "") + "".join(parts[i])
@@ -166,13 +172,25 @@ async def whole(reply: Reply, events: Events, metrics: Metrics) -> Response:
 
 
 def _with_tools(
-    index: int, assembler: ToolAssembler, parts: list[str], done: Done
+    reply: Reply,
+    index: int,
+    assembler: ToolAssembler,
+    parts: list[str],
+    lp: ChoiceLogprobs,
+    done: Done,
 ) -> dict[str, Any]:
-    """A whole chat choice whose text is read for tool calls: the fold of its streamed deltas."""
+    """A whole chat choice whose text is read for tool calls: the fold of its streamed deltas,
+    and the logprobs of its content's tokens when asked (api_server.tools.content_logprobs)."""
     deltas = [d for text in parts for d in assembler.feed(text)]
     last, reason = assembler.finish(done.finish_reason)
     message = fold(deltas + last)
-    return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+    logprobs = None
+    if (content := reply.content_logprobs()) is not None:
+        assert reply.fmt is not None
+        content.add(lp.generated)
+        entries = content.upto(assembler.content_chars) if assembler.called else content.rest()
+        logprobs = reply.fmt.chat(entries)
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 async def streamed(reply: Reply, events: Events, metrics: Metrics) -> Response:
@@ -196,7 +214,10 @@ async def _sse(
     extra = {"usage": None} if reply.include_usage else {}
     outcome = "client_disconnect"
     dones: dict[int, Done] = {}
-    choices = [_StreamedChoice(assembler=reply.assembler()) for _ in range(reply.choices)]
+    choices = [
+        _StreamedChoice(assembler=reply.assembler(), content=reply.content_logprobs())
+        for _ in range(reply.choices)
+    ]
     try:
         async with contextlib.aclosing(events):
             if shape.chat:
@@ -241,6 +262,7 @@ class _StreamedChoice:
     echoed: bool = False
     offset: int = 0  # characters of its text sent so far (text_offset)
     assembler: ToolAssembler | None = None  # chat with tools: its text read for calls
+    content: ContentLogprobs | None = None  # with tools and logprobs: its content's entries
 
 
 def _chunks(
@@ -249,7 +271,7 @@ def _chunks(
     """The chunks of one event of choice `index`: its echo first (once, when its prompt
     logprobs are all in: at its first token or its end), then its text and logprobs."""
     if state.assembler is not None:
-        return _tool_chunks(index, item, state.assembler)
+        return _tool_chunks(reply, index, item, state.assembler, state.content)
     if isinstance(item, Piece) and item.prompt:
         state.prompt.prompt.extend(item.prompt)
         if not item.text and not item.logprobs:
@@ -271,15 +293,38 @@ def _chunks(
     return out
 
 
-def _tool_chunks(index: int, item: Piece | Done, assembler: ToolAssembler) -> list[dict[str, Any]]:
-    """The chunks of one event of a chat choice whose text is read for tool calls."""
+def _tool_chunks(
+    reply: Reply,
+    index: int,
+    item: Piece | Done,
+    assembler: ToolAssembler,
+    content: ContentLogprobs | None,
+) -> list[dict[str, Any]]:
+    """The chunks of one event of a chat choice whose text is read for tool calls. With
+    logprobs, a content delta carries the entries of the tokens its text begins in; at the end
+    of a choice that made no call, the entries left (tokens without text: its EOS) ride on the
+    finish chunk; the calls' tokens are never sent."""
     if isinstance(item, Piece):
+        if content is not None:
+            content.add(item.logprobs)
         deltas, reason = assembler.feed(item.text), None
     else:
         deltas, reason = assembler.finish(item.finish_reason)
-    out = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+    chars = assembler.content_chars - sum(len(d.get("content", "")) for d in deltas)
+    out = []
+    for d in deltas:
+        logprobs = None
+        if content is not None and "content" in d:
+            assert reply.fmt is not None
+            chars += len(d["content"])
+            logprobs = reply.fmt.chat(content.upto(chars))
+        out.append({"index": index, "delta": d, "logprobs": logprobs, "finish_reason": None})
     if reason is not None:
-        out.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+        logprobs = None
+        if content is not None and not assembler.called and (rest := content.rest()):
+            assert reply.fmt is not None
+            logprobs = reply.fmt.chat(rest)
+        out.append({"index": index, "delta": {}, "logprobs": logprobs, "finish_reason": reason})
     return out
 
 

@@ -3,8 +3,9 @@
 Fields that do not change the output (`user`, `store`, `metadata`, ...) are accepted and
 ignored. Fields that would change it in a way pdkv does not implement are refused unless they
 hold their neutral value: `best_of` > 1, `suffix`, a `logit_bias`. `response_format` (text,
-json_object, json_schema) and vLLM's `guided_json`, `guided_regex`, `guided_choice`,
-`guided_grammar` constrain the output (api_server/structured.py). Tools (`tools`, `tool_choice`,
+json_object, json_schema), vLLM's `structured_outputs` object and its older `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` constrain the output
+(api_server/structured.py). Tools (`tools`, `tool_choice`,
 `parallel_tool_calls`, `tool` messages and assistant `tool_calls`) are decoded here and checked by
 api_server.tools. Implemented: `n` (up to MAX_N choices per prompt), `logprobs`
 (completions: an int, the top alternatives; chat: a bool with `top_logprobs`), `echo`,
@@ -62,6 +63,7 @@ class _Request(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None
     # structured output, vLLM's extra fields (api_server/structured.py)
+    structured_outputs: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None

@@ -4,10 +4,12 @@ compile is a 400 naming the problem before any daemon sees the request.
 
 Accepted: `response_format` `{"type": "text"}` (nothing), `{"type": "json_object"}`,
 `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}` (strict
-or not, the schema is enforced); vLLM's extra fields `guided_json` (a schema, object or text),
-`guided_regex`, `guided_choice` (a list of strings), `guided_grammar` (Lark, or GBNF). At most
-one of them per request. The daemons enforce it on every token; the API's compile is a check
-(and what /metrics times), cached per model like theirs.
+or not, the schema is enforced); vLLM's object `structured_outputs` (vLLM >= 0.10: one of
+`json`, `regex`, `choice`, `grammar`, `json_object`, with the options in OUTPUT_OPTIONS) and its
+older extra fields `guided_json` (a schema, object or text), `guided_regex`, `guided_choice` (a
+list of strings), `guided_grammar` (Lark, or GBNF). At most one constraint per request, across
+all of them. The daemons enforce it on every token; the API's compile is a check (and what
+/metrics times), cached per model like theirs.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from api_server.errors import ApiError, bad_field
+from api_server.errors import ApiError, bad_field, unsupported
 from common.model.config import BYTE_VOCAB, TINY_EOS
 from common.model.tokenizer import ByteTokenizer, HFTokenizer
 from common.sampling_params import MAX_STRUCTURED_SPEC, StructuredOutput
@@ -32,21 +34,30 @@ GUIDED = {
     "guided_grammar": "grammar",
 }
 _FORMATS = ("text", "json_object", "json_schema")
+#: vLLM's `structured_outputs` object: its constraint keys and the kind each one asks for
+OUTPUTS = {
+    "json": "json_schema",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "json_object": "json_object",
+}
+#: its options, and what pdkv does with them: JSON is always laid out compactly (as with
+#: disable_any_whitespace), one grammar library serves every request (nothing to fall back
+#: to), and disable_additional_properties closes every object that does not say otherwise
+OUTPUT_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+#: its keys that ask for what pdkv does not do
+_OUTPUTS_REFUSED = {
+    "structural_tag": "structural tags are not supported by pdkv",
+    "whitespace_pattern": "pdkv lays JSON out compactly; a whitespace pattern is not supported",
+}
 
 
 def structured_of(req: Any) -> StructuredOutput | None:
     """The constraint `req` asks for (None: free text); ApiError 400 naming the field when its
-    response_format or guided_* field is malformed, or when it asks for two."""
-    asked: list[tuple[str, StructuredOutput]] = []
-    fmt = getattr(req, "response_format", None)
-    if fmt is not None:
-        found = _response_format(fmt)
-        if found is not None:
-            asked.append(("response_format", found))
-    for name, kind in GUIDED.items():
-        value = getattr(req, name, None)
-        if value is not None:
-            asked.append((name, StructuredOutput(kind, _guided_spec(name, kind, value))))
+    response_format, structured_outputs or guided_* field is malformed, or when it asks for
+    two."""
+    asked = _asked(req)
     if len(asked) > 1:
         names = " and ".join(name for name, _ in asked)
         raise bad_field(asked[1][0], f"{names} each constrain the output: give one of them")
@@ -56,6 +67,88 @@ def structured_of(req: Any) -> StructuredOutput | None:
     if len(found.spec) > MAX_STRUCTURED_SPEC:
         raise bad_field(name, f"{name} is longer than {MAX_STRUCTURED_SPEC} characters")
     return found
+
+
+def _asked(req: Any) -> list[tuple[str, StructuredOutput]]:
+    """Every (field, constraint) `req` asks for, in a fixed order."""
+    asked: list[tuple[str, StructuredOutput]] = []
+    fmt = getattr(req, "response_format", None)
+    if fmt is not None:
+        found = _response_format(fmt)
+        if found is not None:
+            asked.append(("response_format", found))
+    outputs = getattr(req, "structured_outputs", None)
+    if outputs is not None:
+        asked += _structured_outputs(outputs)
+    for name, kind in GUIDED.items():
+        value = getattr(req, name, None)
+        if value is not None:
+            asked.append((name, StructuredOutput(kind, _guided_spec(name, kind, value))))
+    return asked
+
+
+def _structured_outputs(outputs: dict[str, Any]) -> list[tuple[str, StructuredOutput]]:
+    """The constraints of vLLM's `structured_outputs` object, each with the field that set
+    it (`structured_outputs.json`, ...); 400 for a key pdkv does not know or does not do, and
+    for an option that is not a boolean."""
+    for key, value in outputs.items():
+        param = f"structured_outputs.{key}"
+        if key in _OUTPUTS_REFUSED and value is not None:
+            raise unsupported(param, _OUTPUTS_REFUSED[key])
+        if key in OUTPUT_OPTIONS and not isinstance(value, bool | None):
+            raise bad_field(param, f"{param} must be a boolean")
+        if key not in OUTPUTS and key not in OUTPUT_OPTIONS and key not in _OUTPUTS_REFUSED:
+            known = ", ".join([*OUTPUTS, *OUTPUT_OPTIONS])
+            raise bad_field(param, f"structured_outputs has no field {key!r}: it takes {known}")
+    found = []
+    for key, kind in OUTPUTS.items():
+        value, param = outputs.get(key), f"structured_outputs.{key}"
+        if value is None or (value is False and kind == "json_object"):
+            continue
+        if kind == "json_object":
+            if value is not True:
+                raise bad_field(param, f"{param} must be a boolean")
+            found.append((param, StructuredOutput("json_object")))
+            continue
+        spec = _guided_spec(param, kind, value)
+        if kind == "json_schema" and outputs.get("disable_additional_properties"):
+            spec = _closed_spec(spec)
+        found.append((param, StructuredOutput(kind, spec)))
+    return found
+
+
+def _closed_spec(spec: str) -> str:
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec  # not JSON: the compile names the problem
+    return json.dumps(_closed(schema))
+
+
+#: where a JSON schema holds schemas: one, a list of them, a mapping of names to them
+_ONE = ("items", "not", "if", "then", "else", "additionalProperties", "contains")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with `"additionalProperties": false` in every object schema that has
+    `properties` and does not say (vLLM's disable_additional_properties)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if key in out:
+            out[key] = _closed(out[key])
+    for key in _LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    if isinstance(out.get("properties"), dict):
+        out.setdefault("additionalProperties", False)
+    return out
 
 
 def _response_format(fmt: Any) -> StructuredOutput | None:
@@ -113,11 +206,10 @@ def _cache_for(path: str) -> GrammarCache:
 
 
 def source_field(req: Any) -> str:
-    """The request field that set its constraint (what a refusal names)."""
-    for name in GUIDED:
-        if getattr(req, name, None) is not None:
-            return name
-    return "response_format"
+    """The request field that set its constraint (what a refusal names): response_format
+    when a tool_choice forced it."""
+    asked = _asked(req)
+    return asked[0][0] if asked else "response_format"
 
 
 async def check(
@@ -143,4 +235,4 @@ async def check(
         metrics.grammar_compile.observe(seconds)
 
 
-__all__ = ["GUIDED", "check", "source_field", "structured_of"]
+__all__ = ["GUIDED", "OUTPUTS", "OUTPUT_OPTIONS", "check", "source_field", "structured_of"]

@@ -50,6 +50,18 @@ class PromptCounter:
             return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def has_token(self, text: str) -> bool:
+        """True when the tokenizer has `text` as one token (the byte tokenizer has none)."""
+        return self._tok is not None and self._tok.token_to_id(text) is not None
+
+    def special_ids(self, texts: tuple[str, ...]) -> dict[int, str]:
+        """The ids of those of `texts` that are special tokens (dropped from the daemons'
+        text), each with its text."""
+        if self._tok is None:
+            return {}
+        added = self._tok.get_added_tokens_decoder()
+        return {i: t.content for i, t in added.items() if t.special and t.content in texts}
+
     def token(self, token_id: int) -> tuple[str, list[int]]:
         """One token as logprobs show it: its text (special tokens by name; a part of a
         character as U+FFFD) and its own bytes (api_server.token_bytes), the part included."""

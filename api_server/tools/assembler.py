@@ -53,12 +53,18 @@ class ToolAssembler:
     _region: str | None = None  # the text from where the calls begin, once they have
     _given_up: bool = False  # the calls region was text after all: all text is content
     _content_sent: bool = False
+    _content_chars: int = 0
     _sent: list[_Sent] = field(default_factory=list)
 
     @property
     def called(self) -> bool:
         """True once a call has been announced."""
         return bool(self._sent)
+
+    @property
+    def content_chars(self) -> int:
+        """Characters sent as content so far: always the first ones of the answer's text."""
+        return self._content_chars
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """The deltas that `text`, the next piece of the answer, makes safe to send."""
@@ -90,6 +96,7 @@ class ToolAssembler:
         if not text:
             return []
         self._content_sent = True
+        self._content_chars += len(text)
         return [{"content": text}]
 
     def _calls(self, *, final: bool) -> list[dict[str, Any]]:

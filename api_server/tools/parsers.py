@@ -7,9 +7,11 @@ forced (`tool_choice` required or a named function):
   one block per call;
 - `llama3_json` (Llama 3.1+): `{"name": ..., "parameters": {...}}` as the whole message (calls
   separated by `;`), or after `<|python_tag|>`;
-- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`. The daemons drop special
-  tokens from the text, and `[TOOL_CALLS]` (like `<|python_tag|>`) is one in Mistral's tokenizers,
-  so a message that starts with a JSON array is read as calls too.
+- `mistral`: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (tokenizers before v11), or
+  `[TOOL_CALLS]name[ARGS]{...}` per call (v11 on; MistralV11 where the tokenizer or template has
+  `[ARGS]`). These markers, like `<|python_tag|>`, are special tokens, which the daemons drop
+  from the text: the API puts them back (api_server.tools.marker_text). A message that starts
+  with a JSON array is read as pre-v11 calls too (a tokenizer that has no `[TOOL_CALLS]`).
 
 A parser sees the text from the start of its calls (the `region`) and returns the calls it holds
 so far, each with its arguments as far as they have come, or None when the region cannot hold
@@ -19,6 +21,7 @@ of it while it streams, the whole of it once complete; the API checks the whole 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from api_server.tools.jsonscan import (
@@ -77,6 +80,9 @@ class ToolParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    #: the format's markers that a tokenizer may hold as special tokens (dropped from the
+    #: daemons' text: api_server.tools.marker_text puts them back)
+    specials: tuple[str, ...] = ()
     json_start: str | None = None
 
     def __init__(self) -> None:
@@ -141,6 +147,7 @@ class Hermes(ToolParser):
 class Llama3Json(ToolParser):
     name = "llama3_json"
     markers = ("<|python_tag|>",)
+    specials = markers
     json_start = "{"
 
     def calls(self, region: str) -> list[PartialCall] | None:
@@ -200,13 +207,83 @@ def array_calls(
 
 
 class Mistral(ToolParser):
+    """Mistral's calls, both forms, each after `[TOOL_CALLS]`: a JSON array of `{"name",
+    "arguments"}` (tokenizers before v11), or the name, `[ARGS]` and the arguments' object
+    (v11 on: `[TOOL_CALLS]name[ARGS]{...}` per call; `[CALL_ID]id` before `[ARGS]` is read and
+    dropped). A message that opens with a JSON array is calls too (where `[TOOL_CALLS]` was
+    dropped from the text); MistralV11 is the parser for checkpoints that never write that form."""
+
     name = "mistral"
     markers = ("[TOOL_CALLS]",)
-    json_start = "["
+    specials = ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+    json_start: str | None = "["
 
     def calls(self, region: str) -> list[PartialCall] | None:
-        i = _after_marker(region, self.markers[0])
-        return [] if i is None else array_calls(region, i, memo=self.memo)
+        marker = self.markers[0]
+        out: list[PartialCall] = []
+        i = 0
+        try:
+            while True:
+                i = skip_ws(region, i)
+                if marker.startswith(region[i:]):
+                    return out  # the end, or a marker still arriving
+                if region.startswith(marker, i):
+                    i = skip_ws(region, i + len(marker))
+                elif out:
+                    return out  # text after the calls (dropped)
+                if i == len(region):
+                    return out
+                if region[i] == "[":  # the older form: a JSON array of calls
+                    listed = array_calls(region, i, memo=self.memo)
+                    return out or None if listed is None else out + listed
+                call, i = _named_call(region, i, self.memo)
+                out.append(call)
+                if i is None:
+                    return out
+        except Malformed:
+            return out or None
+
+
+class MistralV11(Mistral):
+    """Mistral's parser for a tokenizer of v11 on (`[ARGS]` in its vocabulary or template):
+    its calls are `[TOOL_CALLS]name[ARGS]{...}`, and a message that opens with `[` is text."""
+
+    json_start = None
+
+
+_ARGS = "[ARGS]"
+_CALL_ID = "[CALL_ID]"
+#: what a function name may hold (OpenAI's rule; a dot too, as some templates write)
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def _named_call(region: str, i: int, memo: Memo) -> tuple[PartialCall, int | None]:
+    """The call `name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`) at `region[i]` as far as it
+    has come, and the index after it (None while it is incomplete); Malformed when the text
+    cannot be one."""
+    j = i
+    while j < len(region) and region[j] in _NAME_CHARS:
+        j += 1
+    if j == len(region):
+        return PartialCall(None), None  # the name may go on
+    if j == i:
+        raise Malformed(f"a call's name cannot start with {region[i]!r}")
+    name = region[i:j]
+    if region.startswith(_CALL_ID, j):
+        k = j + len(_CALL_ID)
+        while k < len(region) and region[k].isalnum():
+            k += 1
+        j = k
+    rest = region[j : j + len(_ARGS)]
+    if not region.startswith(_ARGS, j):
+        if _ARGS.startswith(rest) or _CALL_ID.startswith(region[j : j + len(_CALL_ID)]):
+            return PartialCall(None), None  # a marker still arriving
+        raise Malformed(f"expected [ARGS] after the name {name!r}")
+    k = skip_ws(region, j + len(_ARGS))
+    if k == len(region):
+        return PartialCall(name), None
+    end = value_end(region, k, memo)
+    return PartialCall(name, region[k : end or len(region)], end is not None), end
 
 
 class Forced(ToolParser):
@@ -240,6 +317,16 @@ class Forced(ToolParser):
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Hermes, Llama3Json, Mistral)}
+
+
+def parser_for(
+    family: str, vocabulary_has: Callable[[str], bool], template_source: str
+) -> type[ToolParser]:
+    """The parser of `family` for a checkpoint: for mistral, MistralV11 when its tokenizer
+    (`vocabulary_has`) or its template knows `[ARGS]` (tokenizers v11 on), else Mistral."""
+    if family == Mistral.name and (vocabulary_has(_ARGS) or _ARGS in template_source):
+        return MistralV11
+    return PARSERS[family]
 
 
 def detect(template_source: str) -> str | None:

@@ -10,27 +10,46 @@ a request with tools is refused there, not silently stripped of them).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import msgspec
 
 from api_server.errors import ApiError, bad_field, unsupported
 from api_server.tools.assembler import ToolAssembler, call_id, short_call_id
 from api_server.tools.history import has_calls
-from api_server.tools.parsers import PARSERS, Forced, Mistral, ToolParser, detect
+from api_server.tools.parsers import PARSERS, Forced, Mistral, ToolParser, detect, parser_for
 from api_server.tools.spec import ToolRequest
 from common.sampling_params import SamplingParams, StructuredOutput
 
 
+class Vocabulary(Protocol):
+    """What a plan asks of the served model's tokenizer (api_server.tokens.PromptCounter)."""
+
+    def has_token(self, text: str) -> bool: ...
+
+    def special_ids(self, texts: tuple[str, ...]) -> dict[int, str]: ...
+
+
+class _NoVocabulary:
+    def has_token(self, text: str) -> bool:
+        return False
+
+    def special_ids(self, texts: tuple[str, ...]) -> dict[int, str]:
+        return {}
+
+
 @dataclass(frozen=True)
 class ToolPlan:
-    """A request's tools: `template_tools` for the prompt, `structured` for the sampler, and a
-    factory of each choice's assembler (None: the text is all content)."""
+    """A request's tools: `template_tools` for the prompt, `structured` for the sampler, a
+    factory of each choice's assembler (None: the text is all content), and `markers`: the
+    special-token ids of the parser's format, which the answer's text must show
+    (api_server.tools.marker_text; empty: the daemons' text will do)."""
 
     request: ToolRequest
     parser: Callable[[], ToolParser] | None = None
     new_id: Callable[[], str] = call_id
+    markers: dict[int, str] = field(default_factory=dict)
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -52,10 +71,14 @@ def plan(
     messages: list[dict[str, Any]],
     template_source: str,
     configured_parser: str | None,
+    vocabulary: Vocabulary | None = None,
 ) -> ToolPlan:
     """The plan of `request` for a chat of `messages` under the template `template_source`,
-    with the API's --tool-parser; ApiError 400 when the template cannot show what is asked or
-    no parser can read an `auto` answer."""
+    with the API's --tool-parser and the served tokenizer's `vocabulary` (which form of a
+    family's calls the checkpoint writes, and which of its markers are special tokens);
+    ApiError 400 when the template cannot show what is asked or no parser can read an `auto`
+    answer."""
+    vocab = vocabulary or _NoVocabulary()
     if request.tools and "tools" not in template_source:
         raise unsupported(
             "tools",
@@ -85,18 +108,19 @@ def plan(
             param="tool_choice",
             code="unsupported_parameter",
         )
-    return ToolPlan(request, PARSERS[family], new_id)
+    parser = parser_for(family, vocab.has_token, template_source)
+    return ToolPlan(request, parser, new_id, vocab.special_ids(parser.specials))
 
 
-def constrained(params: SamplingParams, tools: ToolPlan) -> SamplingParams:
-    """`params` with the constraint of `tools` (required, named); 400 when the request also
-    asked for a response_format, which would be a second constraint."""
+def constrained(params: SamplingParams, tools: ToolPlan, field: str) -> SamplingParams:
+    """`params` with the constraint of `tools` (required, named); 400 naming `field` (the
+    request's field that set `params.structured`) when the request also asked for one, which
+    would be a second constraint."""
     structured = tools.structured
     if structured is None:
         return params
     if params.structured is not None:
         raise bad_field(
-            "response_format",
-            "response_format cannot be combined with tool_choice required or a named function",
+            field, f"{field} cannot be combined with tool_choice required or a named function"
         )
     return msgspec.structs.replace(params, structured=structured)

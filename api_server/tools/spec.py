@@ -20,7 +20,7 @@ from typing import Any
 
 import jsonschema
 
-from api_server.errors import ApiError, bad_field
+from api_server.errors import bad_field
 from common.sampling_params import StructuredOutput
 
 #: OpenAI's rule for a function's name.
@@ -148,14 +148,3 @@ def _check_schema(schema: Any, param: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise bad_field(param, f"parameters is not a valid JSON schema: {exc.message}") from None
-
-
-def refuse_with_logprobs(req: ToolRequest, logprobs: bool | None) -> None:
-    """400: logprobs with a tool_choice that reads calls (the held text would misplace them)."""
-    if req.parses and logprobs:
-        raise ApiError(
-            400,
-            "logprobs cannot be combined with tools unless tool_choice is none",
-            param="logprobs",
-            code="unsupported_parameter",
-        )

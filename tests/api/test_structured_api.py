@@ -1,5 +1,5 @@
 """Structured output through the HTTP API with the tiny model (issue 42): response_format
-json_schema on chat and completions, vLLM's guided_* fields, the official openai client's
+json_schema on chat and completions, vLLM's structured_outputs object and guided_* fields, the official openai client's
 `parse` with a Pydantic model, refusals (a schema that does not compile, two constraints, an
 unknown format) as 400s that name the field before any daemon sees the request, and /metrics."""
 
@@ -85,6 +85,62 @@ def test_guided_fields(stack: Stack) -> None:
     assert isinstance(json.loads(js.choices[0].text)["ok"], bool)
 
 
+def test_structured_outputs_object_asks_what_each_old_field_asked(stack: Stack) -> None:
+    """vLLM >= 0.10's `structured_outputs` keys constrain as the guided_* field of the same
+    kind did: greedy, the same text token for token, on both endpoints."""
+    api = stack.api.sync_client()
+    same = [
+        ({"choice": ["left", "right"]}, {"guided_choice": ["left", "right"]}),
+        ({"regex": "[0-9]{3}"}, {"guided_regex": "[0-9]{3}"}),
+        ({"json": SCHEMAS[2]}, {"guided_json": SCHEMAS[2]}),
+        ({"json": json.dumps(SCHEMAS[4])}, {"guided_json": SCHEMAS[4]}),
+        ({"grammar": 'start: "ab" | "cd"'}, {"guided_grammar": 'start: "ab" | "cd"'}),
+        (
+            {"json_object": True, "disable_fallback": True},
+            {"response_format": {"type": "json_object"}},
+        ),
+    ]
+    for new, old in same:
+        base = dict(model="pdkv-tiny", prompt="pick:", max_tokens=60, temperature=0)
+        got = api.completions.create(**base, extra_body={"structured_outputs": new})
+        want = api.completions.create(**base, extra_body=old)
+        assert got.choices[0].text == want.choices[0].text, new
+        assert got.choices[0].finish_reason == "stop", (new, got.choices[0].text)
+        chat = dict(model="pdkv-tiny", messages=CHAT, max_tokens=60, temperature=0)
+        got = api.chat.completions.create(**chat, extra_body={"structured_outputs": new})
+        want = api.chat.completions.create(**chat, extra_body=old)
+        assert got.choices[0].message.content == want.choices[0].message.content, new
+    # nothing asked (only options, json_object false): free text, as without the object
+    base = dict(model="pdkv-tiny", prompt="pick:", max_tokens=12, temperature=0)
+    free = api.completions.create(**base).choices[0].text
+    for nothing in ({}, {"json_object": False, "disable_any_whitespace": True}):
+        got = api.completions.create(**base, extra_body={"structured_outputs": nothing})
+        assert got.choices[0].text == free
+
+
+def test_disable_additional_properties_closes_the_objects(stack: Stack) -> None:
+    """An open schema with disable_additional_properties answers as the same schema closed
+    by hand, and the answer has no key the schema does not name."""
+    api = stack.api.sync_client()
+    inner = {"type": "object", "properties": {"x": {"enum": [1, 2]}}, "required": ["x"]}
+    schema = {"type": "object", "properties": {"a": inner}, "required": ["a"]}
+    closed = {
+        "type": "object",
+        "properties": {"a": {**inner, "additionalProperties": False}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    base = dict(model="pdkv-tiny", prompt="JSON:", max_tokens=100, temperature=0)
+    asked = {"json": schema, "disable_additional_properties": True}
+    got = api.completions.create(**base, extra_body={"structured_outputs": asked})
+    want = api.completions.create(**base, extra_body={"structured_outputs": {"json": closed}})
+    assert got.choices[0].text == want.choices[0].text
+    jsonschema.validate(json.loads(got.choices[0].text), closed)
+    # left open, the tiny model's greedy answer goes on with a key of its own after "x"
+    free = api.completions.create(**base, extra_body={"structured_outputs": {"json": schema}})
+    assert free.choices[0].text.startswith(got.choices[0].text[:-2] + ", ")
+
+
 def test_openai_parse_returns_the_pydantic_object(stack: Stack) -> None:
     api = stack.api.sync_client()
     parse = getattr(api.chat.completions, "parse", None) or api.beta.chat.completions.parse
@@ -122,6 +178,46 @@ def test_openai_parse_returns_the_pydantic_object(stack: Stack) -> None:
             "guided_regex",
             "give one of them",
         ),
+        (
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            "structured_outputs.choice",
+            "structured_outputs.regex and structured_outputs.choice",
+        ),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs.regex",
+            "give one of them",
+        ),
+        (
+            {"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]},
+            "guided_choice",
+            "give one of them",
+        ),
+        ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "no field 'jsn'"),
+        (
+            {"structured_outputs": {"json": {"type": "nonsense"}}},
+            "structured_outputs.json",
+            "nonsense",
+        ),
+        ({"structured_outputs": {"regex": "(["}}, "structured_outputs.regex", "regex"),
+        ({"structured_outputs": {"choice": "a"}}, "structured_outputs.choice", "non-empty list"),
+        ({"structured_outputs": {"json_object": 1}}, "structured_outputs.json_object", "boolean"),
+        (
+            {"structured_outputs": {"regex": "a", "disable_fallback": "yes"}},
+            "structured_outputs.disable_fallback",
+            "boolean",
+        ),
+        (
+            {"structured_outputs": {"structural_tag": "{}"}},
+            "structured_outputs.structural_tag",
+            "not supported",
+        ),
+        (
+            {"structured_outputs": {"whitespace_pattern": " "}},
+            "structured_outputs.whitespace_pattern",
+            "not supported",
+        ),
+        ({"structured_outputs": ["regex"]}, "structured_outputs", "object"),
     ],
 )
 def test_refusals_name_the_field_and_hold_nothing(
@@ -136,7 +232,8 @@ def test_refusals_name_the_field_and_hold_nothing(
     assert info.value.body["param"] == param
     assert says in info.value.body["message"]
     # the API's own codes: the daemons' refusal would say bad_request
-    assert info.value.body["code"] in ("invalid_structured_output", "invalid_value")
+    codes = ("invalid_structured_output", "invalid_value", "unsupported_parameter")
+    assert info.value.body["code"] in codes
     st = stack.wait_idle()
     assert all(s.inflight == 0 and s.pool["free"] == s.pool["total"] for s in st.values())
     assert {r: s.served for r, s in st.items()} == before
@@ -153,3 +250,35 @@ def test_metrics_count_constrained_requests_and_compiles(stack: Stack) -> None:
     assert m["pdkv_api_structured_requests_total{kind=json_schema}"] >= 2
     assert m["pdkv_api_grammar_compile_seconds_count{}"] >= 1
     assert m["pdkv_api_grammar_compile_seconds_sum{}"] > 0
+
+
+def test_disable_additional_properties_reaches_every_nested_object() -> None:
+    """Objects under properties, items, anyOf and $defs are closed; an object that says
+    additionalProperties keeps its word, and a property named "properties" is a name."""
+    from types import SimpleNamespace
+
+    from api_server.structured import structured_of
+
+    obj = {"type": "object", "properties": {"v": {"type": "integer"}}}
+    schema = {
+        "type": "object",
+        "properties": {
+            "list": {"type": "array", "items": obj},
+            "either": {"anyOf": [obj, {"type": "null"}]},
+            "ref": {"$ref": "#/$defs/d"},
+            "properties": {"type": "string"},
+        },
+        "$defs": {"d": {**obj, "additionalProperties": True}},
+    }
+    req = SimpleNamespace(
+        structured_outputs={"json": schema, "disable_additional_properties": True}
+    )
+    got = json.loads(structured_of(req).spec)
+    assert got["additionalProperties"] is False
+    assert got["properties"]["list"]["items"]["additionalProperties"] is False
+    assert got["properties"]["either"]["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"]["either"]["anyOf"][1]
+    assert got["$defs"]["d"]["additionalProperties"] is True
+    assert got["properties"]["properties"] == {"type": "string"}
+    req.structured_outputs = {"json": schema}
+    assert json.loads(structured_of(req).spec) == schema

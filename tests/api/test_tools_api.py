@@ -18,7 +18,14 @@ from api_server.tools.parsers import Hermes
 from common import client
 from common.sampling_params import SamplingParams
 from tests.support.api import Stack, metrics, openai
-from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids, tool_stack
+from tests.support.tool_checkpoint import (
+    MODEL,
+    TOOLS,
+    hf_ids,
+    logprob_entries,
+    streamed_entries,
+    tool_stack,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,6 +135,30 @@ def test_tool_choice_none_renders_the_tools_and_reads_nothing(qwen: Stack, ckpt:
     assert plain.usage.prompt_tokens == len(hf_ids(ckpt, HISTORY[:2], None))
 
 
+def test_logprobs_with_tools_are_the_contents_tokens_of_the_plain_path(qwen: Stack) -> None:
+    """With tools read for calls, `logprobs.content` lists the tokens of the answer's content:
+    all of them when no call is made, each entry the one the same tokens get through the plain
+    path (tool_choice none); none when the answer is only calls; whole and streamed alike.
+    Text then a call: test_tools_mistral.py."""
+    api = qwen.api.sync_client()
+    kw = dict(model=MODEL, messages=HISTORY, tools=TOOLS, max_tokens=12, temperature=0)
+    kw.update(logprobs=True, top_logprobs=2)
+    plain = api.chat.completions.create(**kw, tool_choice="none")
+    auto = api.chat.completions.create(**kw)
+    assert auto.choices[0].message.tool_calls is None  # the random model calls nothing here
+    assert auto.choices[0].message.content == plain.choices[0].message.content
+    want = logprob_entries(plain.choices[0].logprobs)
+    assert len(want) == plain.usage.completion_tokens
+    assert logprob_entries(auto.choices[0].logprobs) == want
+    assert streamed_entries(api, kw)[:2] == (want, plain.choices[0].message.content)
+
+    required = {**kw, "max_tokens": 80, "tool_choice": "required"}
+    only_calls = api.chat.completions.create(**required)
+    assert only_calls.choices[0].message.tool_calls
+    assert only_calls.choices[0].logprobs.content == []
+    assert streamed_entries(api, required)[0] == []
+
+
 BAD = [
     (
         {
@@ -164,7 +195,6 @@ BAD = [
     ),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": TOOLS, "logprobs": True}, "logprobs"),
     (
         {
             "messages": [

@@ -10,7 +10,15 @@ import pytest
 
 from api_server.tools.assembler import ToolAssembler, fold
 from api_server.tools.jsonscan import Malformed, scan_object, value_end
-from api_server.tools.parsers import PARSERS, Forced, ToolParser, detect
+from api_server.tools.parsers import (
+    PARSERS,
+    Forced,
+    Mistral,
+    MistralV11,
+    ToolParser,
+    detect,
+    parser_for,
+)
 
 WEATHER = '{"city": "Paris", "days": [1, 2], "unit": {"c": true}}'
 TRICKY = '{"q": "a}b[\\"{ \\\\", "n": [1, {"x": "]"}], "e": -1.5e3}'  # brackets in strings
@@ -93,7 +101,47 @@ CASES = [
         "tool_calls",
     ),
     ("mistral", "[1, 2] is a list", "[1, 2] is a list", [], "stop"),
+    # Mistral's v11 form, read by both mistral parsers: [TOOL_CALLS]name[ARGS]{...} per call
+    (
+        "mistral_v11",
+        f"Checking.[TOOL_CALLS]get_weather[ARGS]{WEATHER}[TOOL_CALLS]g[ARGS]{{}}",
+        "Checking.",
+        [("get_weather", WEATHER), ("g", "{}")],
+        "tool_calls",
+    ),
+    (
+        "mistral",
+        f"[TOOL_CALLS]f[ARGS]{TRICKY}",
+        None,
+        [("f", TRICKY)],
+        "tool_calls",
+    ),
+    (  # v13's call id is read and dropped (the API makes its own); whitespace between calls
+        "mistral_v11",
+        '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"tz": "UTC"}\n[TOOL_CALLS] g[ARGS] {}',
+        None,
+        [("get_time", '{"tz": "UTC"}'), ("g", "{}")],
+        "tool_calls",
+    ),
+    (  # text after the calls is dropped
+        "mistral_v11",
+        "[TOOL_CALLS]g[ARGS]{} and then some",
+        None,
+        [("g", "{}")],
+        "tool_calls",
+    ),
+    (  # a v11 message that opens with [ is text; the older parser reads it as calls
+        "mistral_v11",
+        '[{"name": "g", "arguments": {}}]',
+        '[{"name": "g", "arguments": {}}]',
+        [],
+        "stop",
+    ),
+    ("mistral_v11", "[TOOL_CALLS]no name here", "[TOOL_CALLS]no name here", [], "stop"),
+    ("mistral_v11", "[TOOL_CALLS]g{}", "[TOOL_CALLS]g{}", [], "stop"),  # no [ARGS]
+    ("mistral_v11", "[TOOL_CALLS]get_ti", "[TOOL_CALLS]get_ti", [], "stop"),  # cut, unnamed
 ]
+FORMATS = {**PARSERS, "mistral_v11": MistralV11}
 
 
 def run(parser: ToolParser, pieces: list[str], reason: str = "stop") -> tuple[list[dict], str]:
@@ -124,7 +172,7 @@ def test_each_format_parses_the_same_whole_or_streamed(
     name: str, text: str, content: str | None, calls: list, reason: str
 ) -> None:
     for pieces in splits(text):
-        deltas, finish = run(PARSERS[name](), pieces)
+        deltas, finish = run(FORMATS[name](), pieces)
         message = fold(deltas)
         assert message["content"] == (content if content is not None or calls else "")
         assert calls_of(message) == calls
@@ -212,3 +260,28 @@ def test_json_that_is_not_a_call_is_released_at_its_first_value() -> None:
     assert asm.feed("4") == [{"content": '{"answer": 4'}]  # not one: text from here on
     assert asm.feed("2}") == [{"content": "2}"}]
     assert asm.finish("stop") == ([], "stop")
+
+
+def test_mistral_v11_streams_a_named_call_once_its_name_ends() -> None:
+    asm = ToolAssembler(MistralV11())
+    assert asm.feed("[TOOL_CALLS]get_we") == []
+    assert asm.feed("ather[AR") == []  # the name may still go on until [ARGS] is whole
+    (header,) = asm.feed("GS]")[0]["tool_calls"]
+    assert header["function"] == {"name": "get_weather", "arguments": ""}
+    assert asm.feed('{"city": "Pa') == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Pa'}}]}
+    ]
+    assert asm.feed('ris"}')[0]["tool_calls"][0]["function"]["arguments"] == 'ris"}'
+    last, finish = asm.finish("stop")
+    assert last == [] and finish == "tool_calls"
+
+
+def test_which_mistral_form_a_checkpoint_writes() -> None:
+    """v11 on where the tokenizer has an [ARGS] token or the template writes [ARGS]."""
+    v11_template = "{{ '[TOOL_CALLS]' + call.function.name + '[ARGS]' + args }}"
+    old_template = "{{ '[TOOL_CALLS]' + calls|tojson }}"
+    has_args = {"[ARGS]"}.__contains__
+    assert parser_for("mistral", has_args, old_template) is MistralV11
+    assert parser_for("mistral", set().__contains__, v11_template) is MistralV11
+    assert parser_for("mistral", set().__contains__, old_template) is Mistral
+    assert parser_for("hermes", has_args, v11_template) is PARSERS["hermes"]

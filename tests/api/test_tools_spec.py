@@ -109,13 +109,14 @@ def test_mistral_templates_get_the_short_ids_they_demand_back() -> None:
 def test_a_second_constraint_is_refused() -> None:
     tools = plan(tool_request(TOOLS, "required", None), USER, TEMPLATE, None)
     params = SamplingParams()
-    assert constrained(params, tools).structured == tools.structured
+    assert constrained(params, tools, "response_format").structured == tools.structured
     with_format = msgspec.structs.replace(params, structured=StructuredOutput("json_object"))
-    with pytest.raises(ApiError) as info:
-        constrained(with_format, tools)
-    assert info.value.param == "response_format"
+    for field in ("response_format", "structured_outputs.json_object", "guided_json"):
+        with pytest.raises(ApiError) as info:
+            constrained(with_format, tools, field)
+        assert info.value.param == field and field in info.value.message
     auto = plan(tool_request(TOOLS, "auto", None), USER, TEMPLATE, None)
-    assert constrained(with_format, auto) is with_format
+    assert constrained(with_format, auto, "response_format") is with_format
 
 
 def test_history_gives_templates_objects_and_names() -> None:

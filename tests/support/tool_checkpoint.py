@@ -5,6 +5,11 @@ branch (qwen2_5_chat_template.jinja, written for these tests after Qwen2.5-Instr
 Ids: 0 `<|endoftext|>`, 1 `<|im_start|>`, 2 `<|im_end|>` (EOS, the model's eos_token_id), 3..258
 the 256 bytes, then `<tool_call>` and `</tool_call>` as added tokens that are not special (as in
 Qwen's tokenizer: they stay in the text), then unused added tokens up to the model's 300 ids.
+
+MISTRAL_V11: a random Mistral model whose tokenizer has, as Mistral's v11 on, `[TOOL_CALLS]`,
+`[ARGS]` and `[CALL_ID]` as special tokens (ids 3, 4, 5 after `<unk>`, `<s>`, `</s>`), and a
+template that writes calls as `[TOOL_CALLS]name[ARGS]{...}` (written for these tests in the
+shape of Mistral-Small-3.x's).
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tokenizers
@@ -27,22 +34,47 @@ TOOL_MARKERS = ["<tool_call>", "</tool_call>"]
 VOCAB = 300
 
 
-def write_byte_tokenizer(path: Path, template: str = TEMPLATE) -> tokenizers.Tokenizer:
+@dataclass(frozen=True)
+class Vocab:
+    """A byte tokenizer's special tokens (ids 0.. in order; id 2 the EOS), its added tokens
+    that are not special, and the special-token names of tokenizer_config.json."""
+
+    specials: tuple[str, ...] = tuple(SPECIALS)
+    added: tuple[str, ...] = tuple(TOOL_MARKERS)
+    names: tuple[tuple[str, str | None], ...] = (
+        ("bos_token", None),
+        ("eos_token", "<|im_end|>"),
+        ("pad_token", "<|endoftext|>"),
+    )
+
+
+QWEN = Vocab()
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")
+MISTRAL_V11 = Vocab(
+    specials=MISTRAL_SPECIALS,
+    added=(),
+    names=(("bos_token", "<s>"), ("eos_token", "</s>"), ("unk_token", "<unk>")),
+)
+MISTRAL_V11_TEMPLATE = (Path(__file__).parent / "mistral_v11_chat_template.jinja").read_text()
+
+
+def write_byte_tokenizer(
+    path: Path, template: str = TEMPLATE, vocab_spec: Vocab = QWEN
+) -> tokenizers.Tokenizer:
     """tokenizer.json and tokenizer_config.json (with `template`) in `path`."""
     alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    vocab = {t: i for i, t in enumerate([*SPECIALS, *alphabet])}
+    vocab = {t: i for i, t in enumerate([*vocab_spec.specials, *alphabet])}
     tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    extra = [f"<|unused_{i}|>" for i in range(VOCAB - len(vocab) - len(TOOL_MARKERS))]
-    tok.add_tokens([tokenizers.AddedToken(t, special=False) for t in [*TOOL_MARKERS, *extra]])
+    tok.add_special_tokens(list(vocab_spec.specials))
+    extra = [f"<|unused_{i}|>" for i in range(VOCAB - len(vocab) - len(vocab_spec.added))]
+    added = [*vocab_spec.added, *extra]
+    tok.add_tokens([tokenizers.AddedToken(t, special=False) for t in added])
     assert tok.get_vocab_size() == VOCAB
     tok.save(str(path / "tokenizer.json"))
     config = {
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
+        **dict(vocab_spec.names),
         "tokenizer_class": "PreTrainedTokenizerFast",
         "chat_template": template,
     }
@@ -50,22 +82,30 @@ def write_byte_tokenizer(path: Path, template: str = TEMPLATE) -> tokenizers.Tok
     return tok
 
 
-def write_tool_checkpoint(path: Path, template: str = TEMPLATE, max_positions: int = 2048) -> Path:
-    """The random Qwen2 checkpoint with the byte tokenizer and `template`, in `path`, with room
-    for `max_positions` (a byte per token: Qwen's tools prompt alone is ~700)."""
+def write_tool_checkpoint(
+    path: Path,
+    template: str = TEMPLATE,
+    max_positions: int = 2048,
+    family: str = "qwen2",
+    vocab: Vocab = QWEN,
+) -> Path:
+    """The random `family` checkpoint with the byte tokenizer of `vocab` and `template`, in
+    `path`, with room for `max_positions` (a byte per token: Qwen's tools prompt alone is
+    ~700)."""
     path.mkdir(parents=True, exist_ok=True)
-    save_hf_model(path, "qwen2")
+    save_hf_model(path, family)
     config = json.loads((path / "config.json").read_text())
     config["max_position_embeddings"] = max_positions
     (path / "config.json").write_text(json.dumps(config))
-    write_byte_tokenizer(path, template)
+    write_byte_tokenizer(path, template, vocab)
     return path
 
 
 @contextlib.contextmanager
-def tool_stack(factory: pytest.TempPathFactory, name: str) -> Iterator[Stack]:
-    """Both daemons on a tool checkpoint named `name` (its model id); the API follows them."""
-    ckpt = write_tool_checkpoint(factory.mktemp("ckpt") / name)
+def tool_stack(factory: pytest.TempPathFactory, name: str, **checkpoint: Any) -> Iterator[Stack]:
+    """Both daemons on a tool checkpoint named `name` (its model id; `checkpoint`: as
+    write_tool_checkpoint takes them); the API follows them."""
+    ckpt = write_tool_checkpoint(factory.mktemp("ckpt") / name, **checkpoint)
     pair = Pair(short_runtime(factory))
     pair.extra = {role: ["--model", str(ckpt)] for role in ("decode", "prefill")}
     try:
@@ -121,3 +161,20 @@ def hf_ids(ckpt: Path, messages: list[dict], tools: list[dict] | None) -> list[i
         chat.append(m)
     out = hf.apply_chat_template(chat, tools=tools, tokenize=True, add_generation_prompt=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def logprob_entries(logprobs: object) -> list[tuple[str, float, list]]:
+    """(token, logprob, its top alternatives) of each entry of a chat logprobs object."""
+    content = getattr(logprobs, "content", None) or []
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+def streamed_entries(api, kw: dict) -> tuple[list, str, list]:  # type: ignore[no-untyped-def]
+    """(the entries of every chunk in order, the content, the calls' names) of `kw` streamed."""
+    got, content, names = [], "", []
+    for chunk in api.chat.completions.create(**kw, stream=True):
+        for choice in chunk.choices:
+            got += logprob_entries(choice.logprobs)
+            content += choice.delta.content or ""
+            names += [p.function.name for p in choice.delta.tool_calls or [] if p.id is not None]
+    return got, content, names
