@@ -160,7 +160,10 @@ print(json.dumps(peak() - base))
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_the_reserve_covers_a_real_largest_forward(role: str) -> None:
-    n, rows = 4096, 8
+    # the decode's at 4 x the batch-context product of the prefill's shape: at 8 x 4096 its
+    # measured peak (20-23 MB against a 26.8 MB reserve) once passed the reserve on a loaded VM,
+    # the RSS's own noise (allocator, lazily made buffers) a few MB
+    n, rows = (4096, 8) if role == "prefill" else (8192, 16)
     if role == "prefill":
         forward = PrefillConfig(max_prompt_tokens=n).largest_forward("cpu", n, kernels=False)
     else:
