@@ -44,7 +44,8 @@
 #           yet passed there, each under its own limit: structured output (its two gpu tests,
 #           which failed on an H200 with no output back, then bench/structured_decode.py at the
 #           1.1B shape, overlapped and not), one copy of the weights (--share-weights is off on
-#           CUDA until tests/integration/test_gpu_shared_weights.py passes), bench/sliding_window.py
+#           CUDA until tests/integration/test_gpu_shared_weights.py passes), --num-blocks auto
+#           (tests/integration/test_gpu_pool_auto.py), bench/sliding_window.py
 #           (what skipping tiles before the window saves) and the host tier's multi-turn serve run
 #           (issues 41, 42, 43)
 # Everything lands in $OUT/results.tgz (re-made after each step) and $OUT/run.log; the device tool
@@ -82,8 +83,8 @@ if want tests; then
   pack
 fi
 if want new; then
-  # NEW picks the parts (default all four; together they may pass one call's 10 minutes)
-  part() { [[ ",${NEW:-structured,weights,window,tier}," == *",$1,"* ]]; }
+  # NEW picks the parts (default all five; together they may pass one call's 10 minutes)
+  part() { [[ ",${NEW:-structured,weights,pool,window,tier}," == *",$1,"* ]]; }
   gpu_tests() {  # $1: name, the rest: test paths; the failures so far even when cut by the limit
     local name=$1; shift
     step "new $name"
@@ -110,6 +111,10 @@ if want new; then
       > "$R/shared_weights.log" 2>&1
     tail -12 "$R/shared_weights.log" | tee -a "$log"
     pack
+  fi
+  if part pool; then  # --num-blocks auto on CUDA: the pools fit the formula, the warm-up the reserve
+    gpu_tests pool tests/integration/test_gpu_pool_auto.py
+    grep -h "pool_reserve_\|pool_sized" "$R/new_pool.log" | tail -4 | tee -a "$log"
   fi
   if part window; then
     step "new sliding_window"
