@@ -114,7 +114,6 @@ if want new; then
   fi
   if part pool; then  # --num-blocks auto on CUDA: the pools fit the formula, the warm-up the reserve
     gpu_tests pool tests/integration/test_gpu_pool_auto.py
-    grep -h "pool_reserve_\|pool_sized" "$R/new_pool.log" | tail -4 | tee -a "$log"
   fi
   if part window; then
     step "new sliding_window"
