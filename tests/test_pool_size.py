@@ -129,32 +129,39 @@ def test_each_role_names_its_largest_forward() -> None:
 
 
 # A real forward of the tiny model (fp32, CPU, torch path) at each role's largest shape, in a
-# process of its own: its peak RSS above the one after a small warm-up forward, in bytes.
+# process of its own: its peak RSS above the RSS after a small warm-up forward, in bytes (the
+# high-water mark reset there: ru_maxrss kept the peak of loading, which a forward at this size
+# may not pass, and read 0 after some other test modules had run in the parent).
 _MEASURE = """
-import json, resource, sys, torch
+import json, sys, torch
 from common.model.loader import load_model
 role, n, rows = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(1)
 model, _ = load_model(None, device=torch.device("cpu"), dtype=torch.float32)
 kv = model.new_kv_cache(n // 16 + 2, 16)
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def status(key):  # VmRSS / VmHWM of /proc/self/status, in bytes
+    line = next(x for x in open("/proc/self/status") if x.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+def reset_peak():  # the high-water mark is reset to the current RSS first (clear_refs "5", Linux 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status("VmRSS")
 long = lambda t: torch.full((t,), 7)
 if role == "prefill":  # the last chunk of a longest prompt, over the chunk before it
     model.prefill_batch([long(32)], [torch.arange(16, 48)], kv, starts=[16],
                         block_tables=[[0, 1, 2]])
-    base = peak()
+    base = reset_peak()
     model.prefill_batch([long(n - 16)], [torch.arange(16, n)], kv, starts=[16],
                         block_tables=[list(range(n // 16))])
 else:  # a full batch, one row's table the longest sequence's
     one = lambda v: torch.tensor([v])
     model.decode_step(one(1), one(5), one(5), torch.zeros(1, 1, dtype=torch.long), one(6), kv)
-    base = peak()
+    base = reset_peak()
     tables = torch.zeros(rows, n // 16, dtype=torch.long)
     tables[0] = torch.arange(n // 16)
     full = lambda v: torch.full((rows,), v)
     model.decode_step(full(1), full(n - 1), full(n - 1), tables, full(n), kv)
-print(json.dumps(peak() - base))
+print(json.dumps(status("VmHWM") - base))
 """
 
 
