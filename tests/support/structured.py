@@ -10,8 +10,13 @@ from typing import Any
 
 import jsonschema
 import pytest
+import torch
 
 from common import client
+from common.model.llama import LlamaModel
+from common.model.paged import blocks_for, slots_for
+from common.model.sampling import SamplingParams, draw, finish_reason, make_generator
+from common.structured import bitmask, grammars_for
 from tests.support.daemons import Pair
 
 #: characters of an answer's text, and of one log line, a message quotes
@@ -96,8 +101,63 @@ def first_difference(got: Sequence[int], want: Sequence[int]) -> str:
     return f"first differ at {k}: got {at(got)}, want {at(want)} (lengths {len(got)}, {len(want)})"
 
 
+def constrained_generate(
+    model: LlamaModel,
+    tokenizer: Any,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    block_size: int,
+) -> list[int]:
+    """The single-process answer of `prompt` under `params.structured` (a batch of one, eager):
+    every token, the first included, drawn as `draw` draws it under the matcher's mask (with the
+    generator of (seed, step)), ending where the daemons end a constrained sequence: the grammar
+    refused the token or its text is complete ("stop"), else `finish_reason`."""
+    assert params.structured is not None
+    params = params.validate().with_seed()
+    stops = model.config.stop_token_ids
+    grammars = grammars_for(tokenizer, model.config.vocab_size, stops)
+    matcher = grammars.compile(params.structured).matcher()
+    width = blocks_for(len(prompt) + params.max_tokens, block_size)
+    kv = model.new_kv_cache(width, block_size)
+    table = torch.arange(width)
+    slots = slots_for(table, 0, len(prompt), block_size)
+    logits = model.prefill(torch.tensor(list(prompt)), slots, kv)[None]
+    mask = bitmask.allocate(1, logits.shape[-1])
+    out: list[int] = []
+    while True:
+        mask.zero_()
+        matcher.fill(mask, 0)
+        step = len(out)
+        gen = make_generator(params, step)
+        tokens, _ = draw(
+            logits,
+            [params],
+            [gen],
+            steps=[step],
+            histories=[None],
+            eos_ids=stops,
+            masks=([0], mask),
+        )
+        token = tokens[0]
+        assert isinstance(token, int), token
+        out.append(token)
+        if not matcher.accept(token) or matcher.terminated or finish_reason(out, params, stops):
+            return out
+        pos = len(prompt) + step
+        logits = model.decode_step(
+            torch.tensor([token]),
+            torch.tensor([pos]),
+            slots_for(table, pos, 1, block_size),
+            table[None, : pos // block_size + 1],
+            torch.tensor([pos + 1]),
+            kv,
+        )
+
+
 __all__ = [
     "assert_valid",
+    "constrained_generate",
     "daemon_trouble",
     "describe",
     "first_difference",

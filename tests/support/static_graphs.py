@@ -1,0 +1,99 @@
+"""CUDA graphs' static outputs, emulated on the CPU (issue 42's CUDA-only failure).
+
+On CUDA the decode's steps replay graphs (common.model.runner.DecodeRunner) whose argmax and
+logits are static per-bucket buffers: `run` returns views of them, and the next replay of the same
+bucket overwrites them. On the CPU every eager step returns fresh tensors, so a view read after a
+later replay of its bucket (an aliasing bug) is invisible there. `StaticDecodeGraphs` has
+DecodeRunner's interface (`run`, `bucket_for`, `max_batch`, `max_blocks`, `replay_ns`, `buckets`)
+and runs the eager step, then copies its results into static per-bucket tensors and returns views
+of those, taking carried tokens exactly as DecodeRunner does: a stand-in for a fault the CPU cannot
+cause for real. The padded rows of a bucket get junk (as a graph computes rows of length 0), so
+that reading past a view's rows is not silently right either.
+
+What it does not emulate: the asynchrony of a stream (on the CPU every op is done when it
+returns, which is the stream's order) and the Triton kernels' sums.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from common.daemon.runtime import ModelRuntime
+from common.model.sampling import carry_tokens
+from common.model.warmup import batch_buckets
+
+#: what a padded row's logits hold (a graph computes them over no K/V): large, so its argmax is
+#: not any real row's by accident
+JUNK = 1.0e4
+
+
+class StaticDecodeGraphs:
+    """DecodeRunner's contract over the eager torch path: results in static per-bucket buffers."""
+
+    def __init__(self, rt: ModelRuntime, *, max_batch: int, max_blocks: int) -> None:
+        self.model, self.kv = rt.model, rt.pool.tensor
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.buckets = batch_buckets(max_batch)
+        self.replay_ns = 0
+        vocab = rt.model.config.vocab_size
+        self._logits = {b: torch.full((b, vocab), JUNK) for b in self.buckets}
+        self._argmax = {b: torch.zeros(b, dtype=torch.int64) for b in self.buckets}
+        self.replays: Counter[int] = Counter()  # per bucket
+        self.carried = 0  # replays whose tokens were carried from a step before
+        self.back_to_back = 0  # replays of the bucket the replay before used
+        self._last: int | None = None
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        block_tables: Sequence[Sequence[int]] | np.ndarray,
+        carry: tuple[np.ndarray, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As DecodeRunner.run: (argmax [n], logits [n, vocab]), views of this bucket's buffers
+        that its next replay overwrites."""
+        n = len(tokens)
+        bucket = self.bucket_for(n)
+        if bucket is None:
+            raise ValueError(f"batch of {n} rows: at most {self.max_batch}")
+        tables = np.zeros((n, self.max_blocks), dtype=np.int64)
+        for row, blocks in enumerate(block_tables):
+            blocks = np.asarray(blocks, dtype=np.int64)
+            if blocks.shape[0] > self.max_blocks:
+                raise ValueError(f"a block table is wider than max_blocks={self.max_blocks}")
+            tables[row, : blocks.shape[0]] = blocks
+        tok = torch.tensor(list(tokens), dtype=torch.int64)
+        if carry is not None:  # DecodeRunner: the rows travel with the inputs, then this op
+            rows = torch.from_numpy(np.array(carry[0], dtype=np.int64))
+            carry_tokens(tok, rows, carry[1])
+            self.carried += 1
+        pos = torch.as_tensor(np.asarray(positions, dtype=np.int64))
+        logits = self.model.decode_step(
+            tok,
+            pos,
+            torch.as_tensor(np.asarray(slots, dtype=np.int64)),
+            torch.from_numpy(tables),
+            pos + 1,
+            self.kv,
+        )
+        self.replay_ns = time.monotonic_ns()
+        out, argmax = self._logits[bucket], self._argmax[bucket]
+        out.fill_(JUNK)  # the padded rows: what a replay leaves there is no row's
+        out[:n] = logits
+        argmax.copy_(torch.argmax(out, dim=-1))
+        self.replays[bucket] += 1
+        self.back_to_back += self._last == bucket
+        self._last = bucket
+        return argmax[:n], out[:n]
+
+
+__all__ = ["JUNK", "StaticDecodeGraphs"]
