@@ -10,8 +10,9 @@ of those, taking carried tokens exactly as DecodeRunner does: a stand-in for a f
 cause for real. The padded rows of a bucket get junk (as a graph computes rows of length 0), so
 that reading past a view's rows is not silently right either.
 
-What it does not emulate: the asynchrony of a stream (on the CPU every op is done when it
-returns, which is the stream's order) and the Triton kernels' sums.
+`StaticPrefillGraphs` does the same for the prefill's graphs (PrefillGraphs: each piece's
+last-token logits). What neither emulates: the asynchrony of a stream (on the CPU every op is
+done when it returns, which is the stream's order) and the Triton kernels' sums.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ import numpy as np
 import torch
 
 from common.daemon.runtime import ModelRuntime
+from common.model.prefill import prefill_many
 from common.model.sampling import carry_tokens
-from common.model.warmup import batch_buckets
+from common.model.warmup import batch_buckets, graph_token_buckets
 
+#: PrefillGraphs' sequence buckets (common.model.prefill_graphs imports triton: not here)
+SEQ_BUCKETS = (1, 2, 4, 8)
 #: what a padded row's logits hold (a graph computes them over no K/V): large, so its argmax is
 #: not any real row's by accident
 JUNK = 1.0e4
@@ -96,4 +100,60 @@ class StaticDecodeGraphs:
         return argmax[:n], out[:n]
 
 
-__all__ = ["JUNK", "StaticDecodeGraphs"]
+class StaticPrefillGraphs:
+    """PrefillGraphs' contract (common.model.prefill_graphs) over the eager torch path: each
+    piece's last-token logits in a static per-(tokens, sequences) bucket buffer, its padded rows
+    junk, returned as a view that the bucket's next run overwrites."""
+
+    def __init__(
+        self, rt: ModelRuntime, *, max_tokens: int, max_seqs: int, max_blocks: int
+    ) -> None:
+        self.model, self.kv = rt.model, rt.pool.tensor
+        self.tokens = graph_token_buckets(max_tokens)
+        self.max_tokens = self.tokens[-1]
+        self.seqs = [s for s in SEQ_BUCKETS if s <= max(1, max_seqs)]
+        self.max_seqs, self.max_blocks = self.seqs[-1], max_blocks
+        vocab = rt.model.config.vocab_size
+        self._logits = {
+            (nt, ns): torch.full((ns, vocab), JUNK)
+            for nt in self.tokens
+            for ns in self.seqs
+            if ns <= nt
+        }
+        self.replays: Counter[tuple[int, int]] = Counter()
+
+    def bucket_for(self, lengths: Sequence[int], widths: Sequence[int]) -> tuple[int, int] | None:
+        """As PrefillGraphs.bucket_for."""
+        total, n = sum(lengths), len(lengths)
+        if total > self.max_tokens or n > self.max_seqs or not n or max(widths) > self.max_blocks:
+            return None
+        nt = next(b for b in self.tokens if b >= total)
+        ns = next(b for b in self.seqs if b >= n)
+        return (nt, ns) if (nt, ns) in self._logits else None
+
+    def run(
+        self,
+        tokens: Sequence[Sequence[int]],
+        slots: Sequence[torch.Tensor],
+        starts: Sequence[int],
+        tables: Sequence[Sequence[int]],
+        bucket: tuple[int, int],
+    ) -> torch.Tensor:
+        """As PrefillGraphs.run: [n, vocab], a view of the bucket's buffer."""
+        logits = prefill_many(
+            self.model,
+            [torch.tensor(list(t), dtype=torch.long) for t in tokens],
+            list(slots),
+            self.kv,
+            token_budget=self.max_tokens,
+            starts=list(starts),
+            block_tables=list(tables),
+        )
+        out = self._logits[bucket]
+        out.fill_(JUNK)
+        out[: len(tokens)] = logits
+        self.replays[bucket] += 1
+        return out[: len(tokens)]
+
+
+__all__ = ["JUNK", "StaticDecodeGraphs", "StaticPrefillGraphs"]
