@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import jsonschema
 import msgspec
 import pytest
+import torch
 
 from common.daemon.runtime import ModelRuntime
 from common.model import reference
@@ -157,3 +158,51 @@ async def test_static_step_outputs_give_the_single_process_answers(
         assert 0 < replayed < table.engine.steps, (graphs.replays, table.engine.steps)
     if overlap != "off":
         assert table.engine.overlapped > 0 and graphs.carried > 0
+
+
+async def test_a_first_step_launched_alone_then_constrained_ones_join_over_static_outputs(
+    rt, side: Side, link: FakeLink, answers
+) -> None:  # type: ignore[no-untyped-def]
+    """KV_LAUNCHED's first step (CUDA only: launched.py) as far as the CPU can take it: a plain
+    sequence's first step launched alone, its token carried from a device tensor (here already
+    on the host too, so its KV_READY is not awaited), then greedy constrained sequences join
+    and the next steps carry its token from that step's static argmax (bucket 1) into a step
+    of bucket 4 whose constrained rows are masked: every answer is the single-process one."""
+    graphs = StaticDecodeGraphs(rt, max_batch=MAX_BATCH, max_blocks=64)
+    rt.graphs = graphs
+    table = DecodeRequests(rt, max_batch=MAX_BATCH, overlap="always")
+    picked = [4, 0, 1, 2]  # the plain long one first, then three constrained
+    try:
+        prompt, params, _ = FIRST[4]
+        table.handoff(link, _handoff(side, "r4", prompt, params, answers[4][0]))
+        (seq,) = table.engine.sequences()
+        seq.first_on_device = torch.tensor([answers[4][0]])
+        assert table.engine.ahead_steps is not None
+        table.engine.ahead_steps.add_first(seq)
+        table.step_done(await table.engine.step())  # launched alone, nothing read yet
+        assert table.engine.ahead and graphs.replays == {1: 1} and graphs.carried == 1
+        for i in picked[1:]:
+            prompt, params, _ = FIRST[i]
+            table.handoff(link, _handoff(side, f"r{i}", prompt, params, answers[i][0]))
+        loop = asyncio.create_task(table.run())
+        try:
+            async with asyncio.timeout(60):
+                while len(link.of(Finish)) < len(picked):
+                    assert not loop.done(), loop.exception()
+                    await asyncio.sleep(0.002)
+        finally:
+            loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loop
+    finally:
+        rt.graphs = None
+        for i in picked:
+            side.producer.allocator.free(f"r{i}")
+    streams: dict[str, list[int]] = {}
+    for m in link.of(Tokens):
+        streams.setdefault(m.request_id, []).extend(m.tokens)
+    for i in picked:
+        got = [answers[i][0], *streams[f"r{i}"]]
+        assert got == answers[i], f"r{i}: {first_difference(got, answers[i])}"
+    assert graphs.replays[4] > 0 and table.engine.overlapped > 0
+    assert rt.allocator.num_free == rt.allocator.total
