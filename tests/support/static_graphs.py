@@ -2,13 +2,16 @@
 
 On CUDA the decode's steps replay graphs (common.model.runner.DecodeRunner) whose argmax and
 logits are static per-bucket buffers: `run` returns views of them, and the next replay of the same
-bucket overwrites them. On the CPU every eager step returns fresh tensors, so a view read after a
-later replay of its bucket (an aliasing bug) is invisible there. `StaticDecodeGraphs` has
-DecodeRunner's interface (`run`, `bucket_for`, `max_batch`, `max_blocks`, `replay_ns`, `buckets`)
-and runs the eager step, then copies its results into static per-bucket tensors and returns views
-of those, taking carried tokens exactly as DecodeRunner does: a stand-in for a fault the CPU cannot
-cause for real. The padded rows of a bucket get junk (as a graph computes rows of length 0), so
-that reading past a view's rows is not silently right either.
+bucket overwrites them; so may a replay of a larger bucket: the graphs share one memory pool,
+captured largest first, so a smaller bucket's outputs may lie where a larger one keeps its
+intermediates. On the CPU every eager step returns fresh tensors, so a view read after a later
+replay (an aliasing bug) is invisible there. `StaticDecodeGraphs` has DecodeRunner's interface
+(`run`, `bucket_for`, `max_batch`, `max_blocks`, `replay_ns`, `buckets`) and runs the eager
+step, then copies its results into static per-bucket tensors and returns views of those, taking
+carried tokens exactly as DecodeRunner does: a stand-in for a fault the CPU cannot cause for
+real. Each run puts junk into every bucket's outputs first (the padded rows keep it, as
+a graph computes rows of length 0), so that a view read after a later run, or past its rows,
+is wrong.
 
 `StaticPrefillGraphs` does the same for the prefill's graphs (PrefillGraphs: each piece's
 last-token logits). What neither emulates: the asynchrony of a stream (on the CPU every op is
@@ -47,6 +50,7 @@ class StaticDecodeGraphs:
         vocab = rt.model.config.vocab_size
         self._logits = {b: torch.full((b, vocab), JUNK) for b in self.buckets}
         self._argmax = {b: torch.zeros(b, dtype=torch.int64) for b in self.buckets}
+        self._junk_token = vocab - 1  # a special id: a stale argmax read or carried shows
         self.replays: Counter[int] = Counter()  # per bucket
         self.carried = 0  # replays whose tokens were carried from a step before
         self.back_to_back = 0  # replays of the bucket the replay before used
@@ -54,6 +58,13 @@ class StaticDecodeGraphs:
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
+
+    def _clobber(self) -> None:
+        """Junk in every bucket's outputs: what a replay may leave in any earlier step's views
+        (the module's docstring says why; every bucket, the stricter contract)."""
+        for b in self.buckets:
+            self._logits[b].fill_(JUNK)
+            self._argmax[b].fill_(self._junk_token)
 
     def run(
         self,
@@ -90,8 +101,8 @@ class StaticDecodeGraphs:
             self.kv,
         )
         self.replay_ns = time.monotonic_ns()
+        self._clobber()
         out, argmax = self._logits[bucket], self._argmax[bucket]
-        out.fill_(JUNK)  # the padded rows: what a replay leaves there is no row's
         out[:n] = logits
         argmax.copy_(torch.argmax(out, dim=-1))
         self.replays[bucket] += 1
@@ -149,8 +160,9 @@ class StaticPrefillGraphs:
             starts=list(starts),
             block_tables=list(tables),
         )
+        for buffer in self._logits.values():  # a replay may overwrite any earlier view
+            buffer.fill_(JUNK)
         out = self._logits[bucket]
-        out.fill_(JUNK)
         out[: len(tokens)] = logits
         self.replays[bucket] += 1
         return out[: len(tokens)]
