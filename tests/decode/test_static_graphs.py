@@ -17,7 +17,6 @@ import contextlib
 import json
 from collections.abc import Iterator
 
-import jsonschema
 import msgspec
 import pytest
 import torch
@@ -32,7 +31,7 @@ from decode_server.startup import load_runtime
 from tests.support.decode import FakeLink, Side
 from tests.support.schemas import SCHEMAS
 from tests.support.static_graphs import StaticDecodeGraphs
-from tests.support.structured import constrained_generate, first_difference
+from tests.support.structured import constrained_generate, first_difference, validate_json
 
 pytest.importorskip("llguidance")
 
@@ -146,7 +145,7 @@ async def test_static_step_outputs_give_the_single_process_answers(
         elif schema is not None:
             text = bytes(t for t in got if t < 256).decode()
             assert finish[f"r{i}"] == "stop", (i, text)
-            jsonschema.validate(json.loads(text), schema)
+            validate_json(text, schema)
     assert not wrong, "\n".join(wrong)
     assert rt.allocator.num_free == rt.allocator.total
     # the emulation was exercised: several buckets, one replayed back to back (or, with narrow
