@@ -7,7 +7,8 @@ are a fault the CPU cannot cause for real, hence the stand-in.
 Greedy constrained, plain greedy, then sampled (constrained and plain) sequences joining later,
 with overlapped steps off, on and always, with every step replayed or some eager (block tables
 wider than the graphs take): the batch runs 1 to 9 rows (buckets 1, 2, 4, 8, 16, the same one
-replayed back to back), and every sequence's tokens equal its single-process answer (the
+replayed back to back), and the tokens of a step launched ahead reach the host only once it
+waits for them (LateReadback); every sequence's tokens equal its single-process answer (the
 reference, or the same under its grammar), every constrained answer validating."""
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from decode_server.requests import DecodeRequests
 from decode_server.startup import load_runtime
 from tests.support.decode import FakeLink, Side
 from tests.support.schemas import SCHEMAS
-from tests.support.static_graphs import StaticDecodeGraphs
+from tests.support.static_graphs import LateReadback, StaticDecodeGraphs
 from tests.support.structured import constrained_generate, first_difference, validate_json
 
 pytest.importorskip("llguidance")
@@ -119,6 +120,17 @@ async def _decode(table: DecodeRequests, link: FakeLink, side: Side, answers) ->
             await loop
 
 
+def _late_readback(table: DecodeRequests, rt: ModelRuntime) -> LateReadback | None:
+    """The steps launched ahead read their tokens from copies that land only once waited on,
+    as on CUDA (None without overlapped steps)."""
+    ahead = table.engine.ahead_steps
+    if ahead is None:
+        return None
+    late = LateReadback(MAX_BATCH, rt.device, rt.model.config.vocab_size - 1)
+    ahead._readback = late
+    return late
+
+
 @pytest.mark.parametrize("max_blocks", [64, 24], ids=["all-replayed", "some-eager"])
 @pytest.mark.parametrize("overlap", ["off", "on", "always"])
 async def test_static_step_outputs_give_the_single_process_answers(
@@ -127,6 +139,7 @@ async def test_static_step_outputs_give_the_single_process_answers(
     graphs = StaticDecodeGraphs(rt, max_batch=MAX_BATCH, max_blocks=max_blocks)
     rt.graphs = graphs
     table = DecodeRequests(rt, max_batch=MAX_BATCH, overlap=overlap)
+    late = _late_readback(table, rt)
     try:
         await _decode(table, link, side, answers)
     finally:
@@ -157,6 +170,7 @@ async def test_static_step_outputs_give_the_single_process_answers(
         assert 0 < replayed < table.engine.steps, (graphs.replays, table.engine.steps)
     if overlap != "off":
         assert table.engine.overlapped > 0 and graphs.carried > 0
+        assert late is not None and late.started > 0
 
 
 async def test_a_first_step_launched_alone_then_constrained_ones_join_over_static_outputs(
@@ -170,6 +184,7 @@ async def test_a_first_step_launched_alone_then_constrained_ones_join_over_stati
     graphs = StaticDecodeGraphs(rt, max_batch=MAX_BATCH, max_blocks=64)
     rt.graphs = graphs
     table = DecodeRequests(rt, max_batch=MAX_BATCH, overlap="always")
+    _late_readback(table, rt)
     picked = [4, 0, 1, 2]  # the plain long one first, then three constrained
     try:
         prompt, params, _ = FIRST[4]

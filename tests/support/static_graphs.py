@@ -14,8 +14,10 @@ a graph computes rows of length 0), so that a view read after a later run, or pa
 is wrong.
 
 `StaticPrefillGraphs` does the same for the prefill's graphs (PrefillGraphs: each piece's
-last-token logits). What neither emulates: the asynchrony of a stream (on the CPU every op is
-done when it returns, which is the stream's order) and the Triton kernels' sums.
+last-token logits). `LateReadback` gives a launched step's tokens to the host as a pinned copy
+on CUDA does: junk in the host buffer until its event is synchronized (or queried done). What
+none emulates: the rest of a stream's asynchrony (on the CPU every op is done when it returns,
+which is the stream's order) and the Triton kernels' sums.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +34,7 @@ from common.daemon.runtime import ModelRuntime
 from common.model.prefill import prefill_many
 from common.model.sampling import carry_tokens
 from common.model.warmup import batch_buckets, graph_token_buckets
+from decode_server.overlap import Readback
 
 #: PrefillGraphs' sequence buckets (common.model.prefill_graphs imports triton: not here)
 SEQ_BUCKETS = (1, 2, 4, 8)
@@ -168,4 +172,42 @@ class StaticPrefillGraphs:
         return out[: len(tokens)]
 
 
-__all__ = ["JUNK", "StaticDecodeGraphs", "StaticPrefillGraphs"]
+class _Landing:
+    """A CUDA event recorded after a device-to-host copy, as its host sees it: the copy's
+    values are in `host` once `synchronize()` ran or `query()` said done, not before."""
+
+    def __init__(self, host: torch.Tensor, values: torch.Tensor) -> None:
+        self.host, self.values, self.landed = host, values, False
+
+    def query(self) -> bool:
+        self._land()
+        return True
+
+    def synchronize(self) -> None:
+        self._land()
+
+    def _land(self) -> None:
+        if not self.landed:
+            self.host.copy_(self.values)
+            self.landed = True
+
+
+class LateReadback(Readback):
+    """decode_server.overlap.Readback whose copies land late: `start` leaves junk (a special id,
+    finite flags set) in the host buffer and returns an event that puts the values there when
+    the host waits on it, so a read that does not wait reads junk."""
+
+    def __init__(self, max_batch: int, device: torch.device, junk_token: int) -> None:
+        super().__init__(max_batch, device)
+        self._junk = junk_token
+        self.started = 0
+
+    def start(self, argmax: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        host, _ = super().start(argmax, logits)  # on the CPU: copied at once
+        values = host.clone()
+        host[0].fill_(self._junk)
+        self.started += 1
+        return host, _Landing(host, values)
+
+
+__all__ = ["JUNK", "LateReadback", "StaticDecodeGraphs", "StaticPrefillGraphs"]
