@@ -26,6 +26,19 @@ TEXT_CHARS = 160
 LOG_LINES = 12
 
 
+#: the structured CUDA tests run once with the daemons' CUDA defaults and once without each
+#: CUDA-only feature the decode or the prefill could get wrong under a grammar (decode args,
+#: prefill args): a failure under some and not others names the feature (issue 42's H200 run
+#: failed, its log cut)
+CUDA_VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "defaults": ((), ()),
+    "no-overlapped-steps": (("--overlap-steps", "off"), ()),
+    "no-prefill-graphs": ((), ("--prefill-graph-tokens", "0")),
+    "no-kv-launched": ((), ("--no-launch-early",)),
+    "no-early-handoff": ((), ("--no-early-handoff",)),
+}
+
+
 def require_grammar_library() -> None:
     """Fail at once, saying so, where llguidance cannot be imported (the GPU machine installs it
     from bench/device_wheels.sh's wheels): every constrained request would fail INTERNAL."""
@@ -166,6 +179,7 @@ def constrained_generate(
 
 
 __all__ = [
+    "CUDA_VARIANTS",
     "assert_valid",
     "constrained_generate",
     "daemon_trouble",
