@@ -185,10 +185,10 @@ def test_random_checkpoint_schemas_equal_transformers_on_cuda(tmp_path_factory, 
     ckpt = tmp_path_factory.mktemp("ckpt")
     model = save_hf_model(ckpt).to("cuda:0")
     pair = _pair(tmp_path_factory.mktemp("rt"), ckpt, "--device", "cuda:0")
-    decode, prefill = CUDA_VARIANTS[variant]
+    decode, prefill, env = CUDA_VARIANTS[variant]
     try:
-        pair.start("decode", *decode)
-        pair.start("prefill", *prefill)
+        pair.start("decode", *decode, env=env)
+        pair.start("prefill", *prefill, env=env)
         schemas_equal_transformers(pair, model, "cuda:0")
         assert pair.stop_all() == {"prefill": 0, "decode": 0}
     finally:

@@ -253,9 +253,9 @@ def test_structured_on_cuda(pair_factory, variant: str) -> None:  # type: ignore
     logits within 1e-5 (relative) of the CPU's draw the same tokens (2026-12-05)."""
     require_grammar_library()
     args = ("--device", "cuda:0", "--dtype", "float32")
-    decode, prefill = CUDA_VARIANTS[variant]
-    pair_factory.start("decode", *args, *decode)
-    pair_factory.start("prefill", *args, *prefill)
+    decode, prefill, env = CUDA_VARIANTS[variant]
+    pair_factory.start("decode", *args, *decode, env=env)
+    pair_factory.start("prefill", *args, *prefill, env=env)
     model, _ = load_model(None, device="cuda:0", dtype=torch.float32)
     test_unconstrained_neighbour_unchanged_and_constrained_valid(pair_factory, model)
     test_200_seeded_samples_validate(pair_factory)

@@ -27,15 +27,17 @@ LOG_LINES = 12
 
 
 #: the structured CUDA tests run once with the daemons' CUDA defaults and once without each
-#: CUDA-only feature the decode or the prefill could get wrong under a grammar (decode args,
-#: prefill args): a failure under some and not others names the feature (issue 42's H200 run
-#: failed, its log cut)
-CUDA_VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "defaults": ((), ()),
-    "no-overlapped-steps": (("--overlap-steps", "off"), ()),
-    "no-prefill-graphs": ((), ("--prefill-graph-tokens", "0")),
-    "no-kv-launched": ((), ("--no-launch-early",)),
-    "no-early-handoff": ((), ("--no-early-handoff",)),
+#: CUDA-only feature the decode or the prefill could get wrong under a grammar: (decode args,
+#: prefill args, both daemons' extra environment). A failure under some and not others names
+#: the feature (issue 42's H200 run failed, its log cut). PDKV_KERNELS=0: the torch path on the
+#: GPU, so no Triton kernel and no CUDA graph in either daemon.
+CUDA_VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...], dict[str, str]]] = {
+    "defaults": ((), (), {}),
+    "no-overlapped-steps": (("--overlap-steps", "off"), (), {}),
+    "no-prefill-graphs": ((), ("--prefill-graph-tokens", "0"), {}),
+    "no-kv-launched": ((), ("--no-launch-early",), {}),
+    "no-early-handoff": ((), ("--no-early-handoff",), {}),
+    "no-kernels-no-graphs": ((), (), {"PDKV_KERNELS": "0"}),
 }
 
 
