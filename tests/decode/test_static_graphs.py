@@ -1,12 +1,13 @@
 """The decode's steps over CUDA graphs' static outputs, emulated on the CPU (issue 42: structured
 output failed on CUDA only). `StaticDecodeGraphs` (tests/support/static_graphs.py) stands in for
-DecodeRunner: each step's argmax and logits are views of per-bucket buffers that the next step of
-the same bucket overwrites, and carried tokens are taken as DecodeRunner takes them. The graphs
+DecodeRunner: each step's argmax and logits are views of per-bucket buffers that any later step
+may overwrite (junk in all of them at each step), and carried tokens are taken as DecodeRunner
+takes them. The graphs
 are a fault the CPU cannot cause for real, hence the stand-in.
 
 Greedy constrained, plain greedy, then sampled (constrained and plain) sequences joining later,
 with overlapped steps off, on and always, with every step replayed or some eager (block tables
-wider than the graphs take): the batch runs 1 to 9 rows (buckets 1, 2, 4, 8, 16, the same one
+wider than the graphs take): the batch runs 1 to 9 rows (several of the buckets 1 to 16, one
 replayed back to back), and the tokens of a step launched ahead reach the host only once it
 waits for them (LateReadback); every sequence's tokens equal its single-process answer (the
 reference, or the same under its grammar), every constrained answer validating."""
