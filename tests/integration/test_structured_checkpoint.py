@@ -23,6 +23,7 @@ from tests.support.checkpoints import save_hf_model
 from tests.support.daemons import Pair
 from tests.support.schemas import SCHEMAS
 from tests.support.structured import (
+    CUDA_VARIANTS,
     assert_valid,
     describe,
     first_difference,
@@ -173,19 +174,21 @@ def test_random_checkpoint_schemas_equal_transformers_on_cpu(tmp_path_factory, o
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="CUDA unavailable (no driver or no GPU)")
-def test_random_checkpoint_schemas_equal_transformers_on_cuda(tmp_path_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_random_checkpoint_schemas_equal_transformers_on_cuda(tmp_path_factory, variant) -> None:  # type: ignore[no-untyped-def]
     """The same with both daemons and transformers on cuda:0, fp32, the daemons' CUDA defaults
     (the decode's steps replay CUDA graphs and go ahead; the masks are filled while the step's
-    kernels run). On the CPU the top two allowed logits along every answer are at least 1.2 %
-    apart (relative, 2026-12-05): a difference here is not a near-tie unless its message shows
-    one."""
+    kernels run), and without each CUDA-only feature in turn (CUDA_VARIANTS). On the CPU the
+    top two allowed logits along every answer are at least 1.2 % apart (relative, 2026-12-05):
+    a difference here is not a near-tie unless its message shows one."""
     require_grammar_library()
     ckpt = tmp_path_factory.mktemp("ckpt")
     model = save_hf_model(ckpt).to("cuda:0")
     pair = _pair(tmp_path_factory.mktemp("rt"), ckpt, "--device", "cuda:0")
+    decode, prefill, env = CUDA_VARIANTS[variant]
     try:
-        pair.start("decode")
-        pair.start("prefill")
+        pair.start("decode", *decode, env=env)
+        pair.start("prefill", *prefill, env=env)
         schemas_equal_transformers(pair, model, "cuda:0")
         assert pair.stop_all() == {"prefill": 0, "decode": 0}
     finally:

@@ -21,6 +21,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 from tests.support.daemons import Pair, all_free, short_dir
 from tests.support.schemas import SCHEMAS
 from tests.support.structured import (
+    CUDA_VARIANTS,
     assert_valid,
     describe,
     first_difference,
@@ -241,16 +242,20 @@ def test_with_the_cuda_defaults_on_the_cpu(pair_factory, tiny) -> None:  # type:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cuda_available(), reason="CUDA unavailable (no driver or no GPU)")
-def test_structured_on_cuda(pair_factory) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("variant", list(CUDA_VARIANTS))
+def test_structured_on_cuda(pair_factory, variant: str) -> None:  # type: ignore[no-untyped-def]
     """The same on CUDA, fp32 (the daemons' CUDA defaults: CUDA graphs in both, steps launched
-    ahead): the decode's steps mix graph replays and constrained rows; the unconstrained
-    neighbours equal the reference and the samples validate. On the CPU, with the tiny model's
-    seeds, greedy answers take at most 45 tokens of 200 (top-2 allowed logits at least 0.19
-    apart), 1,800 seeded samples at most 49 (2026-12-05): a failure here is not a cap."""
+    ahead), and without each CUDA-only feature in turn (CUDA_VARIANTS): the decode's steps mix
+    graph replays and constrained rows; the unconstrained neighbours equal the reference and
+    the samples validate. On the CPU, with the tiny model's seeds, greedy answers take at most
+    45 tokens of 200 (top-2 allowed logits at least 0.19 apart), 1,800 seeded samples at most
+    49 (2026-12-05): a failure here is not a cap. The seeded samples are the CPU's too: fp32
+    logits within 1e-5 (relative) of the CPU's draw the same tokens (2026-12-05)."""
     require_grammar_library()
     args = ("--device", "cuda:0", "--dtype", "float32")
-    pair_factory.start("decode", *args)
-    pair_factory.start("prefill", *args)
+    decode, prefill, env = CUDA_VARIANTS[variant]
+    pair_factory.start("decode", *args, *decode, env=env)
+    pair_factory.start("prefill", *args, *prefill, env=env)
     model, _ = load_model(None, device="cuda:0", dtype=torch.float32)
     test_unconstrained_neighbour_unchanged_and_constrained_valid(pair_factory, model)
     test_200_seeded_samples_validate(pair_factory)
