@@ -85,16 +85,23 @@ fi
 if want new; then
   # NEW picks the parts (default all five; together they may pass one call's 10 minutes)
   part() { [[ ",${NEW:-structured,weights,pool,window,tier}," == *",$1,"* ]]; }
-  gpu_tests() {  # $1: name, the rest: test paths; the failures so far even when cut by the limit
-    local name=$1; shift
+  gpu_tests() {  # $1: name, $2: limit (s), the rest: test paths; the failures so far even when
+    # cut by the limit, and the daemons' logs of the run (pytest's tmp dirs) in $R/logs_$1
+    local name=$1 limit=$2; shift 2
     step "new $name"
-    timeout -s INT -k 30 "${NEW_TIMEOUT:-240}" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    local since="$R/.since_$name"
+    touch "$since"
+    timeout -s INT -k 30 "$limit" "$PY" -m pytest -q -rfEs --tb=short -p no:cacheprovider \
       --timeout 200 -m gpu "$@" > "$R/new_$name.log" 2>&1
     tail -30 "$R/new_$name.log" | tee -a "$log"
+    mkdir -p "$R/logs_$name"
+    find "/tmp/pytest-of-$(id -un)" -name '*.log' -size -4M -newer "$since" 2>/dev/null \
+      | while read -r f; do cp "$f" "$R/logs_$name/$(echo "${f#/tmp/}" | tr / _)"; done
     pack
   }
-  if part structured; then
-    gpu_tests structured tests/integration/test_structured_daemons.py \
+  if part structured; then  # 6 variants each (CUDA_VARIANTS): which CUDA feature fails, if any
+    gpu_tests structured_daemons "${NEW_TIMEOUT:-300}" tests/integration/test_structured_daemons.py
+    gpu_tests structured_checkpoint "${NEW_TIMEOUT:-300}" \
       tests/integration/test_structured_checkpoint.py
     for mode in off always; do
       step "new structured_decode overlap=$mode"
@@ -105,7 +112,7 @@ if want new; then
     pack
   fi
   if part weights; then
-    gpu_tests weights tests/integration/test_gpu_shared_weights.py
+    gpu_tests weights "${NEW_TIMEOUT:-240}" tests/integration/test_gpu_shared_weights.py
     step "new shared_weights 1.1B"
     timeout 200 "$PY" bench/shared_weights.py --device cuda:0 --shape tinyllama-1.1b \
       > "$R/shared_weights.log" 2>&1
@@ -113,7 +120,7 @@ if want new; then
     pack
   fi
   if part pool; then  # --num-blocks auto on CUDA: the pools fit the formula, the warm-up the reserve
-    gpu_tests pool tests/integration/test_gpu_pool_auto.py
+    gpu_tests pool "${NEW_TIMEOUT:-240}" tests/integration/test_gpu_pool_auto.py
   fi
   if part window; then
     step "new sliding_window"
