@@ -27,6 +27,7 @@ from typing import TypeVar
 
 import structlog
 
+from api_server import structured
 from api_server.config import ApiConfig
 from api_server.errors import timed_out, unavailable
 from api_server.model import ServedModel, Unservable, served_model
@@ -209,6 +210,7 @@ class Daemons:
             log.warning("model_unservable", error=str(exc))
         else:
             log.info("model_served", model=self._served.id, path=self._served.card.path or None)
+            structured.warm(self._served.card.path)
 
     async def statuses(self) -> dict[str, StatusReply | str]:
         """Each daemon's STATUS_REPLY, or why it did not answer (for /health and /metrics):

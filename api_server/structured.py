@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from common.model.config import BYTE_VOCAB, TINY_EOS
 from common.model.tokenizer import ByteTokenizer, HFTokenizer
 from common.sampling_params import MAX_STRUCTURED_SPEC, StructuredOutput
 from common.structured import GrammarCache, GrammarError, grammars_for
+from common.structured.warm import warm_in_background
 
 #: vLLM's extra fields and the kind each one asks for
 GUIDED = {
@@ -187,11 +189,24 @@ def _guided_spec(name: str, kind: str, value: Any) -> str:
 
 
 _caches: dict[str, GrammarCache] = {}
+_caches_lock = threading.Lock()
+
+
+def warm(path: str) -> threading.Thread:
+    """Build the grammar cache of the daemons' model (`path` as in `_cache_for`) on a thread of
+    its own, when the API learns the model: the first constrained request then costs a
+    schema's compile, not the ~0.5 s of the tokenizer's view (common.structured.warm)."""
+    return warm_in_background(lambda: _cache_for(path), role="api", path=path or None)
 
 
 def _cache_for(path: str) -> GrammarCache:
     """The API's grammar cache for the daemons' tokenizer (`path`: their checkpoint directory,
     "" for the tiny model; built once per model, ~0.5 s for a 49k vocabulary)."""
+    with _caches_lock:  # the warm thread and a request's compile build it once between them
+        return _cache_locked(path)
+
+
+def _cache_locked(path: str) -> GrammarCache:
     cache = _caches.get(path)
     model_dir = Path(path) if path else None
     if cache is None:

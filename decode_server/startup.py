@@ -3,7 +3,6 @@ batch bucket, compiled and captured before the first link, and the sampler's ker
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -19,25 +18,12 @@ log = structlog.get_logger(__name__)
 def load_runtime(cfg: DecodeConfig) -> ModelRuntime:
     """The decode's ModelRuntime; on CUDA with the Triton kernels `rt.graphs` is its
     DecodeRunner (common.model.runner). The grammar library's view of the tokenizer is built
-    meanwhile on a thread of its own (`warm_grammars`)."""
+    meanwhile on a thread of its own (common.structured.warm)."""
+    from common.structured.warm import warm_runtime
+
     rt = ModelRuntime.load(cfg, "decode", lambda rt, max_blocks: capture(rt, cfg, max_blocks))
-    threading.Thread(target=warm_grammars, args=(rt,), name="grammar-warm", daemon=True).start()
+    warm_runtime(rt, "decode")
     return rt
-
-
-def warm_grammars(rt: ModelRuntime) -> None:
-    """Build this daemon's grammar cache (~0.2-0.5 s for a 50k-100k vocabulary), so the first
-    constrained HANDOFF, admitted on the loop, costs a schema's compile (~1 ms), not this."""
-    from common.structured import grammars_for
-
-    started = time.perf_counter()
-    try:
-        config = rt.model.config
-        grammars_for(rt.tokenizer, config.vocab_size, config.stop_token_ids)
-    except Exception as exc:  # a tokenizer the library cannot read: constrained requests fail
-        log.warning("grammar_warm_failed", error=f"{type(exc).__name__}: {exc}")
-        return
-    log.info("grammars_warmed", seconds=round(time.perf_counter() - started, 3))
 
 
 def capture(rt: ModelRuntime, cfg: DecodeConfig, max_blocks: int) -> Any:

@@ -18,8 +18,14 @@ log = structlog.get_logger(__name__)
 
 def load_runtime(cfg: PrefillConfig) -> ModelRuntime:
     """The prefill's ModelRuntime, warmed on CUDA; `rt.graphs` is its PrefillGraphs
-    (common.model.prefill_graphs), or None with --prefill-graph-tokens 0."""
-    return ModelRuntime.load(cfg, "prefill", lambda rt, max_blocks: warm(rt, cfg, max_blocks))
+    (common.model.prefill_graphs), or None with --prefill-graph-tokens 0. The grammar
+    library's view of the tokenizer is built meanwhile on a thread of its own
+    (common.structured.warm: a constrained request's admission then costs a schema's compile)."""
+    from common.structured.warm import warm_runtime
+
+    rt = ModelRuntime.load(cfg, "prefill", lambda rt, max_blocks: warm(rt, cfg, max_blocks))
+    warm_runtime(rt, "prefill")
+    return rt
 
 
 def warm(rt: ModelRuntime, cfg: PrefillConfig, max_blocks: int) -> Any:

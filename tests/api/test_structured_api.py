@@ -282,3 +282,34 @@ def test_disable_additional_properties_reaches_every_nested_object() -> None:
     assert got["properties"]["properties"] == {"type": "string"}
     req.structured_outputs = {"json": schema}
     assert json.loads(structured_of(req).spec) == schema
+
+
+def _warm_lines(text: str) -> list[dict]:
+    lines = (json.loads(x) for x in text.splitlines() if x.startswith("{"))
+    return [x for x in lines if x.get("event") in ("grammars_warmed", "grammar_warm_failed")]
+
+
+def test_every_process_builds_its_grammar_cache_once_before_constrained_requests(
+    stack: Stack,
+) -> None:
+    """The grammar library's view of the tokenizer is built when each process learns its model
+    (common.structured.warm): the API, the prefill and the decode each log it once, however many
+    constrained requests came (a build per request, or none, fails here)."""
+    client = stack.api.sync_client()
+    for i in range(2):
+        out = client.chat.completions.create(
+            model="pdkv-tiny",
+            messages=[{"role": "user", "content": f"warm {i}"}],
+            max_tokens=40,
+            temperature=0,
+            extra_body={"guided_choice": ["yes", "no"]},
+        )
+        assert out.choices[0].message.content in ("yes", "no")
+    logs = {
+        "api": stack.api.log.read_text(),
+        "prefill": stack.pair.daemons["prefill"].log_text(),
+        "decode": stack.pair.daemons["decode"].log_text(),
+    }
+    for role, text in logs.items():
+        lines = _warm_lines(text)
+        assert [(x["event"], x["role"]) for x in lines] == [("grammars_warmed", role)], lines
