@@ -234,6 +234,9 @@ async def check(
     `param` and the problem when it does not. Counts the request and times a compile in
     `metrics`."""
     metrics.structured.labels(structured.kind).inc()
+    cache = _caches.get(model_dir)  # built (else the thread builds it, or waits for the warm)
+    if cache is not None and cache.cached(structured) is not None:
+        return  # compiled before: found on the loop, no thread hop
 
     def compile_it() -> float:
         cache = _cache_for(model_dir)

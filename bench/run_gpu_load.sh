@@ -103,6 +103,11 @@ if want new; then
     gpu_tests structured_daemons "${NEW_TIMEOUT:-300}" tests/integration/test_structured_daemons.py
     gpu_tests structured_checkpoint "${NEW_TIMEOUT:-300}" \
       tests/integration/test_structured_checkpoint.py
+    step "new structured_ttft"
+    timeout 200 "$PY" bench/structured_ttft.py --model "$CKPT" --device cuda:0 \
+      --allow-byte-tokenizer --schemas 30 --out "$R/structured_ttft.json" \
+      > "$R/structured_ttft.log" 2>&1
+    tail -12 "$R/structured_ttft.log" | tee -a "$log"
     for mode in off always; do
       step "new structured_decode overlap=$mode"
       timeout 150 "$PY" bench/structured_decode.py --device cuda:0 --shape tinyllama-1.1b \

@@ -47,7 +47,8 @@ from common.protocol import (
     StepTokens,
     Tokens,
 )
-from common.structured import grammars_for
+from common.sampling_params import StructuredOutput
+from common.structured import cached_grammar, grammars_for
 from common.transfer import Producer
 from prefill_server import host_tier
 from prefill_server.admission import Capacity
@@ -268,9 +269,7 @@ class RequestPipeline:
         timeout_s = self.cfg.handoff_timeout_s
         try:
             if (spec := req.sampling.structured) is not None:  # GrammarError: BAD_REQUEST
-                config = self.rt.model.config  # compiled off the loop, before any block
-                cache = grammars_for(self.rt.tokenizer, config.vocab_size, config.stop_token_ids)
-                await asyncio.to_thread(cache.compile, spec)
+                await self._compile(spec)  # before any block
             await self.handoff.link_up(time.monotonic() + timeout_s)
             req.names = self.prefix.names(req.prompt_tokens)
             n = len(req.prompt_tokens)
@@ -313,6 +312,15 @@ class RequestPipeline:
                 yield out
         finally:
             self._cleanup(req)
+
+    async def _compile(self, spec: StructuredOutput) -> None:
+        """A constrained request's grammar compiled (GrammarError when it does not): a cached
+        one found on the loop, a new one compiled off it (~1 ms), as is the cache itself while
+        its tokenizer's view is still being built (common.structured.warm)."""
+        config = self.rt.model.config
+        tok, vocab, eos = self.rt.tokenizer, config.vocab_size, config.stop_token_ids
+        if cached_grammar(tok, vocab, eos, spec) is None:
+            await asyncio.to_thread(lambda: grammars_for(tok, vocab, eos).compile(spec))
 
     def _admit(self, rid: str, msg: Generate) -> PrefillRequest:
         """The request, if it may start: RequestFailed saying why not otherwise."""

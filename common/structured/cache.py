@@ -33,16 +33,24 @@ class GrammarCache:
         self.hits = 0
         self.compile_s = 0.0
 
-    def compile(self, structured: StructuredOutput) -> Compiled:
-        """The compiled grammar of `structured` (from the cache when seen); GrammarError naming
-        the problem when it does not compile (not cached: a retry compiles again)."""
+    def cached(self, structured: StructuredOutput) -> Compiled | None:
+        """The compiled grammar of `structured` when the cache has it (a hit), else None; never
+        compiles, so an event loop may ask (the lock is never held during a compile)."""
         key = (structured.kind, structured.spec)
         with self._lock:
             found = self._lru.get(key)
             if found is not None:
                 self._lru.move_to_end(key)
                 self.hits += 1
-                return found
+            return found
+
+    def compile(self, structured: StructuredOutput) -> Compiled:
+        """The compiled grammar of `structured` (from the cache when seen); GrammarError naming
+        the problem when it does not compile (not cached: a retry compiles again)."""
+        found = self.cached(structured)
+        if found is not None:
+            return found
+        key = (structured.kind, structured.spec)
         started = time.perf_counter()
         try:
             compiled = self.backend.compile(structured)
@@ -81,4 +89,17 @@ def grammars_for(
         return cache
 
 
-__all__ = ["CACHE_SIZE", "GrammarCache", "grammars_for"]
+def cached_grammar(
+    tokenizer: Any,
+    vocab_size: int,
+    eos_ids: frozenset[int] | set[int],
+    structured: StructuredOutput,
+) -> Compiled | None:
+    """`grammars_for(...).compile(structured)` when both the cache and the grammar are there
+    already, else None (then compile off the loop): never builds, compiles or waits for a build
+    (the warm thread holds the caches' lock while it builds), so an event loop may ask."""
+    cache = _caches.get((id(tokenizer), vocab_size, tuple(sorted(eos_ids))))
+    return None if cache is None else cache.cached(structured)
+
+
+__all__ = ["CACHE_SIZE", "GrammarCache", "cached_grammar", "grammars_for"]

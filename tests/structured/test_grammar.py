@@ -13,7 +13,7 @@ import torch
 from common.model.sampling import draw, make_generator
 from common.model.tokenizer import ByteTokenizer
 from common.sampling_params import SamplingParams, SamplingParamsError, StructuredOutput
-from common.structured import GrammarCache, GrammarError, bitmask, grammars_for
+from common.structured import GrammarCache, GrammarError, bitmask, cached_grammar, grammars_for
 from common.structured.grammar import LlguidanceBackend
 
 VOCAB, EOS = 260, 257
@@ -112,6 +112,20 @@ def test_grammars_for_is_one_cache_per_tokenizer() -> None:
     tok = ByteTokenizer()
     assert grammars_for(tok, VOCAB, {EOS}) is grammars_for(tok, VOCAB, frozenset({EOS}))
     assert grammars_for(tok, VOCAB, {EOS}) is not grammars_for(ByteTokenizer(), VOCAB, {EOS})
+
+
+def test_what_a_loop_may_ask_finds_and_never_compiles() -> None:
+    """cached / cached_grammar (asked on an event loop before compiling off it): None for a
+    cache not built yet and for a grammar not compiled yet, the compiled one after; neither
+    builds a cache nor compiles."""
+    tok, spec = ByteTokenizer(), StructuredOutput("regex", "loop[0-9]")
+    assert cached_grammar(tok, VOCAB, {EOS}, spec) is None  # no cache for this tokenizer yet
+    cache = grammars_for(tok, VOCAB, {EOS})
+    assert cached_grammar(tok, VOCAB, {EOS}, spec) is None and cache.compiles == 0
+    compiled = cache.compile(spec)
+    assert cached_grammar(tok, VOCAB, frozenset({EOS}), spec) is compiled
+    assert cache.cached(StructuredOutput("regex", "other")) is None
+    assert (cache.compiles, cache.hits) == (1, 1)
 
 
 def test_draw_under_a_mask_greedy_and_sampled(cache: GrammarCache) -> None:
