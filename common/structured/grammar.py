@@ -12,6 +12,7 @@ another library fits behind the same three methods.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Protocol
 
 import torch
@@ -108,7 +109,8 @@ class LlguidanceBackend:
     """llguidance over the daemon's tokenizer: a `tokenizers` JSON (`tokenizer_json`) or, without
     one, the built-in byte tokenizer (ids 0..255 are bytes, the rest special). `vocab_size` is
     the model's (the logits' width: ids past the tokenizer's are never allowed); `eos_ids` the
-    tokens that end a text (the model's stop ids)."""
+    tokens that end a text (the model's stop ids). An added token that is not special (Qwen's
+    `<tool_call>`, `<think>`) is its text, as the tokenizer treats it (see `_plain_added`)."""
 
     name = "llguidance"
 
@@ -122,7 +124,7 @@ class LlguidanceBackend:
             wrapper = llguidance.TokenizerWrapper(_ByteVocab(vocab_size, eos[0]))
             self._tok = llguidance.LLTokenizer(wrapper, eos_token=eos)
         else:
-            self._tok = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+            self._tok = _from_json(llguidance, tokenizer_json, vocab_size, eos)
 
     def compile(self, structured: StructuredOutput) -> _LlgCompiled:
         llg, kind = self._llg, structured.kind
@@ -141,6 +143,51 @@ class LlguidanceBackend:
         if pristine.is_error():
             raise GrammarError(f"structured {kind} does not compile: {pristine.get_error()}")
         return _LlgCompiled(pristine)
+
+
+def _from_json(llg: Any, tokenizer_json: str, vocab_size: int, eos: list[int]) -> Any:
+    """llguidance's tokenizer of a `tokenizers` JSON, each added token that is not special read
+    as its text. llguidance's own reading (LLTokenizer(json), and so llguidance.hf's
+    from_tokenizer) makes every added token special: a grammar whose text contains `<tool_call>`
+    then allows that token (its mask lets the tokenizer spell the text) but refuses it when fed
+    back (the special marker byte 0xFF is not the text's '<'). Where the JSON has such tokens,
+    the token bytes llguidance read are given back to it with only the special added tokens
+    (and the ids past the tokenizer's, which are no text) marked special; spelling text still
+    goes through llguidance's reading of the JSON. Without such tokens (SmolLM2, Llama) it is
+    llguidance's own reading, unchanged."""
+    native = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+    plain, special = _plain_added(tokenizer_json)
+    if not plain:
+        return native
+    import tokenizers
+
+    size = tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    vocab = _Vocab(native, vocab_size, eos[0], [*special, *range(size, vocab_size)])
+    return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos)
+
+
+def _plain_added(tokenizer_json: str) -> tuple[list[int], list[int]]:
+    """(ids of the added tokens that are not special, ids of those that are) in `tokenizer_json`:
+    the encoder splits both out of any text, the decoder keeps the former in the text."""
+    added = json.loads(tokenizer_json).get("added_tokens") or []
+    plain = [int(t["id"]) for t in added if not t.get("special", False)]
+    return plain, [int(t["id"]) for t in added if t.get("special", False)]
+
+
+class _Vocab:
+    """A tokenizer as llguidance's TokenizerWrapper reads it: every id's bytes as `native` (an
+    LLTokenizer) decodes them, `special` the ids llguidance is to mark special; text is spelled
+    by `native`."""
+
+    def __init__(self, native: Any, vocab_size: int, eos: int, special: list[int]) -> None:
+        self.eos_token_id = eos
+        self.bos_token_id = None
+        self.tokens = [native.decode_bytes([i]) for i in range(vocab_size)]
+        self.special_token_ids = special
+        self._native = native
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(self._native.tokenize_bytes(text))
 
 
 class _ByteVocab:
