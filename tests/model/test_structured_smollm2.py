@@ -1,9 +1,11 @@
 """Structured output on the real checkpoint (issue 42): with greedy decoding and a JSON schema,
 the tokens through both daemons equal transformers' `generate` with llguidance's token masks as
 its logits processor (built here from the library itself and transformers' tokenizer, not from
-pdkv's wrapper), and every answer parses and validates against its schema (`jsonschema`). The
-schemas go through one daemon pair as one batch. Through the API on the same pair, the openai
-client's `parse` turns the model's answer into a Pydantic object."""
+pdkv's wrapper: SmolLM2's added tokens are all special, and for such a tokenizer pdkv's view is
+llguidance's own; tests/structured/test_added_tokens.py for added tokens that are not special,
+where the two differ), and every answer parses and validates against its schema (`jsonschema`).
+The schemas go through one daemon pair as one batch. Through the API on the same pair, the
+openai client's `parse` turns the model's answer into a Pydantic object."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import torch
 
 from common import client
 from common.sampling_params import SamplingParams, StructuredOutput
-from common.structured.grammar import JSON_LAYOUT
+from common.structured.grammar import JSON_LAYOUT, _plain_added
 from tests.support.api import start_api
 from tests.support.daemons import Pair, all_free
 from tests.support.schemas import SCHEMAS
@@ -44,6 +46,7 @@ def hf(checkpoint: Path):  # type: ignore[no-untyped-def]
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
     vocab, eos = model.config.vocab_size, [model.config.eos_token_id]
+    assert not _plain_added((checkpoint / "tokenizer.json").read_text())[0]  # the same view
     return model.eval(), tok, llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos)
 
 
