@@ -110,7 +110,8 @@ class LlguidanceBackend:
     one, the built-in byte tokenizer (ids 0..255 are bytes, the rest special). `vocab_size` is
     the model's (the logits' width: ids past the tokenizer's are never allowed); `eos_ids` the
     tokens that end a text (the model's stop ids). An added token that is not special (Qwen's
-    `<tool_call>`, `<think>`) is its text, as the tokenizer treats it (see `_plain_added`)."""
+    `<tool_call>`, `<think>`) is its text, as the tokenizer's decoder treats it; a special one
+    is never text (`_from_json`)."""
 
     name = "llguidance"
 
@@ -146,48 +147,55 @@ class LlguidanceBackend:
 
 
 def _from_json(llg: Any, tokenizer_json: str, vocab_size: int, eos: list[int]) -> Any:
-    """llguidance's tokenizer of a `tokenizers` JSON, each added token that is not special read
-    as its text. llguidance's own reading (LLTokenizer(json), and so llguidance.hf's
-    from_tokenizer) makes every added token special: a grammar whose text contains `<tool_call>`
-    then allows that token (its mask lets the tokenizer spell the text) but refuses it when fed
-    back (the special marker byte 0xFF is not the text's '<'). Where the JSON has such tokens,
-    the token bytes llguidance read are given back to it with only the special added tokens
-    (and the ids past the tokenizer's, which are no text) marked special; spelling text still
-    goes through llguidance's reading of the JSON. Without such tokens (SmolLM2, Llama) it is
-    llguidance's own reading, unchanged."""
-    native = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
-    plain, special = _plain_added(tokenizer_json)
-    if not plain:
-        return native
-    import tokenizers
+    """llguidance's tokenizer of a `tokenizers` JSON in which only special tokens are special.
 
-    size = tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
-    vocab = _Vocab(native, vocab_size, eos[0], [*special, *range(size, vocab_size)])
+    llguidance's own reading (LLTokenizer(json), and so llguidance.hf's from_tokenizer) marks
+    every added token special (the marker byte 0xFF before its name) and spells a grammar's text
+    with the tokenizer, which splits every added token's name out of it: a grammar whose text
+    contains `<tool_call>` (an added token that is not special: Qwen's) or `<|im_end|>` (a
+    special one) allowed that token there and refused it when fed back (0xFF is not '<'). Here
+    the bytes llguidance read go back to it with what it marked special marked so again, but for
+    the added tokens that are not special (their text, as the decoder writes them), and text is
+    spelled as llguidance spells it but a special token's name in bytes (`_Vocab`)."""
+    native = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+    special, text = _added(tokenizer_json)
+    marked = [i for i in range(vocab_size) if native.is_special_token(i) and i not in text]
+    vocab = _Vocab(native, vocab_size, eos[0], special, marked)
     return llg.LLTokenizer(llg.TokenizerWrapper(vocab), n_vocab=vocab_size, eos_token=eos)
 
 
-def _plain_added(tokenizer_json: str) -> tuple[list[int], list[int]]:
-    """(ids of the added tokens that are not special, ids of those that are) in `tokenizer_json`:
-    the encoder splits both out of any text, the decoder keeps the former in the text."""
+def _added(tokenizer_json: str) -> tuple[dict[int, str], set[int]]:
+    """The added tokens of `tokenizer_json`: the special ones (id: name), and the ids of those
+    that are not (Qwen's `<tool_call>`, `<think>`: text, the decoder keeps them)."""
     added = json.loads(tokenizer_json).get("added_tokens") or []
-    plain = [int(t["id"]) for t in added if not t.get("special", False)]
-    return plain, [int(t["id"]) for t in added if t.get("special", False)]
+    special = {int(t["id"]): t["content"] for t in added if t.get("special", False)}
+    return special, {int(t["id"]) for t in added} - set(special)
 
 
 class _Vocab:
     """A tokenizer as llguidance's TokenizerWrapper reads it: every id's bytes as `native` (an
-    LLTokenizer) decodes them, `special` the ids llguidance is to mark special; text is spelled
-    by `native`."""
+    LLTokenizer) decodes them, `marked` the ids llguidance is to mark special. Text is spelled by
+    `native`, each of the `special` tokens (id: name) it splits out respelled from its name
+    (greedily: a special token is never part of a text)."""
 
-    def __init__(self, native: Any, vocab_size: int, eos: int, special: list[int]) -> None:
+    def __init__(
+        self, native: Any, vocab_size: int, eos: int, special: dict[int, str], marked: list[int]
+    ) -> None:
         self.eos_token_id = eos
         self.bos_token_id = None
         self.tokens = [native.decode_bytes([i]) for i in range(vocab_size)]
-        self.special_token_ids = special
-        self._native = native
+        self.special_token_ids = marked
+        self._native, self._special = native, special
 
     def __call__(self, text: bytes) -> list[int]:
-        return list(self._native.tokenize_bytes(text))
+        ids = self._native.tokenize_bytes(text)
+        if not any(t in self._special for t in ids):
+            return list(ids)
+        out: list[int] = []
+        for t in ids:
+            name = self._special.get(t)
+            out.extend([t] if name is None else self._native.greedy_tokenize(name))
+        return out
 
 
 class _ByteVocab:

@@ -1,9 +1,10 @@
 """Structured output on the real checkpoint (issue 42): with greedy decoding and a JSON schema,
 the tokens through both daemons equal transformers' `generate` with llguidance's token masks as
 its logits processor (built here from the library itself and transformers' tokenizer, not from
-pdkv's wrapper: SmolLM2's added tokens are all special, and for such a tokenizer pdkv's view is
-llguidance's own; tests/structured/test_added_tokens.py for added tokens that are not special,
-where the two differ), and every answer parses and validates against its schema (`jsonschema`).
+pdkv's wrapper, which differs from it only where a text contains an added token's name:
+SmolLM2's added tokens are all special, and then each token's bytes and specialness are the
+same, asserted here; tests/structured/test_added_tokens.py for the rest), and every answer
+parses and validates against its schema (`jsonschema`).
 The schemas go through one daemon pair as one batch. Through the API on the same pair, the
 openai client's `parse` turns the model's answer into a Pydantic object."""
 
@@ -23,7 +24,7 @@ import torch
 
 from common import client
 from common.sampling_params import SamplingParams, StructuredOutput
-from common.structured.grammar import JSON_LAYOUT, _plain_added
+from common.structured.grammar import JSON_LAYOUT, _added, _from_json
 from tests.support.api import start_api
 from tests.support.daemons import Pair, all_free
 from tests.support.schemas import SCHEMAS
@@ -46,8 +47,20 @@ def hf(checkpoint: Path):  # type: ignore[no-untyped-def]
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(checkpoint)
     vocab, eos = model.config.vocab_size, [model.config.eos_token_id]
-    assert not _plain_added((checkpoint / "tokenizer.json").read_text())[0]  # the same view
+    _same_view(tok, vocab, eos)
     return model.eval(), tok, llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos)
+
+
+def _same_view(tok, vocab: int, eos: list[int]) -> None:  # type: ignore[no-untyped-def]
+    """pdkv's view of the tokenizer (common.structured.grammar) has each token's bytes and
+    specialness as the oracle's (llguidance.hf.from_tokenizer's)."""
+    text = tok.backend_tokenizer.to_str()
+    ours = _from_json(llguidance, text, vocab, eos)
+    theirs = llguidance.hf.from_tokenizer(tok, n_vocab=vocab, eos_token=eos)
+    assert not _added(text)[1]  # every added token special
+    for i in range(vocab):
+        assert ours.decode_bytes([i]) == theirs.decode_bytes([i]), i
+        assert ours.is_special_token(i) == theirs.is_special_token(i), i
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
-"""Grammars over texts that contain added tokens that are not special (issue 42): with Qwen's
-kind of tokenizer (tests/support/tool_checkpoint.py: `<tool_call>` an added token the decoder
-keeps in the text), a grammar whose text contains `<tool_call>` lets the token through and
-advances past it, the text spelled byte by byte is the same text, and the special tokens (EOS,
-`<|im_start|>`) and the ids past the tokenizer's stay out of any text."""
+"""Grammars over texts that contain added tokens (issue 42): with Qwen's kind of tokenizer
+(tests/support/tool_checkpoint.py: `<tool_call>` an added token the decoder keeps in the text),
+a grammar whose text contains `<tool_call>` lets the token through and advances past it, the
+text spelled byte by byte is the same text; the special tokens (EOS, `<|im_start|>`) and the ids
+past the tokenizer's stay out of any text (a special token's name in a grammar's text is its
+bytes), a Lark grammar's special-token reference still means the token; and for a tokenizer
+whose added tokens are all special the view is llguidance's own, token for token."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 from common.model.tokenizer import HFTokenizer
 from common.sampling_params import StructuredOutput
 from common.structured import GrammarCache, bitmask, grammars_for
-from common.structured.grammar import _from_json, _plain_added
+from common.structured.grammar import _added, _from_json
 from tests.support.tool_checkpoint import VOCAB, write_byte_tokenizer
 
 #: the model's width: 4 ids past the tokenizer's 300, as a padded embedding has
@@ -51,8 +53,8 @@ def test_the_tokenizer_has_what_the_tests_need(tok) -> None:  # type: ignore[no-
     assert _ids(tok, "a<tool_call>b") == [_ids(tok, "a")[0], CALL, _ids(tok, "b")[0]]
     assert tok.decode([CALL], skip_special_tokens=True) == "<tool_call>"  # kept: not special
     assert tok.decode([EOS], skip_special_tokens=True) == ""
-    plain, special = _plain_added(tok.to_str())
-    assert special == [ENDOFTEXT, IM_START, EOS] and plain == list(range(CALL, VOCAB))
+    special = {ENDOFTEXT: "<|endoftext|>", IM_START: "<|im_start|>", EOS: "<|im_end|>"}
+    assert _added(tok.to_str()) == (special, set(range(CALL, VOCAB)))
 
 
 def test_added_token_in_a_regex_is_allowed_and_accepted(tok, cache: GrammarCache) -> None:  # type: ignore[no-untyped-def]
@@ -94,9 +96,8 @@ def test_every_kind_takes_both_markers(tok, cache: GrammarCache, structured) -> 
 
 def test_special_tokens_and_padding_stay_out_of_text(tok, cache: GrammarCache) -> None:  # type: ignore[no-untyped-def]
     """Any text (`.*`): every printable ASCII byte and every plain added token, EOS as its end
-    (the text may
-    end anywhere), never `<|im_start|>`/`<|endoftext|>` (special: no text) nor ids past the
-    tokenizer's."""
+    (the text may end anywhere), never `<|im_start|>`/`<|endoftext|>` (special: no text) nor ids
+    past the tokenizer's."""
     anything = _allowed(cache.compile(StructuredOutput("regex", "(.|\n)*")).matcher())
     printable = {_ids(tok, chr(c))[0] for c in range(0x21, 0x7F)}
     assert printable | set(range(CALL, VOCAB)) <= set(anything)
@@ -104,19 +105,42 @@ def test_special_tokens_and_padding_stay_out_of_text(tok, cache: GrammarCache) -
     assert not {ENDOFTEXT, IM_START, *range(VOCAB, WIDTH)} & set(anything)
 
 
-def test_without_plain_added_tokens_it_is_llguidances_own_view(tok) -> None:  # type: ignore[no-untyped-def]
-    """Where every added token is special (SmolLM2, Llama) the tokenizer is llguidance's own
-    reading of the JSON, the one transformers + llguidance.hf.from_tokenizer give
-    (tests/model/test_structured_smollm2.py's oracle), untouched."""
+def test_a_special_tokens_name_in_a_grammars_text_is_its_bytes(tok, cache: GrammarCache) -> None:  # type: ignore[no-untyped-def]
+    """The name `<|im_start|>` in a regex is text: its bytes, never the special token (which
+    llguidance's own reading allowed there, then refused: the answer ended)."""
+    compiled = cache.compile(StructuredOutput("regex", "<\\|im_start\\|>x"))
+    assert not compiled.matcher().accept(IM_START)
+    m = compiled.matcher()
+    assert _allowed(m) == _ids(tok, "<")
+    for c in "<|im_start|>x":
+        assert m.accept(_ids(tok, c)[0]), (c, m.error)
+    assert m.terminated
+
+
+def test_a_lark_special_token_reference_is_the_token(cache: GrammarCache) -> None:
+    """Lark's bare `<|im_start|>` names the special token itself (llguidance's syntax)."""
+    m = cache.compile(StructuredOutput("grammar", 'start: <|im_start|> "x"')).matcher()
+    assert _allowed(m) == [IM_START]
+    assert m.accept(IM_START), m.error
+
+
+def test_with_only_special_added_tokens_it_is_llguidances_own_view(tok) -> None:  # type: ignore[no-untyped-def]
+    """Where every added token is special (SmolLM2, Llama) each id's bytes and specialness are
+    llguidance's own reading of the JSON, the one transformers + llguidance.hf.from_tokenizer
+    give (tests/model/test_structured_smollm2.py's oracle); text is spelled the same but for a
+    special token's name."""
     spec = json.loads(tok.to_str())
     for t in spec["added_tokens"]:
         t["special"] = True
     text = json.dumps(spec)
-    assert _plain_added(text) == ([], [ENDOFTEXT, IM_START, EOS, *range(CALL, VOCAB)])
-
     ours = _from_json(llguidance, text, WIDTH, [EOS])
     theirs = llguidance.LLTokenizer(text, n_vocab=WIDTH, eos_token=[EOS])
     for i in range(WIDTH):
         assert ours.is_special_token(i) == theirs.is_special_token(i), i
         assert ours.decode_bytes([i]) == theirs.decode_bytes([i]), i
-    assert ours.is_special_token(CALL)  # as llguidance reads every added token
+    assert ours.is_special_token(CALL)  # special in this JSON
+    for words in ["a b", 'x {"k": [1, 2]}\n', "héllo"]:
+        assert ours.tokenize_str(words) == theirs.tokenize_str(words), words
+    for name, i in (("<|im_end|>", EOS), ("<tool_call>", CALL)):  # both special here
+        assert theirs.tokenize_str(f"a{name}") == [_ids(tok, "a")[0], i]
+        assert ours.tokenize_str(f"a{name}") == _ids(tok, "a") + [_ids(tok, c)[0] for c in name]
