@@ -1,7 +1,7 @@
 """The grammar library's view of a tokenizer built before the first constrained request.
 
-Building it takes ~0.2-0.5 s for a 50k-128k vocabulary (llguidance reads every token; about twice
-that where the tokenizer has added tokens that are not special: grammar._from_json); made on
+Building it takes ~0.4-1 s for a 50k-128k vocabulary (llguidance reads every token, and pdkv
+hands them back to it: grammar._from_json); made on
 first use, that lands in the first constrained request's TTFT, in every process that compiles
 (the API to check a spec, the prefill at admission, the decode at HANDOFF). Each process starts
 it on a thread of its own when it learns its tokenizer; a request that comes meanwhile waits on
