@@ -3,7 +3,8 @@ the API (issue 42): on the Qwen-like tool checkpoint (tests/support/tool_checkpo
 `<tool_call>` and `</tool_call>` added tokens the decoder keeps in the text), a regex that forces
 the hermes call format is answered whole, both markers drawn as their tokens, finish "stop",
 token for token the single-process reference under the same grammar; through the API the same
-regex on a chat with tools gives the call, finish_reason "tool_calls"."""
+regex on a chat with tools gives the call, finish_reason "tool_calls". A special token's name in
+a regex is its characters: answered whole, the special token never drawn."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from common import client
 from common.model.loader import load_model
@@ -24,7 +24,7 @@ from tests.support.daemons import BLOCK
 from tests.support.structured import constrained_generate, describe, first_difference
 from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids, tool_stack
 
-CALL, END_CALL = 259, 260
+CALL, END_CALL, IM_END = 259, 260, 2
 HERMES = (
     r'<tool_call>\n\{"name": "get_weather", "arguments": '
     r'\{"city": "(Paris|Rome)", "unit": "(C|F)"\}\}\n</tool_call>'
@@ -43,26 +43,39 @@ def ckpt(qwen: Stack) -> Path:
     return Path(qwen.statuses()["prefill"].model_card.path)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_regex_with_added_tokens_answered_whole_as_the_reference(
-    qwen: Stack, ckpt: Path, temperature: float
-) -> None:
+def answer_as_the_reference(
+    qwen: Stack, ckpt: Path, regex: str, temperature: float
+) -> client.Result:
+    """The daemons' answer of the tools chat under `regex`: whole (finish "stop"), matching it,
+    token for token the single-process reference's."""
     ids = hf_ids(ckpt, MESSAGES, TOOLS)
     params = SamplingParams(
         max_tokens=120,
         temperature=temperature,
         seed=7,
-        structured=StructuredOutput("regex", HERMES),
+        structured=StructuredOutput("regex", regex),
     )
     res = asyncio.run(client.generate(qwen.pair.client_socket, sampling=params, prompt_tokens=ids))
     assert res.finish is not None and res.finish.reason == "stop", describe(res)
-    assert re.fullmatch(HERMES, res.text), describe(res)
-    assert res.tokens.count(CALL) == 1 and res.tokens.count(END_CALL) == 1, res.tokens
-    torch.manual_seed(0)
+    assert re.fullmatch(regex, res.text), describe(res)
     model, tokenizer = load_model(ckpt)
     want = constrained_generate(model, tokenizer, ids, params, block_size=BLOCK)
     assert res.tokens == want, first_difference(res.tokens, want)
     assert qwen.wait_idle()["prefill"].inflight == 0
+    return res
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_regex_with_added_tokens_answered_whole_as_the_reference(
+    qwen: Stack, ckpt: Path, temperature: float
+) -> None:
+    res = answer_as_the_reference(qwen, ckpt, HERMES, temperature)
+    assert res.tokens.count(CALL) == 1 and res.tokens.count(END_CALL) == 1, res.tokens
+
+
+def test_a_special_tokens_name_in_a_regex_is_its_characters(qwen: Stack, ckpt: Path) -> None:
+    res = answer_as_the_reference(qwen, ckpt, r"(ok|no) <\|im_end\|> [a-z]{2}", 0.0)
+    assert "<|im_end|>" in res.text and IM_END not in res.tokens, res.tokens
 
 
 def test_api_regex_forcing_the_hermes_call_gives_the_call(qwen: Stack) -> None:
