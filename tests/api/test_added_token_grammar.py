@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 from tests.support.api import Stack
 from tests.support.daemons import BLOCK
 from tests.support.structured import constrained_generate, describe, first_difference
-from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids, tool_stack
+from tests.support.tool_checkpoint import MODEL, TOOLS, hf_ids
 
 CALL, END_CALL, IM_END = 259, 260, 2
 HERMES = (
@@ -30,17 +29,6 @@ HERMES = (
     r'\{"city": "(Paris|Rome)", "unit": "(C|F)"\}\}\n</tool_call>'
 )
 MESSAGES = [{"role": "user", "content": "Weather in Rome?"}]
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with tool_stack(tmp_path_factory, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def ckpt(qwen: Stack) -> Path:
-    return Path(qwen.statuses()["prefill"].model_card.path)
 
 
 def answer_as_the_reference(

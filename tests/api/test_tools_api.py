@@ -7,7 +7,6 @@ anything. The grammar-forced choices (required, a named function) are in test_to
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,7 +23,6 @@ from tests.support.tool_checkpoint import (
     hf_ids,
     logprob_entries,
     streamed_entries,
-    tool_stack,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -45,17 +43,6 @@ HISTORY = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with tool_stack(tmp_path_factory, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def ckpt(qwen: Stack) -> Path:
-    return Path(qwen.statuses()["prefill"].model_card.path)
 
 
 def reference(stack: Stack, ids: list[int], max_tokens: int) -> tuple[str, str]:

@@ -14,23 +14,12 @@ import jsonschema
 import pytest
 
 from tests.support.api import Stack, openai
-from tests.support.tool_checkpoint import MODEL, TOOLS, WEATHER, hf_ids, tool_stack
+from tests.support.tool_checkpoint import MODEL, TOOLS, WEATHER, hf_ids
 
 SCHEMAS = {
     t["function"]["name"]: t["function"].get("parameters", {"type": "object"}) for t in TOOLS
 }
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with tool_stack(tmp_path_factory, MODEL) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def ckpt(qwen: Stack) -> Path:
-    return Path(qwen.statuses()["prefill"].model_card.path)
 
 
 def streamed_calls(chunks: Iterator) -> tuple[str, list[dict], str | None]:

@@ -30,7 +30,7 @@ from common.sampling_params import SamplingParams, StructuredOutput
 from decode_server.config import DecodeConfig
 from decode_server.requests import DecodeRequests
 from decode_server.startup import load_runtime
-from tests.support.decode import FakeLink, Side
+from tests.support.decode import FakeLink, Side, decode_until
 from tests.support.schemas import SCHEMAS
 from tests.support.static_graphs import LateReadback, StaticDecodeGraphs
 from tests.support.structured import constrained_generate, first_difference, validate_json
@@ -199,16 +199,7 @@ async def test_a_first_step_launched_alone_then_constrained_ones_join_over_stati
         for i in picked[1:]:
             prompt, params, _ = FIRST[i]
             table.handoff(link, _handoff(side, f"r{i}", prompt, params, answers[i][0]))
-        loop = asyncio.create_task(table.run())
-        try:
-            async with asyncio.timeout(60):
-                while len(link.of(Finish)) < len(picked):
-                    assert not loop.done(), loop.exception()
-                    await asyncio.sleep(0.002)
-        finally:
-            loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+        await decode_until(table, lambda: len(link.of(Finish)) >= len(picked), timeout=60)
     finally:
         rt.graphs = None
         for i in picked:

@@ -149,11 +149,12 @@ class LaterConsumer(KVConsumer):
         done(None)
 
 
-async def decode_until(table: DecodeRequests, done) -> None:  # type: ignore[no-untyped-def]
-    """Run the decode loop until done() holds; a failing step fails the test."""
+async def decode_until(table: DecodeRequests, done, timeout: float = 30) -> None:  # type: ignore[no-untyped-def]
+    """Run the decode loop until done() holds (within `timeout` s); a failing step fails the
+    test."""
     loop = asyncio.create_task(table.run())
     try:
-        async with asyncio.timeout(30):
+        async with asyncio.timeout(timeout):
             while not done():
                 assert not loop.done(), loop.exception()
                 await asyncio.sleep(0.01)
